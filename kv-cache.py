@@ -1,0 +1,2590 @@
+#!/usr/bin/env python3
+"""kv-cache.py: the MLPerf Storage KV-cache benchmark for LLM inference.
+
+Simulates many users talking to an LLM server whose attention Key/Value cache
+spills from GPU memory to CPU memory to files on a real file system, and
+measures what each tier costs: prefill writes, decode reads, multi-turn
+conversations, shared system prompts, QoS classes. Reports latency,
+throughput and pass/fail criteria on the console and as JSON.
+
+Run a small storage benchmark (no GPU needed, a few hundred MB of disk):
+
+    python3 kv-cache.py --model tiny-1b --num-users 8 --duration 10 \\
+        --gpu-mem-gb 0 --cpu-mem-gb 0.05 --generation-mode none \\
+        --cache-dir /tmp --seed 42 --output results.json
+
+Use it as a module (the file name has a dash):
+
+    spec = importlib.util.spec_from_file_location("kv_cache", "kv-cache.py")
+    kv_cache = importlib.util.module_from_spec(spec); spec.loader.exec_module(kv_cache)
+
+Importing has no side effects: no argument parsing, no GPU initialisation,
+no files written, and the heavy optional libraries (torch, cupy, pandas) are
+only probed for, never imported, until a feature needs them.
+
+Sections, in the order data flows through the program:
+    CONFIGURATION AND MODELS
+    WORKLOAD: REQUESTS, USERS, CONVERSATIONS, PREFIXES, PLANS
+    KV DATA
+    STORAGE BACKENDS
+    MULTI-TIER CACHE
+    MONITORING
+    BENCHMARK ENGINE
+    STATISTICS AND REPORTS
+    COMMAND LINE
+"""
+import argparse
+import errno
+import hashlib
+import heapq
+import importlib.util
+import itertools
+import json
+import logging
+import math
+import mmap
+import os
+import queue
+import random
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+logger = logging.getLogger("kv_cache")
+
+__version__ = "3.0.0"
+
+
+def _installed(package: str) -> bool:
+    """True when `package` can be imported; looks it up without importing it."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# "Installed", not "usable": whether CUDA works is decided when the GPU tier starts.
+TORCH_AVAILABLE = _installed("torch")
+CUPY_AVAILABLE = _installed("cupy")
+PANDAS_AVAILABLE = _installed("pandas")
+OPENPYXL_AVAILABLE = _installed("openpyxl")
+TIKTOKEN_AVAILABLE = _installed("tiktoken")
+
+
+# ============================================================================
+# CONFIGURATION AND MODELS
+# ============================================================================
+
+# --- KV data ---
+KV_POOL_VALUES = 128 * 1024 * 1024      # float16 values in the shared random pool (256 MiB)
+BLOCK_BYTES = 4096                      # stamp granularity and direct-I/O alignment
+STAMP_BYTES = 8                         # per-block stamp that makes every block unique
+
+# --- Cache policy ---
+TIER_HEADROOM = 0.8                     # a tier is "full" at 80 % of its budget (seed 000, "The 80% Rule")
+TIER_NAMES = ("gpu", "cpu", "nvme")     # fastest first; the waterfall order
+
+# --- Request flow ---
+DECODE_TOKENS_PER_READ = 32             # one extra decode read of the entry per 32 generated tokens
+PREFILL_ONLY_CONTEXT_TOKENS = 10_000    # contexts this long are prefill-only (no decode reads)
+PLAN_DIGEST_REQUESTS = 32               # planned requests per user that feed `workload_digest`
+MAX_TURNS_PER_CONVERSATION = 8          # planned turns per synthetic conversation: 1..8
+
+# --- Storage I/O ---
+IO_CHUNK_BYTES = 8 * 1024 * 1024        # one pread/pwrite; chosen by measurement (docs/performance.md)
+NPY_DATA_OFFSET = 4096                  # .npy header padded so the array starts block-aligned
+
+# --- Engine ---
+DEFAULT_WORKER_SLOTS = 16               # concurrent inference slots ("the GPU's batch"), worker threads
+DEFAULT_MONITOR_INTERVAL_S = 10.0
+
+# --- Limits for command-line values ---
+MAX_USERS = 100_000
+MAX_DURATION_S = 86_400
+MAX_MEMORY_GB = 1_048_576
+
+GIB = 1024 ** 3
+MIB = 1024 ** 2
+
+_BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+# numpy has no bfloat16; an entry of a 2-byte type is stored as float16 bits.
+_NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.float16, "int8": np.int8}
+
+
+@dataclass
+class ModelConfig:
+    """Attention geometry of a model: all the benchmark needs to size KV entries."""
+    name: str
+    num_layers: int
+    hidden_dim: int
+    num_heads: int
+    kv_heads: int
+    dtype: str = "float16"
+
+    @property
+    def bytes_per_element(self) -> int:
+        return _BYTES_PER_DTYPE[self.dtype]
+
+    @property
+    def kv_dim_per_head(self) -> int:
+        return self.hidden_dim // self.num_heads
+
+    @property
+    def kv_cache_size_per_token(self) -> int:
+        # K and V (the 2) for every layer and KV head.
+        return self.num_layers * self.kv_heads * self.kv_dim_per_head * 2 * self.bytes_per_element
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(_NUMPY_DTYPE[self.dtype])
+
+    def entry_shape(self, num_tokens: int) -> Tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, num_tokens, self.kv_heads, self.kv_dim_per_head)
+
+
+MODEL_CONFIGS: Dict[str, ModelConfig] = {
+    "tiny-1b": ModelConfig("tiny-1b", 12, 1024, 8, 4),
+    "mistral-7b": ModelConfig("mistral-7b", 32, 4096, 32, 8),
+    "llama2-7b": ModelConfig("llama2-7b", 32, 4096, 32, 32),
+    "llama3.1-8b": ModelConfig("llama3.1-8b", 32, 4096, 32, 8),
+    "llama3.1-70b-instruct": ModelConfig("llama3.1-70b-instruct", 80, 8192, 64, 8),
+}
+
+
+class InferencePhase(Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    PREFILL_DECODE = "both"
+
+
+class GenerationMode(Enum):
+    NONE = "none"            # pure storage test: no simulated compute
+    FAST = "fast"            # 2 ms per token: a very fast accelerator
+    REALISTIC = "realistic"  # 30 ms per token: a typical data-centre GPU on a 7-8B model
+
+
+GENERATION_TIMING: Dict[GenerationMode, float] = {
+    GenerationMode.NONE: 0.0,
+    GenerationMode.FAST: 0.002,
+    GenerationMode.REALISTIC: 0.030,
+}
+
+
+class QoSLevel(Enum):
+    INTERACTIVE = "interactive"
+    RESPONSIVE = "responsive"
+    BATCH = "batch"
+
+
+@dataclass
+class QoSSLA:
+    """A QoS class's latency targets and scheduling priority (higher runs first)."""
+    qos_level: QoSLevel
+    target_latency_p95_ms: float
+    target_latency_p99_ms: float
+    priority: int
+    violations: int = 0
+    total_requests: int = 0
+
+    @property
+    def sla_compliance(self) -> float:
+        if self.total_requests == 0:
+            return 1.0
+        return 1.0 - self.violations / self.total_requests
+
+
+QOS_PROFILES: Dict[QoSLevel, QoSSLA] = {
+    QoSLevel.INTERACTIVE: QoSSLA(QoSLevel.INTERACTIVE, 50.0, 100.0, 3),
+    QoSLevel.RESPONSIVE: QoSSLA(QoSLevel.RESPONSIVE, 100.0, 200.0, 2),
+    QoSLevel.BATCH: QoSSLA(QoSLevel.BATCH, 1000.0, 5000.0, 1),
+}
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from stable identifiers; the same parts give the same seed in every process.
+
+    Python's hash() is salted per process, so it must never feed a generator.
+    """
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _as_random(rng: Any) -> random.Random:
+    """Accept random.Random, numpy Generator, an int seed or None (module default)."""
+    if rng is None:
+        return _DEFAULT_RNG
+    if isinstance(rng, random.Random):
+        return rng
+    if isinstance(rng, np.random.Generator):
+        return random.Random(int(rng.integers(0, 2 ** 63)))
+    if isinstance(rng, (int, np.integer)):
+        return random.Random(int(rng))
+    raise TypeError(f"rng must be random.Random, numpy.random.Generator, int or None, not {type(rng).__name__}")
+
+
+_DEFAULT_RNG = random.Random()
+
+
+# ============================================================================
+# WORKLOAD: REQUESTS, USERS, CONVERSATIONS, PREFIXES, PLANS
+# ============================================================================
+
+@dataclass
+class InferenceRequest:
+    """One turn of one user: a prefill of `context_tokens`, then `generate_tokens` of decode."""
+    user_id: str
+    request_id: str
+    timestamp: float
+    context_tokens: int
+    generate_tokens: int
+    priority: int
+    phase: InferencePhase = InferencePhase.PREFILL_DECODE
+    qos_level: QoSLevel = QoSLevel.BATCH
+    cache_key: Optional[str] = None
+    submit_time: float = field(default_factory=time.perf_counter)
+    start_time: float = 0.0
+    complete_time: float = 0.0
+    conversation_id: Optional[str] = None
+    turn_number: int = 0
+    # Beyond the original's fields: what the request reads before its own prefill.
+    previous_cache_key: Optional[str] = None
+    prefix_key: Optional[str] = None
+    prefix_tokens: int = 0
+    prefix_type: Optional[str] = None
+    user_index: int = -1
+
+    def __post_init__(self) -> None:
+        if self.cache_key is None:
+            if self.conversation_id:
+                self.cache_key = f"{self.conversation_id}_turn_{self.turn_number}"
+            else:
+                self.cache_key = f"{self.user_id}_ctx"
+
+    @property
+    def total_latency_ms(self) -> float:
+        if not self.complete_time:
+            return 0.0
+        return (self.complete_time - self.submit_time) * 1000.0
+
+
+@dataclass(frozen=True)
+class UserPersona:
+    context_tokens: Tuple[int, int]
+    generate_tokens: Tuple[int, int]
+    think_time_s: Tuple[float, float]
+
+
+PERSONAS: Dict[str, UserPersona] = {
+    "chatbot": UserPersona((256, 1024), (50, 150), (0.1, 0.5)),
+    "coding": UserPersona((1024, 4096), (100, 500), (0.2, 1.0)),
+    "document": UserPersona((2048, 8192), (200, 800), (0.3, 1.5)),
+}
+PERSONA_MIX = (("chatbot", 0.5), ("coding", 0.3), ("document", 0.2))
+QOS_MIX = ((QoSLevel.INTERACTIVE, 0.15), (QoSLevel.RESPONSIVE, 0.35), (QoSLevel.BATCH, 0.50))
+
+
+@dataclass
+class UserProfile:
+    """A simulated user: its persona's typical request and its QoS class."""
+    user_id: str
+    context_length: int
+    generation_length: int
+    think_time: float
+    priority: int
+    qos_level: QoSLevel
+    user_type: str = "chatbot"
+
+    @property
+    def persona(self) -> UserPersona:
+        return PERSONAS[self.user_type]
+
+
+def _weighted_choice(rng: random.Random, weighted: Sequence[Tuple[Any, float]]) -> Any:
+    u = rng.random() * sum(w for _, w in weighted)
+    for item, weight in weighted:
+        u -= weight
+        if u < 0:
+            return item
+    return weighted[-1][0]
+
+
+class UserSimulator:
+    """Creates users from the three personas with the QoS mix of the original."""
+
+    @staticmethod
+    def generate_user(user_id: str, user_type: str = "chatbot", priority: int = 1,
+                      qos_level: QoSLevel = QoSLevel.BATCH, rng: Any = None) -> UserProfile:
+        if user_type not in PERSONAS:
+            raise ValueError(f"unknown user type {user_type!r}; expected one of {sorted(PERSONAS)}")
+        r = _as_random(rng)
+        persona = PERSONAS[user_type]
+        return UserProfile(
+            user_id=user_id,
+            context_length=r.randint(*persona.context_tokens),
+            generation_length=r.randint(*persona.generate_tokens),
+            think_time=r.uniform(*persona.think_time_s),
+            priority=priority,
+            qos_level=qos_level,
+            user_type=user_type,
+        )
+
+    @classmethod
+    def generate_mixed_users(cls, num_users: int, rng: Any = None) -> List[UserProfile]:
+        r = _as_random(rng)
+        users = []
+        for i in range(num_users):
+            user_type = _weighted_choice(r, PERSONA_MIX)
+            qos = _weighted_choice(r, QOS_MIX)
+            users.append(cls.generate_user(f"user_{i}", user_type, QOS_PROFILES[qos].priority, qos, r))
+        return users
+
+
+@dataclass
+class ConversationState:
+    conversation_id: str
+    user_id: str
+    system_prompt: Optional[str] = None
+    turns: List[Tuple[int, int, str]] = field(default_factory=list)   # (user, assistant tokens, key)
+
+    @property
+    def context_tokens(self) -> int:
+        return sum(u + a for u, a, _ in self.turns)
+
+
+class ConversationManager:
+    """Tracks multi-turn conversations; the least recently used beyond the maximum is forgotten.
+
+    Ids are `conv_<user>_<n>` with a per-user counter, so a seeded run names
+    every conversation the same way whatever the thread timing.
+    """
+
+    def __init__(self, max_conversations: int = 1000, max_turns_per_conv: int = 50):
+        self.max_conversations = max_conversations
+        self.max_turns_per_conv = max_turns_per_conv
+        self.conversations: "OrderedDict[str, ConversationState]" = OrderedDict()
+        self.evicted_conversations = 0
+        self._next_number: Dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    def start_conversation(self, user_id: str, system_prompt: Optional[str] = None) -> str:
+        with self._lock:
+            self._next_number[user_id] += 1
+            conv_id = f"conv_{user_id}_{self._next_number[user_id]}"
+            self.conversations[conv_id] = ConversationState(conv_id, user_id, system_prompt)
+            while len(self.conversations) > self.max_conversations:
+                self.conversations.popitem(last=False)
+                self.evicted_conversations += 1
+            return conv_id
+
+    def add_turn(self, conv_id: str, user_tokens: int, assistant_tokens: int) -> Tuple[int, str]:
+        with self._lock:
+            conv = self._touch(conv_id)
+            if len(conv.turns) >= self.max_turns_per_conv:
+                raise ValueError(f"conversation {conv_id} already has {self.max_turns_per_conv} turns")
+            turn_number = len(conv.turns) + 1
+            cache_key = f"{conv_id}_turn_{turn_number}"
+            conv.turns.append((user_tokens, assistant_tokens, cache_key))
+            return turn_number, cache_key
+
+    def get_context_size(self, conv_id: str) -> int:
+        with self._lock:
+            return self._touch(conv_id).context_tokens
+
+    def get_previous_cache_keys(self, conv_id: str) -> List[str]:
+        with self._lock:
+            return [key for _, _, key in self._touch(conv_id).turns]
+
+    def has_conversation(self, conv_id: str) -> bool:
+        with self._lock:
+            return conv_id in self.conversations
+
+    def _touch(self, conv_id: str) -> ConversationState:
+        conv = self.conversations.get(conv_id)
+        if conv is None:
+            raise KeyError(conv_id)
+        self.conversations.move_to_end(conv_id)
+        return conv
+
+
+# --- Shared prefixes ---------------------------------------------------------
+# The prompts' KV sizes are those of realistic production system prompts; the
+# text only names them (its hash is the cache key every user shares).
+SYSTEM_PROMPTS: Tuple[Tuple[str, int], ...] = (
+    ("You are a helpful, honest and harmless assistant.", 512),
+    ("You are an expert programmer. Answer with working code and short explanations.", 1024),
+    ("You are a document analyst. Summarise, cite the source passages and flag uncertainty.", 2048),
+)
+COMMON_PHRASES: Tuple[Tuple[str, int], ...] = (
+    ("Summarize the following text:", 64),
+    ("Translate the following into English:", 64),
+)
+SYSTEM_PROMPT_PROBABILITY = 0.20
+COMMON_PHRASE_PROBABILITY = 0.10
+
+
+def prefix_cache_key(kind: str, text: str) -> str:
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f"kv_{kind}_{digest}"
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    prefix_type: str      # cache type: 'system' or 'common'
+    cache_key: str
+    tokens: int
+
+
+class PrefixMatcher:
+    """Decides which requests start with a shared prefix: ~20 % a system prompt, ~10 % a common phrase."""
+
+    def __init__(self) -> None:
+        self.system_prompts = [PrefixMatch("system", prefix_cache_key("system", t), n) for t, n in SYSTEM_PROMPTS]
+        self.common_phrases = [PrefixMatch("common", prefix_cache_key("common", t), n) for t, n in COMMON_PHRASES]
+
+    def match(self, rng: random.Random) -> Optional[PrefixMatch]:
+        u = rng.random()
+        if u < SYSTEM_PROMPT_PROBABILITY:
+            return rng.choice(self.system_prompts)
+        if u < SYSTEM_PROMPT_PROBABILITY + COMMON_PHRASE_PROBABILITY:
+            return rng.choice(self.common_phrases)
+        return None
+
+    def lookup(self, cache_key: str) -> Optional[PrefixMatch]:
+        for match in self.system_prompts + self.common_phrases:
+            if match.cache_key == cache_key:
+                return match
+        return None
+
+
+class PrefixCacheManager:
+    """Counts prefix reuse: a *reuse* is a request that carried a shared prefix;
+    a *hit* is one whose prefix entry was found in the cache (seed 000, "Prefix Reuse")."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.prefix_hits = 0
+        self.prefix_misses = 0
+        self.system_prompt_reuse = 0
+        self.common_phrase_reuse = 0
+        self.bytes_saved = 0
+
+    def record(self, prefix_type: str, hit: bool, entry_bytes: int) -> None:
+        with self._lock:
+            if prefix_type == "system":
+                self.system_prompt_reuse += 1
+            else:
+                self.common_phrase_reuse += 1
+            if hit:
+                self.prefix_hits += 1
+                self.bytes_saved += entry_bytes
+            else:
+                self.prefix_misses += 1
+
+    def stats(self) -> Dict[str, int]:
+        with self._lock:
+            return {
+                "prefix_hits": self.prefix_hits,
+                "prefix_misses": self.prefix_misses,
+                "system_prompt_reuse": self.system_prompt_reuse,
+                "common_phrase_reuse": self.common_phrase_reuse,
+                "bytes_saved": self.bytes_saved,
+            }
+
+
+# --- Workload plan --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """One future request of one user, decided by the seed alone."""
+    conversation: int          # the user's conversation number, from 1
+    turn: int                  # turn within it, from 1
+    context_tokens: int
+    generate_tokens: int
+    think_time_s: float        # pause after the previous request completes
+    prefix_key: Optional[str]
+
+    def digest_fields(self) -> Tuple:
+        return (self.conversation, self.turn, self.context_tokens, self.generate_tokens, self.prefix_key)
+
+
+class UserPlan:
+    """The endless, seeded sequence of one user's requests.
+
+    Its generator belongs to this user alone and advances one request at a
+    time, when the user's previous request has completed (a user has one
+    request in flight), so the sequence never depends on thread timing.
+    """
+
+    def __init__(self, profile: UserProfile, seed: int, user_index: int, matcher: PrefixMatcher):
+        self.profile = profile
+        self.user_index = user_index
+        self._seed = seed
+        self._rng = random.Random(derive_seed(seed, "user-plan", user_index))
+        self._matcher = matcher
+        self._conversation = 0
+        self._turn = 0
+        self._turns_planned = 0
+        self._planned: List[PlannedRequest] = []
+        self._next = 0
+
+    def peek(self, count: int) -> List[PlannedRequest]:
+        while len(self._planned) < count:
+            self._planned.append(self._plan_one())
+        return self._planned[:count]
+
+    def next_request(self) -> PlannedRequest:
+        if self._next < len(self._planned):
+            request = self._planned[self._next]
+            self._next += 1
+            if self._next == len(self._planned):      # drop what was consumed
+                self._planned.clear()
+                self._next = 0
+            return request
+        return self._plan_one()
+
+    def first_arrival_s(self) -> float:
+        """Users do not all arrive at t=0: each starts within its first think time."""
+        r = random.Random(derive_seed(self._seed, "first-arrival", self.user_index))
+        return r.uniform(0.0, self.profile.persona.think_time_s[1])
+
+    def _plan_one(self) -> PlannedRequest:
+        r = self._rng
+        persona = self.profile.persona
+        if self._turn >= self._turns_planned:
+            self._conversation += 1
+            self._turn = 0
+            self._turns_planned = r.randint(1, MAX_TURNS_PER_CONVERSATION)
+        self._turn += 1
+        prefix = self._matcher.match(r)
+        return PlannedRequest(
+            conversation=self._conversation,
+            turn=self._turn,
+            context_tokens=r.randint(*persona.context_tokens),
+            generate_tokens=r.randint(*persona.generate_tokens),
+            think_time_s=r.uniform(*persona.think_time_s),
+            prefix_key=prefix.cache_key if prefix else None,
+        )
+
+
+class WorkloadPlan:
+    """All users and their plans, made from (seed, model, user count) before the clock starts."""
+
+    def __init__(self, model_name: str, num_users: int, seed: int):
+        self.model_name = model_name
+        self.seed = seed
+        self.matcher = PrefixMatcher()
+        self.users = UserSimulator.generate_mixed_users(num_users, random.Random(derive_seed(seed, "users")))
+        self.plans = [UserPlan(u, seed, i, self.matcher) for i, u in enumerate(self.users)]
+
+    def digest(self) -> str:
+        """Hash of each user's profile and first PLAN_DIGEST_REQUESTS planned requests."""
+        h = hashlib.sha256()
+        h.update(f"{self.model_name}|{len(self.users)}|{self.seed}".encode())
+        for user, plan in zip(self.users, self.plans):
+            h.update(f"|{user.user_id}:{user.user_type}:{user.qos_level.value}".encode())
+            for planned in plan.peek(PLAN_DIGEST_REQUESTS):
+                h.update(repr(planned.digest_fields()).encode())
+        return h.hexdigest()[:16]
+
+
+# ============================================================================
+# KV DATA
+# ============================================================================
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 buffer (anonymous mmap): usable for O_DIRECT I/O."""
+    size = max(BLOCK_BYTES, -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES)
+    return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)[:nbytes]
+
+
+@dataclass(frozen=True)
+class EntryLayout:
+    """Where an entry's bytes come from: a start in the pool and a unique stamp base."""
+    pool_offset: int
+    stamp_base: int
+
+
+class KVCacheGenerator:
+    """Makes KV-cache bytes: incompressible, deterministic per (seed, key), never duplicated.
+
+    One pool of random float16 values is drawn once from the seed. An entry's
+    bytes are the pool read from a key-dependent, block-aligned start
+    (wrapping around), with the first 8 bytes of every 4 KiB block replaced by
+    a stamp (entry id + block number), so no two blocks of any entries are
+    identical and deduplicating drives cannot shrink the data. Filling an
+    entry costs one memory copy; no float64 or other oversized intermediates.
+    """
+
+    def __init__(self, model_config: ModelConfig, global_seed: Optional[int] = None):
+        self.model_config = model_config
+        self.global_seed = global_seed if global_seed is not None else random.SystemRandom().getrandbits(63)
+        rng = np.random.default_rng(derive_seed(self.global_seed, "kv-pool"))
+        # Random bits, not random floats: every bit is incompressible.
+        words = rng.integers(0, np.iinfo(np.uint64).max, size=KV_POOL_VALUES * 2 // 8,
+                             dtype=np.uint64, endpoint=True)
+        self.precomputed_buffer: np.ndarray = words.view(np.float16)
+        self._pool_bytes: np.ndarray = words.view(np.uint8)
+
+    def layout(self, key: str) -> EntryLayout:
+        digest = hashlib.blake2b(f"{self.global_seed}\x00{key}".encode(), digest_size=16).digest()
+        pool_blocks = self._pool_bytes.size // BLOCK_BYTES
+        block = int.from_bytes(digest[:8], "little") % pool_blocks
+        stamp_base = int.from_bytes(digest[8:], "little") >> 2     # room to add block numbers
+        return EntryLayout(block * BLOCK_BYTES, stamp_base)
+
+    def fill(self, layout: EntryLayout, entry_offset: int, out: np.ndarray) -> None:
+        """Write the entry's bytes [entry_offset, entry_offset + out.size) into the uint8 array `out`."""
+        if entry_offset % BLOCK_BYTES:
+            raise ValueError("entry_offset must be a multiple of BLOCK_BYTES")
+        pool = self._pool_bytes
+        pos = (layout.pool_offset + entry_offset) % pool.size
+        done, n = 0, out.size
+        while done < n:
+            take = min(n - done, pool.size - pos)
+            out[done:done + take] = pool[pos:pos + take]
+            done += take
+            pos = 0
+        self._stamp(layout, entry_offset, out)
+
+    @staticmethod
+    def _stamp(layout: EntryLayout, entry_offset: int, out: np.ndarray) -> None:
+        first_block = entry_offset // BLOCK_BYTES
+        full = out.size // BLOCK_BYTES
+        if full:
+            blocks = out[:full * BLOCK_BYTES].view(np.uint64).reshape(full, BLOCK_BYTES // 8)
+            blocks[:, 0] = np.arange(first_block, first_block + full, dtype=np.uint64) + np.uint64(layout.stamp_base)
+        tail = out.size - full * BLOCK_BYTES
+        if tail >= STAMP_BYTES:
+            stamp = np.array([layout.stamp_base + first_block + full], dtype=np.uint64)
+            out[full * BLOCK_BYTES:full * BLOCK_BYTES + STAMP_BYTES] = stamp.view(np.uint8)
+
+    def entry_bytes(self, key: str, nbytes: int) -> np.ndarray:
+        out = np.empty(nbytes, dtype=np.uint8)
+        self.fill(self.layout(key), 0, out)
+        return out
+
+    def generate(self, sequence_length: int, key: str) -> np.ndarray:
+        """The KV entry of `sequence_length` tokens for `key`, shaped (layers, 2, tokens, kv_heads, head_dim)."""
+        cfg = self.model_config
+        data = self.entry_bytes(key, sequence_length * cfg.kv_cache_size_per_token)
+        return data.view(cfg.numpy_dtype).reshape(cfg.entry_shape(sequence_length))
+
+
+# ============================================================================
+# STORAGE BACKENDS
+# ============================================================================
+
+@dataclass
+class IOTiming:
+    """Seconds of one operation: `device` is time in the transfer itself (syscalls,
+    memory or PCIe copies), `host` the rest (data preparation, bookkeeping)."""
+    total: float
+    device: float
+    host: float
+
+    @classmethod
+    def from_device(cls, total: float, device: float) -> "IOTiming":
+        device = min(device, total)
+        return cls(total, device, total - device)
+
+
+# A source of entry bytes: fill(entry_offset, out) writes bytes [offset, offset+out.size).
+ByteSource = Callable[[int, np.ndarray], None]
+
+
+def array_source(data: np.ndarray) -> ByteSource:
+    flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+
+    def fill(offset: int, out: np.ndarray) -> None:
+        out[:] = flat[offset:offset + out.size]
+    return fill
+
+
+def generator_source(generator: KVCacheGenerator, key: str) -> ByteSource:
+    layout = generator.layout(key)
+
+    def fill(offset: int, out: np.ndarray) -> None:
+        generator.fill(layout, offset, out)
+    return fill
+
+
+@dataclass
+class StoredEntry:
+    nbytes: int
+    shape: Tuple[int, ...]
+    dtype: str
+
+
+class StorageBackend:
+    """One tier's storage. `write`/`read` move whole arrays (the public interface);
+    `write_from`/`read_through` stream an entry in bounded chunks (the benchmark's path)."""
+
+    IOTiming = IOTiming
+    name = "base"
+
+    def write(self, key: str, data: np.ndarray) -> IOTiming:
+        data = np.ascontiguousarray(data)
+        return self.write_from(key, array_source(data), data.nbytes, data.shape, data.dtype.str)
+
+    def read(self, key: str) -> Tuple[np.ndarray, IOTiming]:
+        raise NotImplementedError
+
+    def write_from(self, key: str, source: ByteSource, nbytes: int, shape: Tuple[int, ...],
+                   dtype: str, staging: Optional[np.ndarray] = None) -> IOTiming:
+        raise NotImplementedError
+
+    def read_through(self, key: str, staging: np.ndarray) -> IOTiming:
+        """Read the whole entry, chunk by chunk, into the reusable `staging` buffer."""
+        raise NotImplementedError
+
+    def take(self, key: str) -> np.ndarray:
+        """The entry's bytes as a uint8 array, for moving it to another tier."""
+        raise NotImplementedError
+
+    def delete(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        raise NotImplementedError
+
+    def __contains__(self, key: str) -> bool:
+        raise NotImplementedError
+
+
+class CPUMemoryBackend(StorageBackend):
+    """Tier 2: numpy arrays in process memory. A write or read costs one memory copy."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self.cache: Dict[str, np.ndarray] = {}
+
+    def write_from(self, key, source, nbytes, shape, dtype, staging=None) -> IOTiming:
+        t0 = time.perf_counter()
+        data = np.empty(nbytes, dtype=np.uint8)
+        source(0, data)
+        self.cache[key] = data.view(np.dtype(dtype)).reshape(shape)
+        total = time.perf_counter() - t0
+        return IOTiming.from_device(total, total)
+
+    def store(self, key: str, data: np.ndarray) -> IOTiming:
+        """Keep an array that already exists (moved from another tier): no copy."""
+        self.cache[key] = data
+        return IOTiming(0.0, 0.0, 0.0)
+
+    def read(self, key: str) -> Tuple[np.ndarray, IOTiming]:
+        t0 = time.perf_counter()
+        data = self.cache[key].copy()
+        total = time.perf_counter() - t0
+        return data, IOTiming.from_device(total, total)
+
+    def read_through(self, key: str, staging: np.ndarray) -> IOTiming:
+        t0 = time.perf_counter()
+        flat = self.cache[key].reshape(-1).view(np.uint8)
+        for start in range(0, flat.size, staging.size):
+            part = flat[start:start + staging.size]
+            np.copyto(staging[:part.size], part)
+        total = time.perf_counter() - t0
+        return IOTiming.from_device(total, total)
+
+    def take(self, key: str) -> np.ndarray:
+        return self.cache[key]
+
+    def delete(self, key: str) -> bool:
+        return self.cache.pop(key, None) is not None
+
+    def clear(self) -> None:
+        self.cache.clear()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.cache
+
+
+class _TorchDevice:
+    """GPU operations through PyTorch."""
+
+    def __init__(self, device_index: int):
+        import torch                      # heavy: imported only when the GPU tier starts
+        if not torch.cuda.is_available():
+            raise RuntimeError("PyTorch is installed but no CUDA device is usable")
+        self.torch = torch
+        self.device = torch.device("cuda", device_index)
+        self.library = f"torch {torch.__version__}"
+
+    def upload(self, host: np.ndarray):
+        return self.torch.from_numpy(host).to(self.device)
+
+    def download(self, dev) -> np.ndarray:
+        return dev.cpu().numpy()
+
+    def empty(self, nbytes: int):
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+
+    def copy(self, dst, src) -> None:
+        dst.copy_(src)
+
+    def synchronize(self) -> None:
+        self.torch.cuda.synchronize(self.device)
+
+    def free_bytes(self) -> int:
+        return int(self.torch.cuda.mem_get_info(self.device)[0])
+
+
+class _CupyDevice:
+    """GPU operations through CuPy."""
+
+    def __init__(self, device_index: int):
+        import cupy                       # heavy: imported only when the GPU tier starts
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("CuPy is installed but no CUDA device is usable")
+        self.cupy = cupy
+        self.device = cupy.cuda.Device(device_index)
+        self.device.use()
+        self.library = f"cupy {cupy.__version__}"
+
+    def upload(self, host: np.ndarray):
+        return self.cupy.asarray(host)
+
+    def download(self, dev) -> np.ndarray:
+        return self.cupy.asnumpy(dev)
+
+    def empty(self, nbytes: int):
+        return self.cupy.empty(nbytes, dtype=self.cupy.uint8)
+
+    def copy(self, dst, src) -> None:
+        dst[...] = src
+
+    def synchronize(self) -> None:
+        self.device.synchronize()
+
+    def free_bytes(self) -> int:
+        return int(self.cupy.cuda.runtime.memGetInfo()[0])
+
+
+def open_gpu_device(device_index: int = 0, library: str = "auto"):
+    """The first usable GPU library; RuntimeError with every reason when none works."""
+    candidates = []
+    if library in ("auto", "torch") and TORCH_AVAILABLE:
+        candidates.append(_TorchDevice)
+    if library in ("auto", "cupy") and CUPY_AVAILABLE:
+        candidates.append(_CupyDevice)
+    if not candidates:
+        raise RuntimeError("neither PyTorch nor CuPy is installed (see requirements-gpu.txt)")
+    reasons = []
+    for make in candidates:
+        try:
+            return make(device_index)
+        except Exception as exc:          # a broken CUDA install raises many kinds of errors
+            reasons.append(f"{make.__name__.strip('_')}: {exc}")
+    raise RuntimeError("; ".join(reasons))
+
+
+class GPUMemoryBackend(StorageBackend):
+    """Tier 1: flat uint8 CUDA buffers (PyTorch or CuPy) holding each entry's bytes.
+
+    A write uploads the entry from host memory (the KV a prefill produced);
+    a read copies the entry device-to-device through a reusable device buffer,
+    which is what attention reading its cache costs; `read` returns a host copy.
+    """
+
+    name = "gpu"
+
+    def __init__(self, device_index: int = 0, library: str = "auto"):
+        self._dev = open_gpu_device(device_index, library)
+        self.library = self._dev.library
+        self.cache: Dict[str, Any] = {}
+        self._meta: Dict[str, StoredEntry] = {}
+        self._scratch = threading.local()
+
+    def free_bytes(self) -> int:
+        return self._dev.free_bytes()
+
+    def write_from(self, key, source, nbytes, shape, dtype, staging=None) -> IOTiming:
+        t0 = time.perf_counter()
+        host = np.empty(nbytes, dtype=np.uint8)
+        source(0, host)
+        t1 = time.perf_counter()
+        self.cache[key] = self._dev.upload(host)
+        self._dev.synchronize()
+        self._meta[key] = StoredEntry(nbytes, tuple(shape), dtype)
+        t2 = time.perf_counter()
+        return IOTiming(t2 - t0, t2 - t1, t1 - t0)
+
+    def store(self, key: str, data: np.ndarray) -> IOTiming:
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        t0 = time.perf_counter()
+        self.cache[key] = self._dev.upload(flat)
+        self._dev.synchronize()
+        self._meta[key] = StoredEntry(flat.size, tuple(data.shape), data.dtype.str)
+        total = time.perf_counter() - t0
+        return IOTiming.from_device(total, total)
+
+    def read(self, key: str) -> Tuple[np.ndarray, IOTiming]:
+        meta = self._meta[key]
+        t0 = time.perf_counter()
+        host = self._dev.download(self.cache[key])
+        total = time.perf_counter() - t0
+        return host.view(np.dtype(meta.dtype)).reshape(meta.shape), IOTiming.from_device(total, total)
+
+    def read_through(self, key: str, staging: np.ndarray) -> IOTiming:
+        src = self.cache[key]
+        scratch = getattr(self._scratch, "buf", None)
+        if scratch is None:
+            scratch = self._scratch.buf = self._dev.empty(staging.size)
+        t0 = time.perf_counter()
+        for start in range(0, self._meta[key].nbytes, staging.size):
+            part = src[start:start + staging.size]
+            self._dev.copy(scratch[:part.shape[0]], part)
+        self._dev.synchronize()
+        total = time.perf_counter() - t0
+        return IOTiming.from_device(total, total)
+
+    def take(self, key: str) -> np.ndarray:
+        meta = self._meta[key]
+        return self._dev.download(self.cache[key]).view(np.dtype(meta.dtype)).reshape(meta.shape)
+
+    def delete(self, key: str) -> bool:
+        self._meta.pop(key, None)
+        return self.cache.pop(key, None) is not None
+
+    def clear(self) -> None:
+        self.cache.clear()
+        self._meta.clear()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.cache
+
+
+_SAFE_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,159}$")
+
+
+def safe_file_stem(key: str) -> str:
+    """`key` itself when it is a safe file name, else a hash of it (never a path)."""
+    if _SAFE_KEY.match(key) and ".." not in key:
+        return key
+    return "k_" + hashlib.sha256(key.encode()).hexdigest()[:40]
+
+
+def npy_header(shape: Sequence[int], dtype: str) -> bytes:
+    """A version-1.0 .npy header padded to NPY_DATA_OFFSET bytes, so the data is block-aligned."""
+    meta = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+            "shape": tuple(int(s) for s in shape)}
+    body = repr(meta)
+    prefix_len = 10                                   # magic (6) + version (2) + header length (2)
+    body = body.ljust(NPY_DATA_OFFSET - prefix_len - 1) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode("latin1")
+
+
+def probe_direct_io(directory: Path) -> Tuple[bool, str]:
+    """Whether files in `directory` accept O_DIRECT, and why not."""
+    if not hasattr(os, "O_DIRECT"):
+        return False, "this OS has no O_DIRECT"
+    fd, probe = tempfile.mkstemp(prefix=".kvcache_odirect_probe_", dir=directory)
+    os.close(fd)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_DIRECT)
+        try:
+            os.pwrite(fd, aligned_empty(BLOCK_BYTES), 0)
+        finally:
+            os.close(fd)
+        return True, "O_DIRECT"
+    except OSError as exc:
+        return False, f"file system refuses O_DIRECT ({exc.strerror})"
+    finally:
+        os.unlink(probe)
+
+
+class NVMeBackend(StorageBackend):
+    """Tier 3: one `<key>.npy` file per entry directly in `base_path`.
+
+    Files are written with O_DIRECT when the file system allows it, else
+    buffered; either way a write counts as done only after fdatasync, and the
+    file's pages are dropped from the page cache (posix_fadvise DONTNEED) so
+    that every read reaches the device. The .npy header is padded to 4096
+    bytes: the array data is block-aligned and the file still loads with
+    numpy.load.
+    """
+
+    name = "nvme"
+
+    def __init__(self, base_path: Optional[Any] = None, direct_io: Optional[bool] = None):
+        self._owns_dir = base_path is None
+        self.base_path = Path(tempfile.mkdtemp(prefix="kvcache_")) if base_path is None else Path(base_path)
+        self.base_path.mkdir(parents=True, exist_ok=True)
+        self.metadata: Dict[str, Dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        supported, reason = probe_direct_io(self.base_path)
+        self.direct_io = supported if direct_io is None else (direct_io and supported)
+        self.io_mode = "O_DIRECT" if self.direct_io else f"buffered + fdatasync + fadvise(DONTNEED): {reason}"
+        self._staging = threading.local()
+
+    # --- paths and buffers ---
+    def _path(self, key: str) -> Path:
+        return self.base_path / f"{safe_file_stem(key)}.npy"
+
+    def _thread_staging(self) -> np.ndarray:
+        buf = getattr(self._staging, "buf", None)
+        if buf is None:
+            buf = self._staging.buf = aligned_empty(IO_CHUNK_BYTES)
+        return buf
+
+    def _io_len(self, n: int) -> int:
+        # O_DIRECT transfers whole blocks; the tail is padded and the file truncated afterwards.
+        return -(-n // BLOCK_BYTES) * BLOCK_BYTES if self.direct_io else n
+
+    # --- writing ---
+    def write_from(self, key, source, nbytes, shape, dtype, staging=None) -> IOTiming:
+        staging = self._thread_staging() if staging is None else staging
+        path = self._path(key)
+        t0 = time.perf_counter()
+        self.delete(key)                                  # replacing an entry of ours
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        if self.direct_io:
+            flags |= os.O_DIRECT
+        fd = os.open(path, flags, 0o644)                  # O_EXCL: never overwrite a file we did not create
+        try:
+            device_s = self._write_chunks(fd, npy_header(shape, dtype), source, nbytes, staging)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        with self._lock:
+            self.metadata[key] = {"path": path, "size": nbytes, "shape": tuple(shape), "dtype": dtype}
+        return IOTiming.from_device(time.perf_counter() - t0, device_s)
+
+    def _write_chunks(self, fd: int, header: bytes, source: ByteSource, nbytes: int, staging: np.ndarray) -> float:
+        total = NPY_DATA_OFFSET + nbytes
+        file_off = data_off = 0
+        device_s = 0.0
+        while file_off < total:
+            n = min(staging.size, total - file_off)
+            head = 0
+            if file_off == 0:
+                staging[:NPY_DATA_OFFSET] = np.frombuffer(header, dtype=np.uint8)
+                head = NPY_DATA_OFFSET
+            if n > head:
+                source(data_off, staging[head:n])
+                data_off += n - head
+            t = time.perf_counter()
+            _pwrite_all(fd, staging[:self._io_len(n)], file_off)
+            device_s += time.perf_counter() - t
+            file_off += n
+        t = time.perf_counter()
+        if self.direct_io and total % BLOCK_BYTES:
+            os.ftruncate(fd, total)
+        os.fdatasync(fd)                                  # durable before we call it written
+        if not self.direct_io:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return device_s + time.perf_counter() - t
+
+    # --- reading ---
+    def _open_for_read(self, key: str) -> Tuple[int, Dict[str, Any]]:
+        with self._lock:
+            meta = self.metadata[key]                     # KeyError for a missing or deleted key
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.direct_io else 0)
+        try:
+            return os.open(meta["path"], flags), meta
+        except FileNotFoundError:
+            raise KeyError(key) from None                 # deleted while we looked
+
+    def _read_chunks(self, fd: int, nbytes: int, buffer_for: Callable[[int, int], np.ndarray]) -> float:
+        device_s = 0.0
+        done = 0
+        while done < nbytes:
+            buf = buffer_for(done, nbytes - done)
+            want = min(buf.size, nbytes - done)
+            t = time.perf_counter()
+            got = os.preadv(fd, [buf[:self._io_len(want)]], NPY_DATA_OFFSET + done)
+            device_s += time.perf_counter() - t
+            if got < want:
+                raise OSError(errno.EIO, f"short read: {got} of {want} bytes")
+            done += want
+        if not self.direct_io:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # the next read must reach the device too
+        return device_s
+
+    def read_through(self, key: str, staging: np.ndarray) -> IOTiming:
+        t0 = time.perf_counter()
+        fd, meta = self._open_for_read(key)
+        try:
+            device_s = self._read_chunks(fd, meta["size"], lambda done, left: staging)
+        finally:
+            os.close(fd)
+        return IOTiming.from_device(time.perf_counter() - t0, device_s)
+
+    def read(self, key: str) -> Tuple[np.ndarray, IOTiming]:
+        t0 = time.perf_counter()
+        fd, meta = self._open_for_read(key)
+        nbytes = meta["size"]
+        dest = aligned_empty(nbytes + BLOCK_BYTES)        # room for a padded direct-I/O tail
+        try:
+            device_s = self._read_chunks(fd, nbytes, lambda done, left: dest[done:done + min(left + BLOCK_BYTES, IO_CHUNK_BYTES)])
+        finally:
+            os.close(fd)
+        data = dest[:nbytes].view(np.dtype(meta["dtype"])).reshape(meta["shape"])
+        return data, IOTiming.from_device(time.perf_counter() - t0, device_s)
+
+    def take(self, key: str) -> np.ndarray:
+        return self.read(key)[0]
+
+    # --- removal ---
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            meta = self.metadata.pop(key, None)
+        if meta is None:
+            return False
+        Path(meta["path"]).unlink(missing_ok=True)
+        return True
+
+    def clear(self) -> None:
+        """Remove every file this backend wrote, and its directory if it made it."""
+        with self._lock:
+            paths = [m["path"] for m in self.metadata.values()]
+            self.metadata.clear()
+        for path in paths:
+            Path(path).unlink(missing_ok=True)
+        if self._owns_dir:
+            try:
+                self.base_path.rmdir()
+            except OSError:
+                pass
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self.metadata
+
+
+def _pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
+    view = memoryview(buf)
+    while view.nbytes:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "pwrite wrote nothing")
+        view = view[written:]
+        offset += written
+
+
+# ============================================================================
+# METRIC MATH (pure functions over recorded samples; docs/metrics.md defines each figure)
+# ============================================================================
+
+def latency_summary_ms(samples_s: Sequence[float]) -> Dict[str, Optional[float]]:
+    """Mean and percentiles, in milliseconds, of latency samples given in seconds; None when empty."""
+    if len(samples_s) == 0:
+        return {"mean": None, "p50": None, "p95": None, "p99": None, "max": None, "count": 0}
+    a = np.asarray(samples_s, dtype=np.float64) * 1000.0
+    p50, p95, p99 = np.percentile(a, [50, 95, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p95": float(p95), "p99": float(p99),
+            "max": float(a.max()), "count": int(a.size)}
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else 0.0
+
+
+LATENCY_CRITERIA_MS = {"nvme_write_p95": 500.0, "nvme_read_p95": 200.0, "cpu_p95": 150.0}
+MIN_CACHE_HIT_RATE = 0.30
+
+
+def _criterion(name: str, target: float, actual: Optional[float], unit: str, passed: bool) -> Dict[str, Any]:
+    return {"name": name, "target": target, "actual": actual, "unit": unit, "passed": bool(passed)}
+
+
+def evaluate_storage_performance(profile: str, stats: Dict[str, Any]) -> Dict[str, Any]:
+    """PASS/FAIL criteria for the storage assessment.
+
+    latency profile: the original's four criteria; a criterion whose tier saw
+    no I/O is listed under `not_applicable` instead of passing silently.
+    throughput profile: the storage tier sustained throughput with no I/O errors.
+    """
+    criteria: List[Dict[str, Any]] = []
+    not_applicable: List[str] = []
+    if profile == "throughput":
+        tput = stats["nvme_throughput"]
+        criteria.append(_criterion("Storage tier throughput > 0 tok/s", 0.0, tput, "tok/s", tput > 0))
+        errors = stats["io_errors"]
+        criteria.append(_criterion("Storage I/O errors = 0", 0, errors, "errors", errors == 0))
+    else:
+        checks = (
+            ("NVMe Write P95 < 500ms", LATENCY_CRITERIA_MS["nvme_write_p95"], stats.get("nvme_write_p95_ms")),
+            ("NVMe Read P95 < 200ms", LATENCY_CRITERIA_MS["nvme_read_p95"], stats.get("nvme_read_p95_ms")),
+            ("CPU RAM P95 < 150ms", LATENCY_CRITERIA_MS["cpu_p95"], _max_or_none(
+                stats.get("cpu_read_p95_ms"), stats.get("cpu_write_p95_ms"))),
+        )
+        for name, target, actual in checks:
+            if actual is None:
+                not_applicable.append(name)
+            else:
+                criteria.append(_criterion(name, target, actual, "ms", actual < target))
+        lookups = stats["cache_hits"] + stats["cache_misses"]
+        if lookups:
+            rate = stats["cache_hit_rate"] * 100.0
+            criteria.append(_criterion("Cache Hit Rate > 30%", MIN_CACHE_HIT_RATE * 100.0, rate, "%",
+                                       rate > MIN_CACHE_HIT_RATE * 100.0))
+        else:
+            not_applicable.append("Cache Hit Rate > 30%")
+    passed = sum(1 for c in criteria if c["passed"])
+    if not criteria:
+        status = "INCONCLUSIVE"
+    else:
+        status = "PASS" if passed == len(criteria) else "FAIL"
+    return {"overall_status": status, "profile": profile, "criteria": criteria, "passed_count": passed,
+            "total_count": len(criteria), "not_applicable": not_applicable}
+
+
+def _max_or_none(*values: Optional[float]) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str], Tuple[List[float], ...]],
+                        entry_counts: Dict[str, int], model: ModelConfig, duration_s: float,
+                        profile: str, tiers_info: Dict[str, Any]) -> Dict[str, Any]:
+    """The cache's section of the results (`summary.cache_stats`), from counters and samples."""
+    c = defaultdict(int, counters)
+    hits, misses = c["cache_hits"], c["cache_misses"]
+    stats: Dict[str, Any] = {
+        "cache_hits": hits,
+        "cache_misses": misses,
+        "cache_hit_rate": _ratio(hits, hits + misses),
+        "gpu_entries": entry_counts.get("gpu", 0),
+        "cpu_entries": entry_counts.get("cpu", 0),
+        "nvme_entries": entry_counts.get("nvme", 0),
+        "prefill_writes": c["prefill_writes"],
+        "decode_reads": c["decode_reads"],
+        "prefill_bytes_written_gb": c["prefill_bytes_written"] / GIB,
+        "decode_bytes_read_gb": c["decode_bytes_read"] / GIB,
+        "offloads_cpu": c["offloads_cpu"],
+        "offloads_nvme": c["offloads_nvme"],
+        "evictions": c["evictions"],
+        "allocation_failures": c["allocation_failures"],
+        "io_errors": c["io_errors"],
+        "io_errors_by_kind": {k[len("io_errors_"):]: v for k, v in c.items() if k.startswith("io_errors_")},
+    }
+    for cache_type in CACHE_TYPES:
+        stats[_HIT_COUNTER[cache_type]] = c[_HIT_COUNTER[cache_type]]
+        stats[_MISS_COUNTER[cache_type]] = c[_MISS_COUNTER[cache_type]]
+    total_read = total_written = 0
+    for tier in TIER_NAMES:
+        read_b, written_b = c[f"{tier}_bytes_read"], c[f"{tier}_bytes_written"]
+        total_read += read_b
+        total_written += written_b
+        stats[f"{tier}_reads"] = c[f"{tier}_reads"]
+        stats[f"{tier}_writes"] = c[f"{tier}_writes"]
+        stats[f"{tier}_bytes_read_gb"] = read_b / GIB
+        stats[f"{tier}_bytes_written_gb"] = written_b / GIB
+        for op in ("read", "write"):
+            totals, devices, hosts = samples.get((tier, op), ([], [], []))
+            total_ms, device_ms, host_ms = (latency_summary_ms(x) for x in (totals, devices, hosts))
+            for p in ("p50", "p95", "p99"):
+                stats[f"{tier}_{op}_{p}_ms"] = total_ms[p]
+            stats[f"{tier}_{op}_mean_ms"] = total_ms["mean"]
+            stats[f"{tier}_{op}_device_p95_ms"] = device_ms["p95"]
+            stats[f"{tier}_{op}_host_p95_ms"] = host_ms["p95"]
+            stats[f"{tier}_{op}_device_busy_s"] = float(sum(devices))
+    stats["total_read_gb"] = total_read / GIB
+    stats["total_write_gb"] = total_written / GIB
+    stats["read_write_ratio"] = _ratio(total_read, total_written)
+    stats["nvme_tokens_processed"] = c["nvme_tokens_read"] + c["nvme_tokens_written"]
+    stats["nvme_throughput"] = _ratio(stats["nvme_tokens_processed"], duration_s)
+    stats["nvme_read_gbps_wall"] = _ratio(c["nvme_bytes_read"] / GIB, duration_s)
+    stats["nvme_write_gbps_wall"] = _ratio(c["nvme_bytes_written"] / GIB, duration_s)
+    stats["nvme_read_gbps_device"] = _ratio(c["nvme_bytes_read"] / GIB, stats["nvme_read_device_busy_s"])
+    stats["nvme_write_gbps_device"] = _ratio(c["nvme_bytes_written"] / GIB, stats["nvme_write_device_busy_s"])
+    stats["tokens_read"] = sum(c[f"{t}_tokens_read"] for t in TIER_NAMES)
+    stats["tokens_written"] = sum(c[f"{t}_tokens_written"] for t in TIER_NAMES)
+    stats.update(tiers_info)
+    stats["storage_health"] = evaluate_storage_performance(profile, stats)
+    return stats
+
+
+# ============================================================================
+# MULTI-TIER CACHE
+# ============================================================================
+
+CACHE_TYPES = ("system", "common", "multi_turn", "user")
+_HIT_COUNTER = {"system": "system_prompt_hits", "common": "common_phrase_hits",
+                "multi_turn": "multi_turn_hits", "user": "user_cache_hits"}
+_MISS_COUNTER = {"system": "system_prompt_misses", "common": "common_phrase_misses",
+                 "multi_turn": "multi_turn_misses", "user": "user_cache_misses"}
+
+
+class CacheStats:
+    """Every counter and latency sample of the cache, updated in one place under one lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counters: Dict[str, int] = defaultdict(int)
+        # (tier, 'read'|'write') -> three parallel lists of seconds: total, device, host
+        self.samples: Dict[Tuple[str, str], Tuple[List[float], List[float], List[float]]] = defaultdict(
+            lambda: ([], [], []))
+
+    def record_io(self, tier: str, op: str, nbytes: int, tokens: int, timing: IOTiming, reason: str) -> None:
+        """`reason`: 'prefill' or 'decode' (a request's own I/O), 'demotion' (waterfall eviction)."""
+        with self._lock:
+            c = self.counters
+            c[f"{tier}_{op}s"] += 1
+            c[f"{tier}_bytes_{'read' if op == 'read' else 'written'}"] += nbytes
+            c[f"{tier}_tokens_{'read' if op == 'read' else 'written'}"] += tokens
+            if reason == "prefill" and op == "write":
+                c["prefill_writes"] += 1
+                c["prefill_bytes_written"] += nbytes
+            elif reason == "decode" and op == "read":
+                c["decode_reads"] += 1
+                c["decode_bytes_read"] += nbytes
+            totals, devices, hosts = self.samples[(tier, op)]
+            totals.append(timing.total)
+            devices.append(timing.device)
+            hosts.append(timing.host)
+
+    def record_lookup(self, cache_type: str, hit: bool) -> None:
+        with self._lock:
+            self.counters["cache_hits" if hit else "cache_misses"] += 1
+            self.counters[(_HIT_COUNTER if hit else _MISS_COUNTER)[cache_type]] += 1
+
+    def count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += amount
+
+    def snapshot(self) -> Tuple[Dict[str, int], Dict[Tuple[str, str], Tuple[List[float], ...]]]:
+        with self._lock:
+            return dict(self.counters), {k: tuple(list(x) for x in v) for k, v in self.samples.items()}
+
+
+@dataclass
+class CacheEntry:
+    key: str
+    size_bytes: int
+    num_tokens: int
+    tier: Optional[str] = None
+    state: str = "writing"            # writing -> ready <-> moving
+    shape: Tuple[int, ...] = ()
+    dtype: str = "<f2"
+
+
+class MultiTierCache:
+    """GPU -> CPU -> storage cache with waterfall LRU eviction.
+
+    A new entry goes to the fastest tier whose budget it fits. When a tier
+    would pass TIER_HEADROOM (80 %) of its budget, its least recently used
+    entries are demoted to the next tier, which may in turn demote its own
+    (the waterfall); an entry larger than 80 % of a tier's budget skips it.
+    The storage tier is unbounded unless `storage_capacity_gb` caps it, and
+    what falls off its end leaves the cache. Reads do not promote entries
+    (as in the original): an entry only moves down.
+
+    Thread-safe: one lock guards the bookkeeping (entries, LRU order, usage
+    including reservations for writes in flight); all data movement happens
+    outside it, so workers overlap on the devices.
+    """
+
+    def __init__(self, model_config: ModelConfig, gpu_memory_gb: float, cpu_memory_gb: float,
+                 seed: Optional[int] = None, cache_dir: Optional[Any] = None,
+                 performance_profile: str = "latency", storage_capacity_gb: Optional[float] = None,
+                 max_concurrent_allocs: int = 0, generator: Optional[KVCacheGenerator] = None,
+                 gpu_library: str = "auto"):
+        self.model_config = model_config
+        self.performance_profile = performance_profile
+        self.generator = generator if generator is not None else KVCacheGenerator(model_config, seed)
+        self.stats = CacheStats()
+        self.gpu_disabled_reason: Optional[str] = None
+        self._lock = threading.Lock()
+        self._entries: Dict[str, CacheEntry] = {}
+        self._tls = threading.local()
+        self._alloc_slots = threading.BoundedSemaphore(max_concurrent_allocs) if max_concurrent_allocs > 0 else None
+
+        self.backends: Dict[str, StorageBackend] = {}
+        self._limits: Dict[str, float] = {}
+        if gpu_memory_gb > 0:
+            self._start_gpu_tier(gpu_memory_gb, gpu_library)
+        if cpu_memory_gb > 0:
+            self.backends["cpu"] = CPUMemoryBackend()
+            self._limits["cpu"] = cpu_memory_gb * GIB
+        self.run_dir = Path(tempfile.mkdtemp(prefix="kvcache_run_", dir=cache_dir))
+        self.backends["nvme"] = NVMeBackend(self.run_dir)
+        self._limits["nvme"] = storage_capacity_gb * GIB if storage_capacity_gb else float("inf")
+        self._usage: Dict[str, int] = {t: 0 for t in self.backends}
+        self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
+
+    def _start_gpu_tier(self, gpu_memory_gb: float, library: str) -> None:
+        try:
+            backend = GPUMemoryBackend(library=library)
+        except RuntimeError as exc:
+            self.gpu_disabled_reason = str(exc)
+            logger.warning("GPU tier disabled: %s; the run goes on with the CPU and storage tiers.", exc)
+            return
+        budget = gpu_memory_gb * GIB
+        free = backend.free_bytes()
+        if budget > free:
+            logger.warning("--gpu-mem-gb %.2f exceeds the GPU's free memory; using %.2f GB.",
+                           gpu_memory_gb, free / GIB)
+            budget = free
+        self.backends["gpu"] = backend
+        self._limits["gpu"] = budget
+
+    # --- introspection used by callers and tests ---
+    def _get_tier_order(self) -> List[str]:
+        return [t for t in TIER_NAMES if t in self.backends]
+
+    def _get_tier_limit(self, tier: str) -> float:
+        return self._limits[tier]
+
+    def _get_tier_usage(self, tier: str) -> int:
+        with self._lock:
+            return self._usage[tier]
+
+    def _tier_capacity(self, tier: str) -> float:
+        limit = self._limits[tier]
+        return limit if tier == "nvme" else limit * TIER_HEADROOM
+
+    def entry_location(self, key: str) -> Optional[str]:
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry.tier if entry is not None and entry.state != "writing" else None
+
+    def tier_entry_counts(self) -> Dict[str, int]:
+        with self._lock:
+            counts = {t: 0 for t in TIER_NAMES}
+            for entry in self._entries.values():
+                if entry.tier is not None and entry.state != "writing":
+                    counts[entry.tier] += 1
+            return counts
+
+    def _staging(self) -> np.ndarray:
+        buf = getattr(self._tls, "staging", None)
+        if buf is None:
+            buf = self._tls.staging = aligned_empty(IO_CHUNK_BYTES)
+        return buf
+
+    # --- writes ---
+    def allocate_cache(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
+                       cache_type: str = "user") -> Tuple[bool, Optional[str], float]:
+        """Write a new entry of `num_tokens` tokens into the fastest tier that takes it.
+
+        Returns (success, tier, seconds spent, demotions included). An entry
+        that another worker is writing right now is left to it.
+        """
+        t0 = time.perf_counter()
+        if num_tokens <= 0:
+            return False, None, 0.0
+        if self._alloc_slots is not None:
+            self._alloc_slots.acquire()
+        try:
+            return self._allocate(key, num_tokens, phase, t0)
+        finally:
+            if self._alloc_slots is not None:
+                self._alloc_slots.release()
+
+    def _allocate(self, key: str, num_tokens: int, phase: InferencePhase, t0: float) -> Tuple[bool, Optional[str], float]:
+        cfg = self.model_config
+        size = num_tokens * cfg.kv_cache_size_per_token
+        with self._lock:
+            old = self._entries.get(key)
+            if old is not None and old.state != "ready":
+                return True, old.tier, time.perf_counter() - t0
+            if old is not None:
+                self._forget(old)
+            entry = CacheEntry(key, size, num_tokens, shape=cfg.entry_shape(num_tokens), dtype=cfg.numpy_dtype.str)
+            self._entries[key] = entry
+        if old is not None:
+            self.backends[old.tier].delete(key)
+        tier = self._reserve(size, 0)
+        if tier is None:
+            self._drop(entry, reserved_tier=None)
+            self.stats.count("allocation_failures")
+            return False, None, time.perf_counter() - t0
+        try:
+            timing = self.backends[tier].write_from(key, generator_source(self.generator, key), size,
+                                                     entry.shape, entry.dtype, self._staging())
+        except OSError as exc:
+            self._drop(entry, reserved_tier=tier)
+            self._record_io_error(tier, "write", exc)
+            return False, None, time.perf_counter() - t0
+        with self._lock:
+            entry.tier, entry.state = tier, "ready"
+            self._lru[tier][key] = None
+        reason = "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE) else "decode"
+        self.stats.record_io(tier, "write", size, num_tokens, timing, reason)
+        return True, tier, time.perf_counter() - t0
+
+    def _reserve(self, size: int, first_tier_index: int) -> Optional[str]:
+        """Reserve `size` bytes in the fastest tier from `first_tier_index` on, demoting LRU entries to make room."""
+        for tier in self._get_tier_order()[first_tier_index:]:
+            capacity = self._tier_capacity(tier)
+            if size > capacity:
+                continue                                   # too big for this tier: skip it
+            while True:
+                with self._lock:
+                    if self._usage[tier] + size <= capacity:
+                        self._usage[tier] += size
+                        return tier
+                    victim = self._pick_victim(tier)
+                if victim is None:
+                    break                                  # all in flight: try the next tier
+                self.evict_to_next_tier(victim)
+        return None
+
+    def _pick_victim(self, tier: str) -> Optional[CacheEntry]:
+        """The tier's least recently used ready entry, marked as moving. Caller holds the lock."""
+        lru = self._lru[tier]
+        if not lru:
+            return None
+        key, _ = lru.popitem(last=False)
+        victim = self._entries[key]
+        victim.state = "moving"
+        return victim
+
+    def evict_to_next_tier(self, victim: CacheEntry) -> None:
+        """Move a (moving-marked) entry one tier down; off the end of the last tier it leaves the cache."""
+        source = victim.tier
+        order = self._get_tier_order()
+        dest = self._reserve(victim.size_bytes, order.index(source) + 1)
+        if dest is None:
+            self._drop(victim, reserved_tier=source)
+            self.backends[source].delete(victim.key)
+            self.stats.count("evictions")
+            return
+        try:
+            timing = self._move(victim, source, dest)
+        except OSError as exc:
+            with self._lock:
+                self._usage[dest] -= victim.size_bytes
+            self._drop(victim, reserved_tier=source)
+            self.backends[source].delete(victim.key)
+            self._record_io_error(dest, "write", exc)
+            return
+        with self._lock:
+            victim.tier, victim.state = dest, "ready"
+            self._usage[source] -= victim.size_bytes
+            self._lru[dest][victim.key] = None
+        self.backends[source].delete(victim.key)
+        self.stats.count(f"offloads_{dest}")
+        self.stats.record_io(dest, "write", victim.size_bytes, victim.num_tokens, timing, "demotion")
+
+    def _move(self, entry: CacheEntry, source: str, dest: str) -> IOTiming:
+        t0 = time.perf_counter()
+        data = self.backends[source].take(entry.key)
+        backend = self.backends[dest]
+        if isinstance(backend, (CPUMemoryBackend, GPUMemoryBackend)):
+            timing = backend.store(entry.key, data)
+        else:
+            timing = backend.write_from(entry.key, array_source(data), entry.size_bytes,
+                                        entry.shape, entry.dtype, self._staging())
+        total = time.perf_counter() - t0                   # includes fetching from the source tier
+        return IOTiming(total, timing.device, total - timing.device)
+
+    def _forget(self, entry: CacheEntry) -> None:
+        """Remove a ready entry's bookkeeping. Caller holds the lock."""
+        self._entries.pop(entry.key, None)
+        self._lru[entry.tier].pop(entry.key, None)
+        self._usage[entry.tier] -= entry.size_bytes
+
+    def _drop(self, entry: CacheEntry, reserved_tier: Optional[str]) -> None:
+        with self._lock:
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+            if reserved_tier is not None:
+                self._usage[reserved_tier] -= entry.size_bytes
+                self._lru[reserved_tier].pop(entry.key, None)
+
+    def _record_io_error(self, tier: str, op: str, exc: OSError) -> None:
+        kind = errno.errorcode.get(exc.errno, "EOTHER") if exc.errno else "EOTHER"
+        self.stats.count("io_errors")
+        self.stats.count(f"io_errors_{tier}_{op}_{kind}")
+        logger.error("%s %s failed: %s", tier, op, exc)
+
+    # --- reads ---
+    def access_cache(self, key: str, phase: InferencePhase = InferencePhase.DECODE,
+                     cache_type: str = "user") -> Tuple[Optional[str], float]:
+        """Read the whole entry from the tier that holds it. Returns (tier or None on a miss, seconds)."""
+        t0 = time.perf_counter()
+        if cache_type not in _HIT_COUNTER:
+            raise ValueError(f"cache_type must be one of {CACHE_TYPES}, not {cache_type!r}")
+        for _ in range(4):                                 # an entry can move while we reach for it
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is None or entry.state == "writing":
+                    break
+                tier = entry.tier
+                if key in self._lru[tier]:
+                    self._lru[tier].move_to_end(key)
+            try:
+                timing = self.backends[tier].read_through(key, self._staging())
+            except KeyError:
+                continue
+            except OSError as exc:
+                self._record_io_error(tier, "read", exc)
+                break
+            self.stats.record_lookup(cache_type, hit=True)
+            self.stats.record_io(tier, "read", entry.size_bytes, entry.num_tokens, timing,
+                                 "decode" if phase == InferencePhase.DECODE else "prefill")
+            return tier, time.perf_counter() - t0
+        self.stats.record_lookup(cache_type, hit=False)
+        return None, time.perf_counter() - t0
+
+    # --- results ---
+    def get_stats(self, duration: float) -> Dict[str, Any]:
+        counters, samples = self.stats.snapshot()
+        return cache_stats_summary(counters, samples, self.tier_entry_counts(), self.model_config,
+                                   duration, self.performance_profile, self.describe_tiers())
+
+    def describe_tiers(self) -> Dict[str, Any]:
+        """Effective budgets and the storage I/O mode, for the results."""
+        nvme = self.backends["nvme"]
+        return {
+            "tiers": self._get_tier_order(),
+            "effective_gpu_mem_gb": self._limits.get("gpu", 0) / GIB,
+            "effective_cpu_mem_gb": self._limits.get("cpu", 0) / GIB,
+            "storage_capacity_gb": None if math.isinf(self._limits["nvme"]) else self._limits["nvme"] / GIB,
+            "gpu_disabled_reason": self.gpu_disabled_reason,
+            "gpu_library": getattr(self.backends.get("gpu"), "library", None),
+            "storage_io_mode": nvme.io_mode,
+            "storage_direct_io": nvme.direct_io,
+            "storage_run_dir": str(self.run_dir),
+        }
+
+    def close(self) -> None:
+        """Delete everything the cache stored, including the run directory it made."""
+        for backend in self.backends.values():
+            backend.clear()
+        with self._lock:
+            self._entries.clear()
+            for tier in self._usage:
+                self._usage[tier] = 0
+                self._lru[tier].clear()
+        try:
+            self.run_dir.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("left %s in place: %s (it holds files the benchmark did not write)", self.run_dir, exc)
+
+
+# ============================================================================
+# MONITORING
+# ============================================================================
+
+class ThroughputSampler:
+    """Samples the run every monitor interval into `throughput_timeline`."""
+
+    def __init__(self, cache: MultiTierCache, recorder: "RunRecorder", request_queue: "queue.Queue"):
+        self._cache = cache
+        self._recorder = recorder
+        self._queue = request_queue
+        self._last = (0.0, 0, 0, 0, 0)          # elapsed, requests, tokens, nvme bytes read, written
+        self.timeline: List[Dict[str, Any]] = []
+
+    def sample(self, elapsed_s: float) -> Dict[str, Any]:
+        counters, _ = self._cache.stats.snapshot()
+        requests, tokens = self._recorder.progress()
+        read_b, written_b = counters.get("nvme_bytes_read", 0), counters.get("nvme_bytes_written", 0)
+        t0, r0, k0, rb0, wb0 = self._last
+        window = max(elapsed_s - t0, 1e-9)
+        point = {
+            "elapsed_s": round(elapsed_s, 3),
+            "requests_completed": requests,
+            "tokens_generated": tokens,
+            "throughput_tokens_per_sec": (tokens - k0) / window,
+            "requests_per_sec": (requests - r0) / window,
+            "storage_read_gb_per_sec": (read_b - rb0) / GIB / window,
+            "storage_write_gb_per_sec": (written_b - wb0) / GIB / window,
+            "queue_depth": self._queue.qsize(),
+            "tier_usage_gb": {t: self._cache._get_tier_usage(t) / GIB for t in self._cache._get_tier_order()},
+        }
+        self._last = (elapsed_s, requests, tokens, read_b, written_b)
+        self.timeline.append(point)
+        return point
+
+
+# ============================================================================
+# BENCHMARK ENGINE
+# ============================================================================
+
+@dataclass
+class BenchmarkConfig:
+    model: ModelConfig
+    num_users: int = 100
+    duration_s: Optional[float] = 60.0            # None: no time limit (needs max_requests)
+    gpu_mem_gb: float = 16.0
+    cpu_mem_gb: float = 32.0
+    cache_dir: Optional[str] = None
+    generation_mode: GenerationMode = GenerationMode.REALISTIC
+    performance_profile: str = "latency"
+    enable_multi_turn: bool = True
+    enable_prefix_caching: bool = True
+    seed: Optional[int] = None
+    max_requests: int = 0
+    max_concurrent_allocs: int = 0
+    worker_slots: int = DEFAULT_WORKER_SLOTS
+    monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
+
+
+@dataclass
+class RequestRecord:
+    """What one completed request measured, in seconds."""
+    qos_level: str
+    context_tokens: int
+    generate_tokens: int
+    end_to_end_s: float
+    queue_wait_s: float
+    storage_s: float
+    prefill_s: float
+    decode_s: float
+    generation_s: float
+
+
+class RunRecorder:
+    """Completed-request records and run counters; one lock."""
+
+    def __init__(self, max_requests: int):
+        self._lock = threading.Lock()
+        self._max_requests = max_requests
+        self.records: List[RequestRecord] = []
+        self.tokens_generated = 0
+        self.storage_s_all_requests = 0.0      # completed and abandoned: the I/O really happened
+        self.abandoned = 0
+        self.reached_max_requests = threading.Event()
+
+    def complete(self, record: RequestRecord) -> None:
+        with self._lock:
+            self.records.append(record)
+            self.tokens_generated += record.generate_tokens
+            self.storage_s_all_requests += record.storage_s
+            if self._max_requests and len(self.records) >= self._max_requests:
+                self.reached_max_requests.set()
+
+    def abandon(self, storage_s: float) -> None:
+        with self._lock:
+            self.abandoned += 1
+            self.storage_s_all_requests += storage_s
+
+    def progress(self) -> Tuple[int, int]:
+        with self._lock:
+            return len(self.records), self.tokens_generated
+
+
+class ArrivalScheduler:
+    """Releases each user's next request `think_time` after its previous one completed.
+
+    One thread and a heap replace the original's thread per user, so 100,000
+    users cost 100,000 heap entries, not 100,000 threads. A user has at most
+    one request in the system (a person waits for the answer before typing).
+    """
+
+    def __init__(self, plan: WorkloadPlan, build_request: Callable[[int, PlannedRequest], InferenceRequest],
+                 request_queue: "queue.PriorityQueue", stop_event: threading.Event, max_requests: int):
+        self._plan = plan
+        self._build = build_request
+        self._queue = request_queue
+        self._stop = stop_event
+        self._max_requests = max_requests
+        self._cond = threading.Condition()
+        self._heap: List[Tuple[float, int, int, PlannedRequest]] = []
+        self._ticket = itertools.count()        # heap tie-break: never compare requests
+        self._queue_seq = itertools.count()     # queue tie-break within a priority: arrival order
+        self.admitted = 0
+
+    def start(self, t0: float) -> threading.Thread:
+        with self._cond:
+            for index, user_plan in enumerate(self._plan.plans):
+                self._push(t0 + user_plan.first_arrival_s(), index, user_plan.next_request())
+        thread = threading.Thread(target=self._run, name="arrival-scheduler", daemon=True)
+        thread.start()
+        return thread
+
+    def release(self, user_index: int) -> None:
+        """The user's request completed: plan its next one."""
+        planned = self._plan.plans[user_index].next_request()
+        with self._cond:
+            self._push(time.perf_counter() + planned.think_time_s, user_index, planned)
+            self._cond.notify()
+
+    def _push(self, due: float, user_index: int, planned: PlannedRequest) -> None:
+        heapq.heappush(self._heap, (due, next(self._ticket), user_index, planned))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                if not self._heap:
+                    self._cond.wait(0.1)
+                    continue
+                due, _, user_index, planned = self._heap[0]
+                wait = due - time.perf_counter()
+                if wait > 0:
+                    self._cond.wait(min(wait, 0.1))
+                    continue
+                heapq.heappop(self._heap)
+                if self._max_requests and self.admitted >= self._max_requests:
+                    continue                    # admission closed; the run ends when these complete
+                self.admitted += 1
+            request = self._build(user_index, planned)
+            self._queue.put((-request.priority, next(self._queue_seq), request))
+
+
+class IntegratedBenchmark:
+    """Drives the workload through the cache: scheduler -> priority queue -> worker slots.
+
+    Request flow (seed 000, section 5): shared-prefix check, multi-turn
+    resume (read the previous turn), prefill write, then decode reads
+    interleaved with simulated generation.
+    """
+
+    def __init__(self, config: BenchmarkConfig):
+        self.config = config
+        self.seed = config.seed if config.seed is not None else random.SystemRandom().getrandbits(63)
+        self.plan = WorkloadPlan(config.model.name, config.num_users, self.seed)
+        self.workload_digest = self.plan.digest()
+        self.cache = MultiTierCache(config.model, config.gpu_mem_gb, config.cpu_mem_gb, seed=self.seed,
+                                    cache_dir=config.cache_dir, performance_profile=config.performance_profile,
+                                    max_concurrent_allocs=config.max_concurrent_allocs)
+        self.conversations = ConversationManager(max_conversations=max(1000, 2 * config.num_users))
+        self.prefixes = PrefixCacheManager()
+        self.recorder = RunRecorder(config.max_requests)
+        self.request_queue: "queue.PriorityQueue" = queue.PriorityQueue()
+        self._stop = threading.Event()
+        self.stop_reason: Optional[str] = None
+        self._active_conversation: Dict[int, str] = {}
+        self._request_numbers: Dict[int, int] = defaultdict(int)
+        self.thread_errors: List[str] = []
+        self.sampler = ThroughputSampler(self.cache, self.recorder, self.request_queue)
+        self.scheduler = ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop,
+                                          config.max_requests)
+
+    # --- control ---
+    def request_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        self._stop.set()
+
+    def run(self) -> Dict[str, Any]:
+        """Run the workload, then return the results; the cache's files are removed either way."""
+        try:
+            elapsed = self._drive()
+            return self._results(elapsed)
+        finally:
+            self.cache.close()
+
+    def _drive(self) -> float:
+        cfg = self.config
+        slots = max(1, min(cfg.worker_slots, cfg.num_users))
+        t0 = time.perf_counter()
+        threads = [self.scheduler.start(t0)]
+        threads += [self._spawn(self._worker, f"worker-{i}") for i in range(slots)]
+        monitor = self._spawn(self._monitor, "monitor", t0)
+        deadline = t0 + cfg.duration_s if cfg.duration_s else None
+        while not self._stop.is_set():
+            if self.recorder.reached_max_requests.wait(0.05):
+                self.request_stop("max_requests")
+            elif deadline is not None and time.perf_counter() >= deadline:
+                self.request_stop("duration")
+        # Generation sleeps end at once; an I/O in flight finishes (it must, before files are removed).
+        for thread in threads + [monitor]:
+            thread.join()
+        elapsed = time.perf_counter() - t0
+        self.sampler.sample(elapsed)
+        return elapsed
+
+    def _spawn(self, target: Callable, name: str, *args: Any) -> threading.Thread:
+        def guarded() -> None:
+            try:
+                target(*args)
+            except Exception as exc:                # a dead thread must never pass silently
+                logger.exception("thread %s failed", name)
+                self.thread_errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                self.request_stop("thread_error")
+        thread = threading.Thread(target=guarded, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def _monitor(self, t0: float) -> None:
+        interval = self.config.monitor_interval_s
+        next_sample = t0 + interval
+        while not self._stop.wait(max(0.0, next_sample - time.perf_counter())):
+            self.sampler.sample(time.perf_counter() - t0)
+            next_sample += interval
+
+    # --- requests ---
+    def _build_request(self, user_index: int, planned: PlannedRequest) -> InferenceRequest:
+        user = self.plan.users[user_index]
+        self._request_numbers[user_index] += 1
+        conv_id, turn, cache_key, previous = None, 0, None, None
+        if self.config.enable_multi_turn:
+            conv_id = self._active_conversation.get(user_index)
+            if planned.turn == 1 or conv_id is None or not self.conversations.has_conversation(conv_id):
+                conv_id = self.conversations.start_conversation(user.user_id)
+                self._active_conversation[user_index] = conv_id
+            else:
+                previous = self.conversations.get_previous_cache_keys(conv_id)[-1]
+            turn, cache_key = self.conversations.add_turn(conv_id, planned.context_tokens, planned.generate_tokens)
+        prefix = self.plan.matcher.lookup(planned.prefix_key) if planned.prefix_key else None
+        prefill_only = planned.context_tokens >= PREFILL_ONLY_CONTEXT_TOKENS
+        return InferenceRequest(
+            user_id=user.user_id,
+            request_id=f"{user.user_id}_req_{self._request_numbers[user_index]}",
+            timestamp=time.time(),
+            context_tokens=planned.context_tokens,
+            generate_tokens=0 if prefill_only else planned.generate_tokens,
+            priority=user.priority,
+            phase=InferencePhase.PREFILL if prefill_only else InferencePhase.PREFILL_DECODE,
+            qos_level=user.qos_level,
+            cache_key=cache_key,
+            conversation_id=conv_id,
+            turn_number=turn,
+            previous_cache_key=previous,
+            prefix_key=prefix.cache_key if prefix else None,
+            prefix_tokens=prefix.tokens if prefix else 0,
+            prefix_type=prefix.prefix_type if prefix else None,
+            user_index=user_index,
+        )
+
+    def _worker(self) -> None:
+        while not self._stop.is_set():
+            try:
+                _, _, request = self.request_queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            record = self._process(request)
+            if record is not None:
+                self.recorder.complete(record)
+                self.scheduler.release(request.user_index)
+
+    def _process(self, req: InferenceRequest) -> Optional[RequestRecord]:
+        req.start_time = time.perf_counter()
+        io = {"storage": 0.0, "prefill": 0.0, "decode": 0.0}
+        cache = self.cache
+
+        def spent(kind: str, seconds: float) -> None:
+            io["storage"] += seconds
+            io[kind] += seconds
+
+        if req.prefix_key and self.config.enable_prefix_caching:
+            location, seconds = cache.access_cache(req.prefix_key, InferencePhase.PREFILL, req.prefix_type)
+            spent("prefill", seconds)
+            self.prefixes.record(req.prefix_type, location is not None,
+                                 req.prefix_tokens * self.config.model.kv_cache_size_per_token)
+            if location is None:                   # evicted or never written: prefill it again
+                spent("prefill", cache.allocate_cache(req.prefix_key, req.prefix_tokens, InferencePhase.PREFILL,
+                                                      req.prefix_type)[2])
+        if req.previous_cache_key:
+            spent("prefill", cache.access_cache(req.previous_cache_key, InferencePhase.PREFILL, "multi_turn")[1])
+        spent("prefill", cache.allocate_cache(req.cache_key, req.context_tokens, InferencePhase.PREFILL)[2])
+        generation_s = self._decode(req, spent)
+        if generation_s is None:
+            self.recorder.abandon(io["storage"])
+            return None
+        req.complete_time = time.perf_counter()
+        return RequestRecord(req.qos_level.value, req.context_tokens, req.generate_tokens,
+                             req.complete_time - req.submit_time, req.start_time - req.submit_time,
+                             io["storage"], io["prefill"], io["decode"], generation_s)
+
+    def _decode(self, req: InferenceRequest, spent: Callable[[str, float], None]) -> Optional[float]:
+        """Decode reads interleaved with simulated generation; None when the run stopped first."""
+        if req.phase is InferencePhase.PREFILL or req.generate_tokens <= 0:
+            return 0.0
+        per_token_s = GENERATION_TIMING[self.config.generation_mode]
+        reads = 1 + req.generate_tokens // DECODE_TOKENS_PER_READ
+        steps = -(-req.generate_tokens // DECODE_TOKENS_PER_READ)
+        generation_s = 0.0
+        for step in range(max(reads, steps)):
+            if self._stop.is_set():
+                return None
+            if step < reads:
+                spent("decode", self.cache.access_cache(req.cache_key, InferencePhase.DECODE, "user")[1])
+            if step < steps and per_token_s > 0:
+                tokens = min(DECODE_TOKENS_PER_READ, req.generate_tokens - step * DECODE_TOKENS_PER_READ)
+                t = time.perf_counter()
+                if self._stop.wait(tokens * per_token_s):
+                    return None
+                generation_s += time.perf_counter() - t
+        return generation_s
+
+    # --- results ---
+    def _results(self, elapsed_s: float) -> Dict[str, Any]:
+        cache_stats = self.cache.get_stats(elapsed_s)      # tier counts: end of workload, before cleanup
+        return assemble_results(
+            config=self.config, seed=self.config.seed, records=list(self.recorder.records),
+            recorder=self.recorder, cache_stats=cache_stats, prefix_stats=self.prefixes.stats(),
+            timeline=self.sampler.timeline, elapsed_s=elapsed_s, workload_digest=self.workload_digest,
+            admitted=self.scheduler.admitted, stop_reason=self.stop_reason, thread_errors=self.thread_errors,
+            conversations_evicted=self.conversations.evicted_conversations)
+
+
+# ============================================================================
+# STATISTICS AND REPORTS
+# ============================================================================
+
+def qos_metrics(records: Sequence[RequestRecord]) -> Dict[str, Any]:
+    """Per QoS class: request count, latency and SLA compliance.
+
+    The SLA is judged on *service latency*: end-to-end minus the simulated
+    generation time (queue wait + cache I/O + overhead), i.e. what the
+    serving system and its cache hierarchy add. With generation included,
+    a 50 ms target could never be met by a 100-token answer at 30 ms/token.
+    """
+    out: Dict[str, Any] = {}
+    for level, profile in QOS_PROFILES.items():
+        service_s = [r.end_to_end_s - r.generation_s for r in records if r.qos_level == level.value]
+        sla = QoSSLA(level, profile.target_latency_p95_ms, profile.target_latency_p99_ms, profile.priority)
+        sla.total_requests = len(service_s)
+        sla.violations = sum(1 for s in service_s if s * 1000.0 > sla.target_latency_p95_ms)
+        summary = latency_summary_ms(service_s)
+        out[level.value] = {
+            "total_requests": sla.total_requests,
+            "priority": sla.priority,
+            "latency_ms": summary,
+            "sla": {
+                "target_p95_ms": sla.target_latency_p95_ms,
+                "target_p99_ms": sla.target_latency_p99_ms,
+                "actual_p95_ms": summary["p95"],
+                "compliance": sla.sla_compliance,
+                "met": summary["p95"] is not None and summary["p95"] <= sla.target_latency_p95_ms,
+            },
+        }
+    return out
+
+
+def diagnose_bottlenecks(e2e: Dict[str, Any], queue_wait: Dict[str, Any], storage: Dict[str, Any],
+                         generation: Dict[str, Any], cache_stats: Dict[str, Any]) -> List[str]:
+    """Plain-language reasons why requests took as long as they did."""
+    notes: List[str] = []
+    mean_e2e = e2e["mean"] or 0.0
+    if mean_e2e <= 0:
+        return ["No request completed: nothing to diagnose."]
+    shares = (("Queue wait", queue_wait["mean"], "requests arrive faster than the worker slots serve them: "
+               "the system is overloaded"),
+              ("Storage I/O", storage["mean"], "the cache tiers' reads and writes limit the system"),
+              ("Simulated generation", generation["mean"], "token generation (the GPU), not storage, "
+               "limits the system"))
+    for name, mean_ms, meaning in shares:
+        if mean_ms is not None and mean_ms > 0.5 * mean_e2e:
+            notes.append(f"{name} dominates (~{_fmt_ms(mean_ms)} mean of {_fmt_ms(mean_e2e)} end-to-end): {meaning}.")
+    read_p95 = cache_stats.get("nvme_read_p95_ms")
+    if read_p95 is not None and read_p95 > LATENCY_CRITERIA_MS["nvme_read_p95"]:
+        notes.append(f"Storage-tier read P95 is {_fmt_ms(read_p95)} (target < 200 ms).")
+    write_p95 = cache_stats.get("nvme_write_p95_ms")
+    if write_p95 is not None and write_p95 > LATENCY_CRITERIA_MS["nvme_write_p95"]:
+        notes.append(f"Storage-tier write P95 is {_fmt_ms(write_p95)} (target < 500 ms).")
+    if cache_stats["io_errors"]:
+        notes.append(f"{cache_stats['io_errors']} storage I/O errors: see cache_stats.io_errors_by_kind.")
+    if not notes:
+        notes.append("No single component dominates end-to-end latency.")
+    return notes
+
+
+def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequence[RequestRecord],
+                     recorder: RunRecorder, cache_stats: Dict[str, Any], prefix_stats: Dict[str, int],
+                     timeline: List[Dict[str, Any]], elapsed_s: float, workload_digest: str, admitted: int,
+                     stop_reason: Optional[str], thread_errors: List[str],
+                     conversations_evicted: int = 0) -> Dict[str, Any]:
+    """The one place the results dict (and so the JSON) is put together."""
+    e2e = [r.end_to_end_s for r in records]
+    storage = [r.storage_s for r in records]
+    generation = [r.generation_s for r in records]
+    queue_wait = [r.queue_wait_s for r in records]
+    tokens_generated = sum(r.generate_tokens for r in records)
+    summaries = {name: latency_summary_ms(values) for name, values in
+                 (("e2e", e2e), ("storage", storage), ("generation", generation), ("queue", queue_wait))}
+    multi_hits, multi_misses = cache_stats["multi_turn_hits"], cache_stats["multi_turn_misses"]
+    interrupted = stop_reason in ("SIGINT", "SIGTERM")
+    summary = {
+        "total_requests": len(records),
+        "total_tokens": tokens_generated,
+        "elapsed_time": elapsed_s,
+        "avg_throughput_tokens_per_sec": _ratio(tokens_generated, elapsed_s),
+        "total_tokens_per_sec": _ratio(tokens_generated, elapsed_s),
+        "storage_throughput_tokens_per_sec": _ratio(cache_stats["tokens_read"] + cache_stats["tokens_written"],
+                                                    recorder.storage_s_all_requests),
+        "requests_per_second": _ratio(len(records), elapsed_s),
+        "nvme_throughput": cache_stats["nvme_throughput"],
+        "end_to_end_latency_ms": summaries["e2e"],
+        "storage_io_latency_ms": summaries["storage"],
+        "generation_latency_ms": summaries["generation"],
+        "queue_wait_latency_ms": summaries["queue"],
+        "cache_stats": cache_stats,
+        "qos_metrics": qos_metrics(records),
+        "prefix_cache_stats": prefix_stats,
+        "autoscaling_stats": [],
+        "multi_turn_stats": {"cache_hits": multi_hits, "cache_misses": multi_misses,
+                             "hit_rate": _ratio(multi_hits, multi_hits + multi_misses)},
+        "bottlenecks": diagnose_bottlenecks(summaries["e2e"], summaries["queue"], summaries["storage"],
+                                            summaries["generation"], cache_stats),
+        "workload_digest": workload_digest,
+        "requests_admitted": admitted,
+        "requests_abandoned": recorder.abandoned,
+        "conversations_evicted": conversations_evicted,
+        "stop_reason": stop_reason,
+        "thread_errors": list(thread_errors),
+    }
+    return {
+        "benchmark": "kv-cache",
+        "version": __version__,
+        "seed": seed,
+        "workload_digest": workload_digest,
+        "interrupted": interrupted,
+        "config": _config_dict(config),
+        "requests_completed": len(records),
+        "total_tokens_generated": tokens_generated,
+        "total_storage_io_latency": float(sum(storage)),
+        "total_generation_latency": float(sum(generation)),
+        "end_to_end_latencies": e2e,
+        "storage_latencies": storage,
+        "generation_latencies": generation,
+        "prefill_latencies": [r.prefill_s for r in records],
+        "decode_latencies": [r.decode_s for r in records],
+        "queue_wait_latencies": queue_wait,
+        "throughput_timeline": timeline,
+        "multi_turn_cache_hits": multi_hits,
+        "multi_turn_cache_misses": multi_misses,
+        "summary": summary,
+    }
+
+
+def _config_dict(config: BenchmarkConfig) -> Dict[str, Any]:
+    return {
+        "model": config.model.name,
+        "kv_bytes_per_token": config.model.kv_cache_size_per_token,
+        "num_users": config.num_users,
+        "duration_s": config.duration_s,
+        "gpu_mem_gb": config.gpu_mem_gb,
+        "cpu_mem_gb": config.cpu_mem_gb,
+        "cache_dir": config.cache_dir,
+        "generation_mode": config.generation_mode.value,
+        "performance_profile": config.performance_profile,
+        "multi_turn": config.enable_multi_turn,
+        "prefix_caching": config.enable_prefix_caching,
+        "max_requests": config.max_requests,
+        "max_concurrent_allocs": config.max_concurrent_allocs,
+        "worker_slots": config.worker_slots,
+        "monitor_interval_s": config.monitor_interval_s,
+    }
+
+
+def _fmt_ms(value: Optional[float]) -> str:
+    if value is None:
+        return "n/a"
+    if value >= 10_000:
+        return f"{value / 1000:.2f}s"
+    return f"{value:.2f}ms"
+
+
+def _fmt_latency(name: str, s: Dict[str, Any]) -> str:
+    return (f"  {name}: mean {_fmt_ms(s['mean'])}, P50 {_fmt_ms(s['p50'])}, "
+            f"P95 {_fmt_ms(s['p95'])}, P99 {_fmt_ms(s['p99'])}")
+
+
+def format_report(results: Dict[str, Any]) -> str:
+    """The console report, as one string (no printing here)."""
+    s, cfg = results["summary"], results["config"]
+    cs = s["cache_stats"]
+    lines: List[str] = []
+    add = lines.append
+    add("=" * 80)
+    add("KV CACHE BENCHMARK RESULTS")
+    add("=" * 80)
+    add(f"Model: {cfg['model']} ({cfg['kv_bytes_per_token']:,} bytes/token) | Users: {cfg['num_users']} | "
+        f"Generation: {cfg['generation_mode']} | Seed: {results['seed']}")
+    requested = f"{cfg['duration_s']:.0f}s" if cfg["duration_s"] else "no time limit"
+    add(f"Duration: {requested} requested, {s['elapsed_time']:.2f}s elapsed | stopped by: {s['stop_reason']}"
+        + (" | INTERRUPTED" if results["interrupted"] else ""))
+    gpu_note = f" (disabled: {cs['gpu_disabled_reason']})" if cs.get("gpu_disabled_reason") else ""
+    cap = "unbounded" if cs["storage_capacity_gb"] is None else f"{cs['storage_capacity_gb']:.2f} GB"
+    add(f"Budgets (effective): GPU {cs['effective_gpu_mem_gb']:.2f} GB{gpu_note} | "
+        f"CPU {cs['effective_cpu_mem_gb']:.2f} GB | storage {cap}")
+    add(f"Storage I/O: {cs['storage_io_mode']} in {cs['storage_run_dir']}")
+    add(f"Workload digest: {results['workload_digest']}")
+    _report_assessment(add, cs["storage_health"])
+    _report_overall(add, s, cs)
+    _report_latency(add, s)
+    _report_tiers(add, cs)
+    _report_cache_types(add, s, cs)
+    _report_qos(add, s["qos_metrics"])
+    if s["thread_errors"]:
+        add("")
+        add("### THREAD FAILURES ###")
+        for error in s["thread_errors"]:
+            add(f"  - {error}")
+    add("=" * 80)
+    return "\n".join(lines)
+
+
+def _report_assessment(add: Callable[[str], None], health: Dict[str, Any]) -> None:
+    add("")
+    add(f"### STORAGE PERFORMANCE ASSESSMENT: {health['overall_status']} ###")
+    add(f"  Profile: {health['profile']}")
+    add(f"  Criteria Passed: {health['passed_count']}/{health['total_count']}")
+    for c in health["criteria"]:
+        actual = c["actual"]
+        if c["unit"] == "ms":
+            shown = _fmt_ms(actual)
+        elif c["unit"] == "%":
+            shown = f"{actual:.1f}%"
+        elif c["unit"] == "tok/s":
+            shown = f"{actual:,.2f} tok/s"
+        else:
+            shown = f"{actual}"
+        add(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['name']}: {shown}")
+    for name in health["not_applicable"]:
+        add(f"  [N/A ] {name}: tier not used in this run")
+
+
+def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str, Any]) -> None:
+    add("")
+    add("### OVERALL PERFORMANCE ###")
+    add(f"  Total Requests: {s['total_requests']:,} (admitted {s['requests_admitted']:,}, "
+        f"abandoned at stop {s['requests_abandoned']:,})")
+    add(f"  Total Tokens Generated: {s['total_tokens']:,}")
+    add(f"  Avg Throughput: {s['avg_throughput_tokens_per_sec']:,.2f} tok/s (generated tokens / wall time)")
+    add(f"  Storage Throughput: {s['storage_throughput_tokens_per_sec']:,.2f} tok/s "
+        f"(tokens moved by cache I/O / time spent in cache I/O)")
+    add(f"  Storage Tier Throughput: {cs['nvme_throughput']:,.2f} tok/s "
+        f"(storage-tier tokens read + written / wall time)")
+    add(f"  Storage Tier Bandwidth: read {cs['nvme_read_gbps_wall']:.3f} GB/s, "
+        f"write {cs['nvme_write_gbps_wall']:.3f} GB/s (wall); device-busy basis: "
+        f"read {cs['nvme_read_gbps_device']:.3f} GB/s, write {cs['nvme_write_gbps_device']:.3f} GB/s")
+    add(f"  Requests/sec: {s['requests_per_second']:,.2f}")
+
+
+def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
+    add("")
+    add("### LATENCY BREAKDOWN ###")
+    add(_fmt_latency("End-to-End", s["end_to_end_latency_ms"]))
+    add(_fmt_latency("Queue Wait (measured)", s["queue_wait_latency_ms"]))
+    add(_fmt_latency("Storage I/O", s["storage_io_latency_ms"]))
+    add(_fmt_latency("Generation (simulated)", s["generation_latency_ms"]))
+    add(f"  Approximate mean queue wait: {_fmt_ms(s['queue_wait_latency_ms']['mean'])}")
+    add("  Potential bottlenecks:")
+    for note in s["bottlenecks"]:
+        add(f"    - {note}")
+
+
+def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any]) -> None:
+    add("")
+    add("### TIER DISTRIBUTION (entries at the end of the workload) ###")
+    add(f"  GPU: {cs['gpu_entries']:,} | CPU: {cs['cpu_entries']:,} | Storage: {cs['nvme_entries']:,}")
+    add(f"  Demotions: to CPU {cs['offloads_cpu']:,}, to storage {cs['offloads_nvme']:,} | "
+        f"evicted from the cache: {cs['evictions']:,} | I/O errors: {cs['io_errors']:,}")
+    add("")
+    add("### PHASE METRICS ###")
+    add(f"  Prefill writes: {cs['prefill_writes']:,} ({cs['prefill_bytes_written_gb']:.3f} GB)")
+    add(f"  Decode reads: {cs['decode_reads']:,} ({cs['decode_bytes_read_gb']:.3f} GB)")
+    add(f"  All tiers: read {cs['total_read_gb']:.3f} GB, written {cs['total_write_gb']:.3f} GB, "
+        f"read/write ratio {cs['read_write_ratio']:.2f}")
+    add("")
+    add("### TIER-SPECIFIC LATENCIES (total; device and host P95) ###")
+    for tier in TIER_NAMES:
+        for op in ("read", "write"):
+            if cs[f"{tier}_{op}_p50_ms"] is None:
+                continue
+            add(f"  {tier.upper()} {op.capitalize()}: P50 {_fmt_ms(cs[f'{tier}_{op}_p50_ms'])}, "
+                f"P95 {_fmt_ms(cs[f'{tier}_{op}_p95_ms'])}, P99 {_fmt_ms(cs[f'{tier}_{op}_p99_ms'])} "
+                f"(device P95 {_fmt_ms(cs[f'{tier}_{op}_device_p95_ms'])}, "
+                f"host P95 {_fmt_ms(cs[f'{tier}_{op}_host_p95_ms'])}) "
+                f"[{cs[f'{tier}_{op}s']:,} ops]")
+
+
+def _report_cache_types(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str, Any]) -> None:
+    add("")
+    add("### CACHE TYPE BREAKDOWN ###")
+    add(f"  Overall hit rate: {cs['cache_hit_rate'] * 100:.1f}% ({cs['cache_hits']:,} hits, "
+        f"{cs['cache_misses']:,} misses)")
+    for label, cache_type in (("System prompt", "system"), ("Common phrase", "common"),
+                              ("Multi-turn", "multi_turn"), ("User (decode)", "user")):
+        add(f"  {label}: {cs[_HIT_COUNTER[cache_type]]:,} hits, {cs[_MISS_COUNTER[cache_type]]:,} misses")
+    p = s["prefix_cache_stats"]
+    add("")
+    add("### PREFIX CACHING ###")
+    add(f"  System prompt reuse (requests carrying one): {p['system_prompt_reuse']:,}; "
+        f"found in cache: {cs['system_prompt_hits']:,}")
+    add(f"  Common phrase reuse: {p['common_phrase_reuse']:,}; found in cache: {cs['common_phrase_hits']:,}")
+    add(f"  Prefix hits {p['prefix_hits']:,}, misses {p['prefix_misses']:,}, "
+        f"prefill bytes saved {p['bytes_saved'] / GIB:.3f} GB")
+    m = s["multi_turn_stats"]
+    add(f"  Multi-turn: {m['cache_hits']:,} hits, {m['cache_misses']:,} misses ({m['hit_rate'] * 100:.1f}%)")
+
+
+def _report_qos(add: Callable[[str], None], qos: Dict[str, Any]) -> None:
+    add("")
+    add("### QOS (service latency = end-to-end minus simulated generation) ###")
+    for level, q in qos.items():
+        sla = q["sla"]
+        if not q["total_requests"]:
+            add(f"  {level}: no requests")
+            continue
+        add(f"  {level}: {q['total_requests']:,} requests, P95 {_fmt_ms(sla['actual_p95_ms'])} "
+            f"(target {sla['target_p95_ms']:.0f}ms), compliance {sla['compliance'] * 100:.1f}% "
+            f"[{'MET' if sla['met'] else 'MISSED'}]")
+
+
+def write_json(results: Dict[str, Any], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2, default=_json_default)
+        f.write("\n")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, (Path, Enum)):
+        return str(value.value if isinstance(value, Enum) else value)
+    if isinstance(value, float) and math.isinf(value):
+        return None
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+# ============================================================================
+# COMMAND LINE
+# ============================================================================
+
+class UsageError(Exception):
+    """Bad input: reported as one line on stderr, exit status 2."""
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:          # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+NOT_YET_AVAILABLE = {
+    "enable_autoscaling": "--enable-autoscaling",
+    "enable_rag": "--enable-rag",
+    "dataset_path": "--dataset-path",
+    "xlsx_output": "--xlsx-output",
+}
+
+SYSTEM_PATHS = ("/", "/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "/boot", "/lib", "/lib64")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _ArgumentParser(
+        prog="kv-cache.py",
+        description="MLPerf Storage KV-cache benchmark: multi-user LLM inference over a "
+                    "GPU -> CPU -> storage KV cache.",
+        epilog="Example: python3 kv-cache.py --model tiny-1b --num-users 8 --duration 10 --gpu-mem-gb 0 "
+               "--cpu-mem-gb 0.05 --generation-mode none --cache-dir /tmp --seed 42 --output results.json")
+    w = p.add_argument_group("workload")
+    w.add_argument("--model", default="llama3.1-8b", choices=list(MODEL_CONFIGS), help="model geometry (default: %(default)s)")
+    w.add_argument("--num-users", type=int, default=100, help=f"simulated users, 1-{MAX_USERS:,} (default: %(default)s)")
+    w.add_argument("--duration", type=float, default=None,
+                   help="seconds to run, up to a day (default: 60; no limit when only --max-requests is given)")
+    w.add_argument("--generation-mode", default="realistic", choices=[m.value for m in GenerationMode],
+                   help="simulated token generation: none 0, fast 2, realistic 30 ms/token (default: %(default)s)")
+    w.add_argument("--disable-multi-turn", action="store_true", help="no multi-turn conversation caching")
+    w.add_argument("--disable-prefix-caching", action="store_true", help="no shared system-prompt caching")
+    w.add_argument("--seed", type=int, default=None, help="seed for an identical workload on every run (MLPerf: 42)")
+    w.add_argument("--max-requests", type=int, default=0, help="stop after N completed requests (0: no limit)")
+    w.add_argument("--num-workers", type=int, default=DEFAULT_WORKER_SLOTS,
+                   help="concurrent inference slots (worker threads) (default: %(default)s)")
+
+    m = p.add_argument_group("memory tiers")
+    m.add_argument("--gpu-mem-gb", type=float, default=16.0, help="GPU tier budget in GiB, 0 disables (default: %(default)s)")
+    m.add_argument("--cpu-mem-gb", type=float, default=32.0, help="CPU tier budget in GiB, 0 disables (default: %(default)s)")
+    m.add_argument("--cache-dir", default=None, help="directory for the storage tier (default: the system temporary directory)")
+    m.add_argument("--max-concurrent-allocs", type=int, default=0,
+                   help="cap on simultaneous cache allocations, bounds RAM (0: unlimited)")
+
+    a = p.add_argument_group("autoscaling")
+    a.add_argument("--enable-autoscaling", action="store_true", help="adjust the user count during the run")
+    a.add_argument("--autoscaler-mode", default="qos", choices=["qos", "capacity"], help="(default: %(default)s)")
+    a.add_argument("--target-saturation", type=float, default=0.8, help="QoS-mode target, 0.0-1.0 (default: %(default)s)")
+    a.add_argument("--monitor-interval", type=float, default=DEFAULT_MONITOR_INTERVAL_S,
+                   help="seconds between monitor samples (default: %(default)s)")
+
+    d = p.add_argument_group("dataset replay and RAG")
+    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file to replay")
+    d.add_argument("--max-conversations", type=int, default=500, help="conversations to sample from the dataset (default: %(default)s)")
+    d.add_argument("--request-rate", type=float, default=0.0, help="target arrivals per second (0: no pacing)")
+    d.add_argument("--enable-rag", action="store_true", help="simulate RAG document ingestion and retrieval")
+    d.add_argument("--rag-num-docs", type=int, default=10, help="RAG documents to ingest (default: %(default)s)")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--performance-profile", default="latency", choices=["latency", "throughput"],
+                   help="pass/fail criteria (default: %(default)s)")
+    o.add_argument("--output", default=None, help="results JSON (default: benchmark_results_<timestamp>.json)")
+    o.add_argument("--xlsx-output", default=None, help="results spreadsheet (.xlsx, or .csv)")
+    o.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="(default: %(default)s)")
+    return p
+
+
+def _check_range(flag: str, value: float, low: float, high: float, what: str) -> None:
+    if not (low <= value <= high) or (isinstance(value, float) and math.isnan(value)):
+        raise UsageError(f"{flag} must be {what}, got {value:g}")
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Raise UsageError naming the flag and the accepted range; touches nothing on disk."""
+    _check_range("--num-users", args.num_users, 1, MAX_USERS, f"between 1 and {MAX_USERS:,}")
+    if args.duration is not None:
+        _check_range("--duration", args.duration, 1e-3, MAX_DURATION_S, f"above 0 and at most {MAX_DURATION_S} seconds")
+    for flag, value in (("--gpu-mem-gb", args.gpu_mem_gb), ("--cpu-mem-gb", args.cpu_mem_gb)):
+        _check_range(flag, value, 0, MAX_MEMORY_GB, f"between 0 and {MAX_MEMORY_GB:,} GB")
+    _check_range("--target-saturation", args.target_saturation, 0.0, 1.0, "between 0.0 and 1.0")
+    _check_range("--max-conversations", args.max_conversations, 1, 10_000_000, "at least 1")
+    _check_range("--request-rate", args.request_rate, 0, 1e6, "0 (no pacing) or a positive rate up to 1,000,000/s")
+    _check_range("--max-requests", args.max_requests, 0, 10 ** 12, "0 (no limit) or a positive count")
+    _check_range("--max-concurrent-allocs", args.max_concurrent_allocs, 0, 100_000, "0 (unlimited) or a positive count")
+    _check_range("--rag-num-docs", args.rag_num_docs, 0, 1_000_000, "between 0 and 1,000,000")
+    _check_range("--num-workers", args.num_workers, 1, 1024, "between 1 and 1024")
+    _check_range("--monitor-interval", args.monitor_interval, 0.1, 3600, "between 0.1 and 3600 seconds")
+    if args.seed is not None:
+        _check_range("--seed", args.seed, 0, 2 ** 63 - 1, "a non-negative integer below 2**63")
+    _check_cache_dir(args.cache_dir)
+    _check_output_path("--output", args.output)
+    _check_output_path("--xlsx-output", args.xlsx_output)
+
+
+def _check_cache_dir(cache_dir: Optional[str]) -> None:
+    if cache_dir is None:
+        return
+    path = Path(cache_dir).expanduser()
+    resolved = path.resolve()
+    if str(resolved) in SYSTEM_PATHS or any(str(resolved).startswith(p + "/") for p in ("/proc", "/sys", "/dev")):
+        raise UsageError(f"--cache-dir {cache_dir} is a system path; give a directory on the storage under test")
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--cache-dir {cache_dir} exists and is not a directory")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--cache-dir {cache_dir} is not writable (needs write access to {existing})")
+
+
+def _check_output_path(flag: str, output: Optional[str]) -> None:
+    if output is None:
+        return
+    path = Path(output).expanduser()
+    if path.is_dir():
+        raise UsageError(f"{flag} {output} is a directory; give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {output}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{flag} {output}: directory {parent} is not writable")
+
+
+def available_memory_bytes() -> Optional[int]:
+    """MemAvailable from /proc/meminfo; None where there is none."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
+    validate_args(args)
+    duration = args.duration
+    if duration is None and not args.max_requests:
+        duration = 60.0
+    cpu_mem_gb = args.cpu_mem_gb
+    available = available_memory_bytes()
+    if available is not None and cpu_mem_gb * GIB > available:
+        logger.warning("--cpu-mem-gb %.2f exceeds the %.2f GB of available RAM; using %.2f GB.",
+                       cpu_mem_gb, available / GIB, available / GIB)
+        cpu_mem_gb = available / GIB
+    return BenchmarkConfig(
+        model=MODEL_CONFIGS[args.model],
+        num_users=args.num_users,
+        duration_s=duration,
+        gpu_mem_gb=args.gpu_mem_gb,
+        cpu_mem_gb=cpu_mem_gb,
+        cache_dir=str(Path(args.cache_dir).expanduser()) if args.cache_dir else None,
+        generation_mode=GenerationMode(args.generation_mode),
+        performance_profile=args.performance_profile,
+        enable_multi_turn=not args.disable_multi_turn,
+        enable_prefix_caching=not args.disable_prefix_caching,
+        seed=args.seed,
+        max_requests=args.max_requests,
+        max_concurrent_allocs=args.max_concurrent_allocs,
+        worker_slots=args.num_workers,
+        monitor_interval_s=args.monitor_interval,
+    )
+
+
+def _announce_unavailable(args: argparse.Namespace) -> None:
+    for attr, flag in NOT_YET_AVAILABLE.items():
+        if getattr(args, attr):
+            logger.warning("%s is accepted but not available yet in this version; the run goes on without it.", flag)
+    if args.request_rate:
+        logger.warning("--request-rate is accepted but not available yet in this version; arrivals are not paced.")
+
+
+EXIT_OK, EXIT_DEGRADED, EXIT_USAGE = 0, 1, 2
+EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
+
+
+def _install_signal_handlers(bench: IntegratedBenchmark) -> None:
+    def on_signal(signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        logger.warning("%s received: stopping; partial results will be written.", name)
+        bench.request_stop(name)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+
+def _make_cache_dir(cache_dir: Optional[str]) -> List[Path]:
+    """Create a missing --cache-dir; returns the directories created, outermost first."""
+    if not cache_dir:
+        return []
+    created = []
+    path = Path(cache_dir)
+    while not path.exists():
+        created.append(path)
+        path = path.parent
+    created.reverse()
+    for directory in created:
+        directory.mkdir()
+    return created
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except UsageError as exc:
+        print(f"kv-cache.py: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    _announce_unavailable(args)
+    output = args.output or f"benchmark_results_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    created_dirs = _make_cache_dir(config.cache_dir)
+    try:
+        bench = IntegratedBenchmark(config)
+        _install_signal_handlers(bench)
+        logger.info("Running %s with %d users (%s); workload digest %s", config.model.name, config.num_users,
+                    f"{config.duration_s:g}s" if config.duration_s else f"{config.max_requests} requests",
+                    bench.workload_digest)
+        results = bench.run()
+    finally:
+        for directory in reversed(created_dirs):     # only the ones we made, and only if empty
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+    print(format_report(results))
+    write_json(results, output)
+    logger.info("Results written to %s", output)
+    if bench.stop_reason in EXIT_SIGNAL:
+        return EXIT_SIGNAL[bench.stop_reason]
+    degraded = results["summary"]["cache_stats"]["io_errors"] or results["summary"]["thread_errors"]
+    return EXIT_DEGRADED if degraded else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -698,6 +698,41 @@ class IOTiming:
         return cls(total, device, total - device)
 
 
+class IOAborted(Exception):
+    """The run is stopping: an operation gave up between chunks after moving `nbytes`."""
+
+    def __init__(self, nbytes: int):
+        super().__init__(f"aborted after {nbytes} bytes")
+        self.nbytes = nbytes
+
+
+class BusyClock:
+    """Wall time during which at least one operation was in flight (iostat's %util, per
+    operation kind). Summing per-operation times instead would count overlaps N times."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._since = 0.0
+        self._busy_s = 0.0
+
+    def start(self) -> None:
+        with self._lock:
+            if self._inflight == 0:
+                self._since = time.perf_counter()
+            self._inflight += 1
+
+    def stop(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._busy_s += time.perf_counter() - self._since
+
+    def busy_s(self) -> float:
+        with self._lock:
+            return self._busy_s + (time.perf_counter() - self._since if self._inflight else 0.0)
+
+
 # A source of entry bytes: fill(entry_offset, out) writes bytes [offset, offset+out.size).
 ByteSource = Callable[[int, np.ndarray], None]
 
@@ -1027,6 +1062,13 @@ class NVMeBackend(StorageBackend):
         self.direct_io = supported if direct_io is None else (direct_io and supported)
         self.io_mode = "O_DIRECT" if self.direct_io else f"buffered + fdatasync + fadvise(DONTNEED): {reason}"
         self._staging = threading.local()
+        self.busy = {"read": BusyClock(), "write": BusyClock()}
+        self.abort_event: Optional[threading.Event] = None    # set: give up between chunks
+        self._trash_ids = itertools.count(1)
+
+    def _check_abort(self, nbytes_done: int) -> None:
+        if self.abort_event is not None and self.abort_event.is_set():
+            raise IOAborted(nbytes_done)
 
     # --- paths and buffers ---
     def _path(self, key: str) -> Path:
@@ -1046,8 +1088,8 @@ class NVMeBackend(StorageBackend):
     def write_from(self, key, source, nbytes, shape, dtype, staging=None) -> IOTiming:
         staging = self._thread_staging() if staging is None else staging
         path = self._path(key)
-        t0 = time.perf_counter()
         self.delete(key)                                  # replacing an entry of ours
+        t0 = time.perf_counter()
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         if self.direct_io:
             flags |= os.O_DIRECT
@@ -1067,7 +1109,9 @@ class NVMeBackend(StorageBackend):
         total = NPY_DATA_OFFSET + nbytes
         file_off = data_off = 0
         device_s = 0.0
+        clock = self.busy["write"]
         while file_off < total:
+            self._check_abort(data_off)
             n = min(staging.size, total - file_off)
             head = 0
             if file_off == 0:
@@ -1076,17 +1120,26 @@ class NVMeBackend(StorageBackend):
             if n > head:
                 source(data_off, staging[head:n])
                 data_off += n - head
+            clock.start()
             t = time.perf_counter()
-            _pwrite_all(fd, staging[:self._io_len(n)], file_off)
-            device_s += time.perf_counter() - t
+            try:
+                _pwrite_all(fd, staging[:self._io_len(n)], file_off)
+            finally:
+                device_s += time.perf_counter() - t
+                clock.stop()
             file_off += n
+        clock.start()
         t = time.perf_counter()
-        if self.direct_io and total % BLOCK_BYTES:
-            os.ftruncate(fd, total)
-        os.fdatasync(fd)                                  # durable before we call it written
-        if not self.direct_io:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return device_s + time.perf_counter() - t
+        try:
+            if self.direct_io and total % BLOCK_BYTES:
+                os.ftruncate(fd, total)
+            os.fdatasync(fd)                              # durable before we call it written
+            if not self.direct_io:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            device_s += time.perf_counter() - t
+            clock.stop()
+        return device_s
 
     # --- reading ---
     def _open_for_read(self, key: str) -> Tuple[int, Dict[str, Any]]:
@@ -1101,12 +1154,18 @@ class NVMeBackend(StorageBackend):
     def _read_chunks(self, fd: int, nbytes: int, buffer_for: Callable[[int, int], np.ndarray]) -> float:
         device_s = 0.0
         done = 0
+        clock = self.busy["read"]
         while done < nbytes:
+            self._check_abort(done)
             buf = buffer_for(done, nbytes - done)
             want = min(buf.size, nbytes - done)
+            clock.start()
             t = time.perf_counter()
-            got = os.preadv(fd, [buf[:self._io_len(want)]], NPY_DATA_OFFSET + done)
-            device_s += time.perf_counter() - t
+            try:
+                got = os.preadv(fd, [buf[:self._io_len(want)]], NPY_DATA_OFFSET + done)
+            finally:
+                device_s += time.perf_counter() - t
+                clock.stop()
             if got < want:
                 raise OSError(errno.EIO, f"short read: {got} of {want} bytes")
             done += want
@@ -1146,6 +1205,18 @@ class NVMeBackend(StorageBackend):
             return False
         Path(meta["path"]).unlink(missing_ok=True)
         return True
+
+    def detach(self, key: str) -> Optional[Path]:
+        """Forget an entry but keep its file for later deletion, renamed out of the way so
+        the key can be written again at once. Returns the file's new path."""
+        with self._lock:
+            meta = self.metadata.pop(key, None)
+        if meta is None:
+            return None
+        path = Path(meta["path"])
+        trash = path.with_name(f".trash_{next(self._trash_ids)}_{path.name}")
+        os.rename(path, trash)
+        return trash
 
     def clear(self) -> None:
         """Remove every file this backend wrote, and its directory if it made it."""
@@ -1292,7 +1363,7 @@ def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str],
             stats[f"{tier}_{op}_mean_ms"] = total_ms["mean"]
             stats[f"{tier}_{op}_device_p95_ms"] = device_ms["p95"]
             stats[f"{tier}_{op}_host_p95_ms"] = host_ms["p95"]
-            stats[f"{tier}_{op}_device_busy_s"] = float(sum(devices))
+            stats[f"{tier}_{op}_device_time_s"] = float(sum(devices))
     stats["total_read_gb"] = total_read / GIB
     stats["total_write_gb"] = total_written / GIB
     stats["read_write_ratio"] = _ratio(total_read, total_written)
@@ -1300,11 +1371,13 @@ def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str],
     stats["nvme_throughput"] = _ratio(stats["nvme_tokens_processed"], duration_s)
     stats["nvme_read_gbps_wall"] = _ratio(c["nvme_bytes_read"] / GIB, duration_s)
     stats["nvme_write_gbps_wall"] = _ratio(c["nvme_bytes_written"] / GIB, duration_s)
-    stats["nvme_read_gbps_device"] = _ratio(c["nvme_bytes_read"] / GIB, stats["nvme_read_device_busy_s"])
-    stats["nvme_write_gbps_device"] = _ratio(c["nvme_bytes_written"] / GIB, stats["nvme_write_device_busy_s"])
     stats["tokens_read"] = sum(c[f"{t}_tokens_read"] for t in TIER_NAMES)
     stats["tokens_written"] = sum(c[f"{t}_tokens_written"] for t in TIER_NAMES)
+    stats["retired_entries_deleted"] = c["retired_entries_deleted"]
     stats.update(tiers_info)
+    # Device-busy basis: bytes over the wall time during which at least one such I/O was in flight.
+    stats["nvme_read_gbps_device"] = _ratio(c["nvme_bytes_read"] / GIB, stats.get("nvme_read_device_busy_s", 0.0))
+    stats["nvme_write_gbps_device"] = _ratio(c["nvme_bytes_written"] / GIB, stats.get("nvme_write_device_busy_s", 0.0))
     stats["storage_health"] = evaluate_storage_performance(profile, stats)
     return stats
 
@@ -1347,6 +1420,11 @@ class CacheStats:
             totals.append(timing.total)
             devices.append(timing.device)
             hosts.append(timing.host)
+
+    def record_partial(self, tier: str, op: str, nbytes: int) -> None:
+        """Bytes an aborted operation really moved: counted as bytes, not as an operation."""
+        self.count(f"{tier}_bytes_{'read' if op == 'read' else 'written'}", nbytes)
+        self.count(f"{tier}_aborted_{op}s")
 
     def record_lookup(self, cache_type: str, hit: bool) -> None:
         with self._lock:
@@ -1413,6 +1491,10 @@ class MultiTierCache:
             self._limits["cpu"] = cpu_memory_gb * GIB
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvcache_run_", dir=cache_dir))
         self.backends["nvme"] = NVMeBackend(self.run_dir)
+        self._abort = threading.Event()
+        self.backends["nvme"].abort_event = self._abort
+        self._retired: set = set()
+        self._trash: List[Path] = []
         self._limits["nvme"] = storage_capacity_gb * GIB if storage_capacity_gb else float("inf")
         self._usage: Dict[str, int] = {t: 0 for t in self.backends}
         self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
@@ -1498,7 +1580,7 @@ class MultiTierCache:
             entry = CacheEntry(key, size, num_tokens, shape=cfg.entry_shape(num_tokens), dtype=cfg.numpy_dtype.str)
             self._entries[key] = entry
         if old is not None:
-            self.backends[old.tier].delete(key)
+            self._discard_data(old.tier, key)
         tier = self._reserve(size, 0)
         if tier is None:
             self._drop(entry, reserved_tier=None)
@@ -1507,9 +1589,9 @@ class MultiTierCache:
         try:
             timing = self.backends[tier].write_from(key, generator_source(self.generator, key), size,
                                                      entry.shape, entry.dtype, self._staging())
-        except OSError as exc:
+        except (OSError, IOAborted) as exc:
             self._drop(entry, reserved_tier=tier)
-            self._record_io_error(tier, "write", exc)
+            self._record_failure(tier, "write", exc)
             return False, None, time.perf_counter() - t0
         with self._lock:
             entry.tier, entry.state = tier, "ready"
@@ -1557,12 +1639,12 @@ class MultiTierCache:
             return
         try:
             timing = self._move(victim, source, dest)
-        except OSError as exc:
+        except (OSError, IOAborted) as exc:
             with self._lock:
                 self._usage[dest] -= victim.size_bytes
             self._drop(victim, reserved_tier=source)
             self.backends[source].delete(victim.key)
-            self._record_io_error(dest, "write", exc)
+            self._record_failure(dest, "write", exc)
             return
         with self._lock:
             victim.tier, victim.state = dest, "ready"
@@ -1598,6 +1680,12 @@ class MultiTierCache:
                 self._usage[reserved_tier] -= entry.size_bytes
                 self._lru[reserved_tier].pop(entry.key, None)
 
+    def _record_failure(self, tier: str, op: str, exc: BaseException) -> None:
+        if isinstance(exc, IOAborted):
+            self.stats.record_partial(tier, op, exc.nbytes)
+        else:
+            self._record_io_error(tier, op, exc)
+
     def _record_io_error(self, tier: str, op: str, exc: OSError) -> None:
         kind = errno.errorcode.get(exc.errno, "EOTHER") if exc.errno else "EOTHER"
         self.stats.count("io_errors")
@@ -1623,6 +1711,9 @@ class MultiTierCache:
                 timing = self.backends[tier].read_through(key, self._staging())
             except KeyError:
                 continue
+            except IOAborted as exc:                   # the run is stopping: neither hit nor miss
+                self.stats.record_partial(tier, "read", exc.nbytes)
+                return None, time.perf_counter() - t0
             except OSError as exc:
                 self._record_io_error(tier, "read", exc)
                 break
@@ -1632,6 +1723,55 @@ class MultiTierCache:
             return tier, time.perf_counter() - t0
         self.stats.record_lookup(cache_type, hit=False)
         return None, time.perf_counter() - t0
+
+    # --- end of life of entries ---
+    def retire(self, keys: Sequence[str]) -> None:
+        """Mark entries the workload will never read again (a finished conversation).
+
+        They keep their place in the GPU/CPU LRU order, so the waterfall is
+        exactly what it would be without this; once they reach the storage
+        tier, where they would otherwise sit until the end of the run,
+        `reap_retired` deletes them (a server frees a finished session too),
+        so the run's files do not pile up for a long cleanup at the end.
+        """
+        with self._lock:
+            self._retired.update(keys)
+
+    def _discard_data(self, tier: str, key: str) -> None:
+        """Drop a replaced entry's data. A storage file is only renamed here; deleting it
+        can take long (discard on unlink) and is left to `collect_garbage`, off the request's path."""
+        if tier != "nvme":
+            self.backends[tier].delete(key)
+            return
+        trash = self.backends["nvme"].detach(key)
+        if trash is not None:
+            with self._lock:
+                self._trash.append(trash)
+
+    def collect_garbage(self) -> int:
+        """Delete retired entries that reached the storage tier and replaced files; returns how many."""
+        doomed = []
+        with self._lock:
+            for key in list(self._retired):
+                entry = self._entries.get(key)
+                if entry is None:
+                    self._retired.discard(key)
+                elif entry.tier == "nvme" and entry.state == "ready":
+                    self._forget(entry)
+                    self._retired.discard(key)
+                    doomed.append(key)
+            trash, self._trash = self._trash, []
+        for key in doomed:
+            self.backends["nvme"].delete(key)
+        for path in trash:
+            path.unlink(missing_ok=True)
+        if doomed:
+            self.stats.count("retired_entries_deleted", len(doomed))
+        return len(doomed) + len(trash)
+
+    def abort_io(self) -> None:
+        """The run is stopping: storage operations in flight give up at their next chunk."""
+        self._abort.set()
 
     # --- results ---
     def get_stats(self, duration: float) -> Dict[str, Any]:
@@ -1650,12 +1790,15 @@ class MultiTierCache:
             "gpu_disabled_reason": self.gpu_disabled_reason,
             "gpu_library": getattr(self.backends.get("gpu"), "library", None),
             "storage_io_mode": nvme.io_mode,
+            "nvme_read_device_busy_s": nvme.busy["read"].busy_s(),
+            "nvme_write_device_busy_s": nvme.busy["write"].busy_s(),
             "storage_direct_io": nvme.direct_io,
             "storage_run_dir": str(self.run_dir),
         }
 
     def close(self) -> None:
         """Delete everything the cache stored, including the run directory it made."""
+        self.collect_garbage()
         for backend in self.backends.values():
             backend.clear()
         with self._lock:
@@ -1873,7 +2016,9 @@ class IntegratedBenchmark:
             elapsed = self._drive()
             return self._results(elapsed)
         finally:
+            t0 = time.perf_counter()
             self.cache.close()
+            logger.info("Removed the run's cache files from %s in %.1fs", self.cache.run_dir, time.perf_counter() - t0)
 
     def _drive(self) -> float:
         cfg = self.config
@@ -1882,13 +2027,15 @@ class IntegratedBenchmark:
         threads = [self.scheduler.start(t0)]
         threads += [self._spawn(self._worker, f"worker-{i}") for i in range(slots)]
         monitor = self._spawn(self._monitor, "monitor", t0)
+        threads.append(self._spawn(self._reaper, "storage-reaper"))
         deadline = t0 + cfg.duration_s if cfg.duration_s else None
         while not self._stop.is_set():
             if self.recorder.reached_max_requests.wait(0.05):
                 self.request_stop("max_requests")
             elif deadline is not None and time.perf_counter() >= deadline:
                 self.request_stop("duration")
-        # Generation sleeps end at once; an I/O in flight finishes (it must, before files are removed).
+        # Generation sleeps end at once; storage I/O in flight gives up at its next chunk.
+        self.cache.abort_io()
         for thread in threads + [monitor]:
             thread.join()
         elapsed = time.perf_counter() - t0
@@ -1907,6 +2054,10 @@ class IntegratedBenchmark:
         thread.start()
         return thread
 
+    def _reaper(self) -> None:
+        while not self._stop.wait(0.5):
+            self.cache.collect_garbage()
+
     def _monitor(self, t0: float) -> None:
         interval = self.config.monitor_interval_s
         next_sample = t0 + interval
@@ -1922,6 +2073,8 @@ class IntegratedBenchmark:
         if self.config.enable_multi_turn:
             conv_id = self._active_conversation.get(user_index)
             if planned.turn == 1 or conv_id is None or not self.conversations.has_conversation(conv_id):
+                if conv_id is not None and self.conversations.has_conversation(conv_id):
+                    self.cache.retire(self.conversations.get_previous_cache_keys(conv_id))
                 conv_id = self.conversations.start_conversation(user.user_id)
                 self._active_conversation[user_index] = conv_id
             else:
@@ -1956,6 +2109,8 @@ class IntegratedBenchmark:
                 continue
             record = self._process(request)
             if record is not None:
+                if request.previous_cache_key:        # read for the last time: turn k+1 reads turn k only
+                    self.cache.retire([request.previous_cache_key])
                 self.recorder.complete(record)
                 self.scheduler.release(request.user_index)
 

@@ -35,6 +35,7 @@ Sections, in the order data flows through the program:
 """
 import argparse
 import errno
+import zlib
 import hashlib
 import heapq
 import importlib.util
@@ -534,22 +535,13 @@ class UserPlan:
         self._conversation = 0
         self._turn = 0
         self._turns_planned = 0
-        self._planned: List[PlannedRequest] = []
-        self._next = 0
 
     def peek(self, count: int) -> List[PlannedRequest]:
-        while len(self._planned) < count:
-            self._planned.append(self._plan_one())
-        return self._planned[:count]
+        """The user's first `count` planned requests, however many the run has consumed."""
+        fresh = UserPlan(self.profile, self._seed, self.user_index, self._matcher)
+        return [fresh.next_request() for _ in range(count)]
 
     def next_request(self) -> PlannedRequest:
-        if self._next < len(self._planned):
-            request = self._planned[self._next]
-            self._next += 1
-            if self._next == len(self._planned):      # drop what was consumed
-                self._planned.clear()
-                self._next = 0
-            return request
         return self._plan_one()
 
     def first_arrival_s(self) -> float:
@@ -745,6 +737,16 @@ def array_source(data: np.ndarray) -> ByteSource:
     return fill
 
 
+def _checksummed(source: ByteSource) -> Tuple[ByteSource, List[int]]:
+    """Wrap a source so that the CRC-32 of what it produced accumulates in the returned cell."""
+    crc = [0]
+
+    def fill(offset: int, out: np.ndarray) -> None:
+        source(offset, out)
+        crc[0] = zlib.crc32(out, crc[0])
+    return fill, crc
+
+
 def generator_source(generator: KVCacheGenerator, key: str) -> ByteSource:
     layout = generator.layout(key)
 
@@ -778,8 +780,9 @@ class StorageBackend:
                    dtype: str, staging: Optional[np.ndarray] = None) -> IOTiming:
         raise NotImplementedError
 
-    def read_through(self, key: str, staging: np.ndarray) -> IOTiming:
-        """Read the whole entry, chunk by chunk, into the reusable `staging` buffer."""
+    def read_through(self, key: str, staging: np.ndarray, consume: Optional[Callable[[np.ndarray], None]] = None) -> IOTiming:
+        """Read the whole entry, chunk by chunk, into the reusable `staging` buffer;
+        `consume` (optional, e.g. a checksum) sees each chunk's bytes, untimed."""
         raise NotImplementedError
 
     def take(self, key: str) -> np.ndarray:
@@ -823,14 +826,18 @@ class CPUMemoryBackend(StorageBackend):
         total = time.perf_counter() - t0
         return data, IOTiming.from_device(total, total)
 
-    def read_through(self, key: str, staging: np.ndarray) -> IOTiming:
-        t0 = time.perf_counter()
+    def read_through(self, key: str, staging: np.ndarray, consume: Optional[Callable[[np.ndarray], None]] = None) -> IOTiming:
         flat = self.cache[key].reshape(-1).view(np.uint8)
+        copy_s = 0.0
+        t0 = time.perf_counter()
         for start in range(0, flat.size, staging.size):
             part = flat[start:start + staging.size]
+            t = time.perf_counter()
             np.copyto(staging[:part.size], part)
-        total = time.perf_counter() - t0
-        return IOTiming.from_device(total, total)
+            copy_s += time.perf_counter() - t
+            if consume is not None:
+                consume(staging[:part.size])
+        return IOTiming.from_device(time.perf_counter() - t0, copy_s)
 
     def take(self, key: str) -> np.ndarray:
         return self.cache[key]
@@ -971,7 +978,7 @@ class GPUMemoryBackend(StorageBackend):
         total = time.perf_counter() - t0
         return host.view(np.dtype(meta.dtype)).reshape(meta.shape), IOTiming.from_device(total, total)
 
-    def read_through(self, key: str, staging: np.ndarray) -> IOTiming:
+    def read_through(self, key: str, staging: np.ndarray, consume: Optional[Callable[[np.ndarray], None]] = None) -> IOTiming:
         src = self.cache[key]
         scratch = getattr(self._scratch, "buf", None)
         if scratch is None:
@@ -982,6 +989,9 @@ class GPUMemoryBackend(StorageBackend):
             self._dev.copy(scratch[:part.shape[0]], part)
         self._dev.synchronize()
         total = time.perf_counter() - t0
+        if consume is not None:                          # verification only: untimed host copy
+            for start in range(0, self._meta[key].nbytes, staging.size):
+                consume(self._dev.download(src[start:start + staging.size]))
         return IOTiming.from_device(total, total)
 
     def take(self, key: str) -> np.ndarray:
@@ -1004,10 +1014,13 @@ _SAFE_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,159}$")
 
 
 def safe_file_stem(key: str) -> str:
-    """`key` itself when it is a safe file name, else a hash of it (never a path)."""
+    """`key` itself when it is a safe file name, else a hash of it (never a path).
+
+    Hashed names start with '~', which a safe key cannot contain, so a key
+    can never collide with another key's hashed name."""
     if _SAFE_KEY.match(key) and ".." not in key:
         return key
-    return "k_" + hashlib.sha256(key.encode()).hexdigest()[:40]
+    return "~" + hashlib.sha256(key.encode()).hexdigest()[:40]
 
 
 def npy_header(shape: Sequence[int], dtype: str) -> bytes:
@@ -1151,7 +1164,8 @@ class NVMeBackend(StorageBackend):
         except FileNotFoundError:
             raise KeyError(key) from None                 # deleted while we looked
 
-    def _read_chunks(self, fd: int, nbytes: int, buffer_for: Callable[[int, int], np.ndarray]) -> float:
+    def _read_chunks(self, fd: int, nbytes: int, buffer_for: Callable[[int, int], np.ndarray],
+                     consume: Optional[Callable[[np.ndarray], None]] = None) -> float:
         device_s = 0.0
         done = 0
         clock = self.busy["read"]
@@ -1168,16 +1182,18 @@ class NVMeBackend(StorageBackend):
                 clock.stop()
             if got < want:
                 raise OSError(errno.EIO, f"short read: {got} of {want} bytes")
+            if consume is not None:
+                consume(buf[:want])
             done += want
         if not self.direct_io:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # the next read must reach the device too
         return device_s
 
-    def read_through(self, key: str, staging: np.ndarray) -> IOTiming:
+    def read_through(self, key: str, staging: np.ndarray, consume: Optional[Callable[[np.ndarray], None]] = None) -> IOTiming:
         t0 = time.perf_counter()
         fd, meta = self._open_for_read(key)
         try:
-            device_s = self._read_chunks(fd, meta["size"], lambda done, left: staging)
+            device_s = self._read_chunks(fd, meta["size"], lambda done, left: staging, consume)
         finally:
             os.close(fd)
         return IOTiming.from_device(time.perf_counter() - t0, device_s)
@@ -1374,6 +1390,8 @@ def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str],
     stats["tokens_read"] = sum(c[f"{t}_tokens_read"] for t in TIER_NAMES)
     stats["tokens_written"] = sum(c[f"{t}_tokens_written"] for t in TIER_NAMES)
     stats["retired_entries_deleted"] = c["retired_entries_deleted"]
+    stats["verify_checked"] = c["verify_checked"]
+    stats["verify_mismatches"] = c["verify_mismatches"]
     stats.update(tiers_info)
     # Device-busy basis: bytes over the wall time during which at least one such I/O was in flight.
     stats["nvme_read_gbps_device"] = _ratio(c["nvme_bytes_read"] / GIB, stats.get("nvme_read_device_busy_s", 0.0))
@@ -1431,9 +1449,11 @@ class CacheStats:
             self.counters["cache_hits" if hit else "cache_misses"] += 1
             self.counters[(_HIT_COUNTER if hit else _MISS_COUNTER)[cache_type]] += 1
 
-    def count(self, name: str, amount: int = 1) -> None:
+    def count(self, name: str, amount: int = 1) -> int:
+        """Add to a counter; returns its new value."""
         with self._lock:
             self.counters[name] += amount
+            return self.counters[name]
 
     def snapshot(self) -> Tuple[Dict[str, int], Dict[Tuple[str, str], Tuple[List[float], ...]]]:
         with self._lock:
@@ -1449,6 +1469,7 @@ class CacheEntry:
     state: str = "writing"            # writing -> ready <-> moving
     shape: Tuple[int, ...] = ()
     dtype: str = "<f2"
+    checksum: Optional[int] = None    # CRC-32 of the entry's bytes, with --verify
 
 
 class MultiTierCache:
@@ -1471,8 +1492,9 @@ class MultiTierCache:
                  seed: Optional[int] = None, cache_dir: Optional[Any] = None,
                  performance_profile: str = "latency", storage_capacity_gb: Optional[float] = None,
                  max_concurrent_allocs: int = 0, generator: Optional[KVCacheGenerator] = None,
-                 gpu_library: str = "auto"):
+                 gpu_library: str = "auto", verify: bool = False):
         self.model_config = model_config
+        self.verify = verify
         self.performance_profile = performance_profile
         self.generator = generator if generator is not None else KVCacheGenerator(model_config, seed)
         self.stats = CacheStats()
@@ -1586,14 +1608,17 @@ class MultiTierCache:
             self._drop(entry, reserved_tier=None)
             self.stats.count("allocation_failures")
             return False, None, time.perf_counter() - t0
+        source, crc = generator_source(self.generator, key), None
+        if self.verify:
+            source, crc = _checksummed(source)
         try:
-            timing = self.backends[tier].write_from(key, generator_source(self.generator, key), size,
-                                                     entry.shape, entry.dtype, self._staging())
+            timing = self.backends[tier].write_from(key, source, size, entry.shape, entry.dtype, self._staging())
         except (OSError, IOAborted) as exc:
             self._drop(entry, reserved_tier=tier)
             self._record_failure(tier, "write", exc)
             return False, None, time.perf_counter() - t0
         with self._lock:
+            entry.checksum = crc[0] if crc is not None else None
             entry.tier, entry.state = tier, "ready"
             self._lru[tier][key] = None
         reason = "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE) else "decode"
@@ -1689,8 +1714,9 @@ class MultiTierCache:
     def _record_io_error(self, tier: str, op: str, exc: OSError) -> None:
         kind = errno.errorcode.get(exc.errno, "EOTHER") if exc.errno else "EOTHER"
         self.stats.count("io_errors")
-        self.stats.count(f"io_errors_{tier}_{op}_{kind}")
-        logger.error("%s %s failed: %s", tier, op, exc)
+        name = f"io_errors_{tier}_{op}_{kind}"
+        if self.stats.count(name) == 1:                 # log each kind once; the report counts them all
+            logger.error("%s %s failed: %s (further %s errors are counted, not logged)", tier, op, exc, kind)
 
     # --- reads ---
     def access_cache(self, key: str, phase: InferencePhase = InferencePhase.DECODE,
@@ -1707,8 +1733,10 @@ class MultiTierCache:
                 tier = entry.tier
                 if key in self._lru[tier]:
                     self._lru[tier].move_to_end(key)
+            crc = [0] if entry.checksum is not None else None
+            consume = (lambda chunk: crc.__setitem__(0, zlib.crc32(chunk, crc[0]))) if crc is not None else None
             try:
-                timing = self.backends[tier].read_through(key, self._staging())
+                timing = self.backends[tier].read_through(key, self._staging(), consume)
             except KeyError:
                 continue
             except IOAborted as exc:                   # the run is stopping: neither hit nor miss
@@ -1720,9 +1748,39 @@ class MultiTierCache:
             self.stats.record_lookup(cache_type, hit=True)
             self.stats.record_io(tier, "read", entry.size_bytes, entry.num_tokens, timing,
                                  "decode" if phase == InferencePhase.DECODE else "prefill")
+            if crc is not None:
+                self._check_read(key, tier, entry.checksum, crc[0])
             return tier, time.perf_counter() - t0
         self.stats.record_lookup(cache_type, hit=False)
         return None, time.perf_counter() - t0
+
+    def _check_read(self, key: str, tier: str, expected: int, actual: int) -> None:
+        self.stats.count("verify_checked")
+        if actual != expected:
+            self.stats.count("verify_mismatches")
+            logger.error("--verify: %s read of %s returned different bytes than were written "
+                         "(CRC-32 %08x, expected %08x)", tier, key, actual, expected)
+
+    def check_invariants(self) -> List[str]:
+        """Bookkeeping violations, as messages (empty when all hold). Exact only while no
+        operation is in flight: a write in progress holds a reservation but no tier yet."""
+        problems: List[str] = []
+        with self._lock:
+            live = defaultdict(int)
+            for key, entry in self._entries.items():
+                holders = [t for t, b in self.backends.items() if key in b]
+                if entry.state != "writing" and holders != [entry.tier]:
+                    problems.append(f"{key}: bookkeeping says {entry.tier}, data is in {holders}")
+                if entry.tier is not None:
+                    live[entry.tier] += entry.size_bytes
+            for tier, used in self._usage.items():
+                if used < 0:
+                    problems.append(f"{tier}: usage {used} is negative")
+                if used != live[tier]:
+                    problems.append(f"{tier}: usage {used} != {live[tier]} bytes of live entries")
+                if used > self._tier_capacity(tier):
+                    problems.append(f"{tier}: usage {used} exceeds its capacity")
+        return problems
 
     # --- end of life of entries ---
     def retire(self, keys: Sequence[str]) -> None:
@@ -1871,6 +1929,8 @@ class BenchmarkConfig:
     max_concurrent_allocs: int = 0
     worker_slots: int = DEFAULT_WORKER_SLOTS
     monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
+    storage_capacity_gb: float = 0.0              # 0: the storage tier is unbounded
+    verify: bool = False
 
 
 @dataclass
@@ -1938,11 +1998,16 @@ class ArrivalScheduler:
         self._queue_seq = itertools.count()     # queue tie-break within a priority: arrival order
         self.admitted = 0
 
-    def start(self, t0: float) -> threading.Thread:
+    def seed(self, t0: float) -> None:
+        """Plan every user's first arrival, counted from `t0`."""
         with self._cond:
             for index, user_plan in enumerate(self._plan.plans):
                 self._push(t0 + user_plan.first_arrival_s(), index, user_plan.next_request())
-        thread = threading.Thread(target=self._run, name="arrival-scheduler", daemon=True)
+
+    def start(self, t0: float) -> threading.Thread:
+        """Seed and run in a thread of its own (the engine runs `run` in a guarded thread)."""
+        self.seed(t0)
+        thread = threading.Thread(target=self.run, name="arrival-scheduler", daemon=True)
         thread.start()
         return thread
 
@@ -1956,7 +2021,7 @@ class ArrivalScheduler:
     def _push(self, due: float, user_index: int, planned: PlannedRequest) -> None:
         heapq.heappush(self._heap, (due, next(self._ticket), user_index, planned))
 
-    def _run(self) -> None:
+    def run(self) -> None:
         while not self._stop.is_set():
             with self._cond:
                 if not self._heap:
@@ -1990,7 +2055,8 @@ class IntegratedBenchmark:
         self.workload_digest = self.plan.digest()
         self.cache = MultiTierCache(config.model, config.gpu_mem_gb, config.cpu_mem_gb, seed=self.seed,
                                     cache_dir=config.cache_dir, performance_profile=config.performance_profile,
-                                    max_concurrent_allocs=config.max_concurrent_allocs)
+                                    max_concurrent_allocs=config.max_concurrent_allocs,
+                                    storage_capacity_gb=config.storage_capacity_gb or None, verify=config.verify)
         self.conversations = ConversationManager(max_conversations=max(1000, 2 * config.num_users))
         self.prefixes = PrefixCacheManager()
         self.recorder = RunRecorder(config.max_requests)
@@ -2024,7 +2090,8 @@ class IntegratedBenchmark:
         cfg = self.config
         slots = max(1, min(cfg.worker_slots, cfg.num_users))
         t0 = time.perf_counter()
-        threads = [self.scheduler.start(t0)]
+        self.scheduler.seed(t0)
+        threads = [self._spawn(self.scheduler.run, "arrival-scheduler")]
         threads += [self._spawn(self._worker, f"worker-{i}") for i in range(slots)]
         monitor = self._spawn(self._monitor, "monitor", t0)
         threads.append(self._spawn(self._reaper, "storage-reaper"))
@@ -2280,6 +2347,9 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "conversations_evicted": conversations_evicted,
         "stop_reason": stop_reason,
         "thread_errors": list(thread_errors),
+        "verify_checked": cache_stats["verify_checked"],
+        "verify_mismatches": cache_stats["verify_mismatches"],
+        "io_errors": cache_stats["io_errors"],
     }
     return {
         "benchmark": "kv-cache",
@@ -2322,6 +2392,8 @@ def _config_dict(config: BenchmarkConfig) -> Dict[str, Any]:
         "max_concurrent_allocs": config.max_concurrent_allocs,
         "worker_slots": config.worker_slots,
         "monitor_interval_s": config.monitor_interval_s,
+        "storage_capacity_gb": config.storage_capacity_gb,
+        "verify": config.verify,
     }
 
 
@@ -2429,6 +2501,11 @@ def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any]) -> None:
     add(f"  GPU: {cs['gpu_entries']:,} | CPU: {cs['cpu_entries']:,} | Storage: {cs['nvme_entries']:,}")
     add(f"  Demotions: to CPU {cs['offloads_cpu']:,}, to storage {cs['offloads_nvme']:,} | "
         f"evicted from the cache: {cs['evictions']:,} | I/O errors: {cs['io_errors']:,}")
+    if cs["io_errors"]:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(cs["io_errors_by_kind"].items()))
+        add(f"  I/O errors by tier, operation and kind: {kinds}")
+    if cs["verify_checked"] or cs["verify_mismatches"]:
+        add(f"  --verify: {cs['verify_checked']:,} reads checked, {cs['verify_mismatches']:,} mismatches")
     add("")
     add("### PHASE METRICS ###")
     add(f"  Prefill writes: {cs['prefill_writes']:,} ({cs['prefill_bytes_written_gb']:.3f} GB)")
@@ -2549,6 +2626,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-dir", default=None, help="directory for the storage tier (default: the system temporary directory)")
     m.add_argument("--max-concurrent-allocs", type=int, default=0,
                    help="cap on simultaneous cache allocations, bounds RAM (0: unlimited)")
+    m.add_argument("--storage-capacity-gb", type=float, default=0.0,
+                   help="cap on the storage tier in GiB; its LRU entries leave the cache when full (0: unbounded)")
+    m.add_argument("--verify", action="store_true",
+                   help="checksum every entry written and check every read against it")
 
     a = p.add_argument_group("autoscaling")
     a.add_argument("--enable-autoscaling", action="store_true", help="adjust the user count during the run")
@@ -2594,6 +2675,9 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_range("--rag-num-docs", args.rag_num_docs, 0, 1_000_000, "between 0 and 1,000,000")
     _check_range("--num-workers", args.num_workers, 1, 1024, "between 1 and 1024")
     _check_range("--monitor-interval", args.monitor_interval, 0.1, 3600, "between 0.1 and 3600 seconds")
+    _check_range("--storage-capacity-gb", args.storage_capacity_gb, 0, MAX_MEMORY_GB * 1024,
+                 "0 (unbounded) or a positive size in GiB")
+    _check_dataset(args.dataset_path)
     if args.seed is not None:
         _check_range("--seed", args.seed, 0, 2 ** 63 - 1, "a non-negative integer below 2**63")
     _check_cache_dir(args.cache_dir)
@@ -2615,6 +2699,18 @@ def _check_cache_dir(cache_dir: Optional[str]) -> None:
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"--cache-dir {cache_dir} is not writable (needs write access to {existing})")
+
+
+def _check_dataset(dataset_path: Optional[str]) -> None:
+    if dataset_path is None:
+        return
+    path = Path(dataset_path).expanduser()
+    if not path.is_file():
+        raise UsageError(f"--dataset-path {dataset_path}: no such file")
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"--dataset-path {dataset_path}: not readable")
+    if path.stat().st_size == 0:
+        raise UsageError(f"--dataset-path {dataset_path}: the file is empty (expected ShareGPT JSON)")
 
 
 def _check_output_path(flag: str, output: Optional[str]) -> None:
@@ -2669,6 +2765,8 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         max_concurrent_allocs=args.max_concurrent_allocs,
         worker_slots=args.num_workers,
         monitor_interval_s=args.monitor_interval,
+        storage_capacity_gb=args.storage_capacity_gb,
+        verify=args.verify,
     )
 
 
@@ -2687,10 +2785,16 @@ EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
 def _install_signal_handlers(bench: IntegratedBenchmark) -> None:
     def on_signal(signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name
-        logger.warning("%s received: stopping; partial results will be written.", name)
+        if bench.stop_reason in EXIT_SIGNAL:
+            logger.warning("%s received again: abandoning in-flight work now.", name)
+        else:
+            logger.warning("%s received: stopping; partial results will be written.", name)
         bench.request_stop(name)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    if hasattr(signal, "SIGXFSZ"):
+        # Past a file-size limit, a write must fail with EFBIG (counted, the run goes on), not kill us.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 def _make_cache_dir(cache_dir: Optional[str]) -> List[Path]:
@@ -2733,11 +2837,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except OSError:
                 break
     print(format_report(results))
-    write_json(results, output)
-    logger.info("Results written to %s", output)
+    written = True
+    try:
+        write_json(results, output)
+        logger.info("Results written to %s", output)
+    except OSError as exc:
+        written = False
+        logger.error("could not write the results to %s: %s", output, exc)
     if bench.stop_reason in EXIT_SIGNAL:
         return EXIT_SIGNAL[bench.stop_reason]
-    degraded = results["summary"]["cache_stats"]["io_errors"] or results["summary"]["thread_errors"]
+    summary = results["summary"]
+    degraded = summary["io_errors"] or summary["thread_errors"] or summary["verify_mismatches"] or not written
     return EXIT_DEGRADED if degraded else EXIT_OK
 
 

@@ -1262,6 +1262,96 @@ def _pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
         offset += written
 
 
+# --- Device baseline -----------------------------------------------------------
+
+BASELINE_THREADS = 8                    # parallel sequential streams, like fio numjobs
+BASELINE_PHASE_S = 2.0                  # seconds per phase (write, then cold read)
+BASELINE_MAX_FILE_BYTES = 1 * GIB       # per stream
+
+
+def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: float = BASELINE_PHASE_S,
+                        threads: int = BASELINE_THREADS, max_file_bytes: int = BASELINE_MAX_FILE_BYTES
+                        ) -> Dict[str, Any]:
+    """The raw sequential write and cold read bandwidth of `directory`, fio-style.
+
+    `threads` streams each write one file with IO_CHUNK_BYTES direct writes
+    for about `phase_s` seconds (then fdatasync), and read it back the same
+    way; the data is incompressible and stamped like KV entries. The files
+    live in a private subdirectory and are removed. Returns GiB/s and the
+    bytes moved, which are never mixed into the workload's figures.
+    """
+    work = Path(tempfile.mkdtemp(prefix="kvcache_baseline_", dir=directory))
+    backend = NVMeBackend(work)
+    sizes = [0] * threads
+    try:
+        def writer(i: int) -> None:
+            path = work / f"stream_{i}.bin"
+            layout = generator.layout(f"__baseline_{i}")
+            buf = aligned_empty(IO_CHUNK_BYTES)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if backend.direct_io else 0)
+            fd = os.open(path, flags, 0o644)
+            try:
+                deadline = time.perf_counter() + phase_s
+                while sizes[i] < max_file_bytes and time.perf_counter() < deadline:
+                    generator.fill(layout, sizes[i], buf)
+                    _pwrite_all(fd, buf, sizes[i])
+                    sizes[i] += buf.size
+                os.fdatasync(fd)
+                if not backend.direct_io:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+        def reader(i: int) -> None:
+            buf = aligned_empty(IO_CHUNK_BYTES)
+            fd = os.open(work / f"stream_{i}.bin", os.O_RDONLY | (os.O_DIRECT if backend.direct_io else 0))
+            try:
+                for offset in range(0, sizes[i], buf.size):
+                    os.preadv(fd, [buf], offset)
+            finally:
+                os.close(fd)
+
+        write_s = _run_streams(writer, threads)
+        read_s = _run_streams(reader, threads)
+        total = sum(sizes)
+    finally:
+        for path in work.glob("stream_*.bin"):
+            path.unlink()
+        backend.clear()
+        work.rmdir()
+    return {
+        "directory": str(directory),
+        "io_mode": backend.io_mode,
+        "threads": threads,
+        "chunk_bytes": IO_CHUNK_BYTES,
+        "write_gbps": total / GIB / write_s if write_s > 0 else 0.0,
+        "read_gbps": total / GIB / read_s if read_s > 0 else 0.0,
+        "bytes_written": total,
+        "bytes_read": total,
+        "write_s": write_s,
+        "read_s": read_s,
+    }
+
+
+def _run_streams(target: Callable[[int], None], threads: int) -> float:
+    errors: List[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            target(i)
+        except BaseException as exc:
+            errors.append(exc)
+    workers = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(threads)]
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
+
+
 # ============================================================================
 # METRIC MATH (pure functions over recorded samples; docs/metrics.md defines each figure)
 # ============================================================================
@@ -1931,6 +2021,7 @@ class BenchmarkConfig:
     monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
     storage_capacity_gb: float = 0.0              # 0: the storage tier is unbounded
     verify: bool = False
+    io_baseline: bool = False                     # measure the cache directory's raw bandwidth first
 
 
 @dataclass
@@ -2066,6 +2157,8 @@ class IntegratedBenchmark:
         self._active_conversation: Dict[int, str] = {}
         self._request_numbers: Dict[int, int] = defaultdict(int)
         self.thread_errors: List[str] = []
+        self.io_baseline: Optional[Dict[str, Any]] = None
+        self.process_cpu_s = 0.0
         self.sampler = ThroughputSampler(self.cache, self.recorder, self.request_queue)
         self.scheduler = ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop,
                                           config.max_requests)
@@ -2079,7 +2172,13 @@ class IntegratedBenchmark:
     def run(self) -> Dict[str, Any]:
         """Run the workload, then return the results; the cache's files are removed either way."""
         try:
+            if self.config.io_baseline:
+                logger.info("Measuring the raw bandwidth of %s (about %.0f s)...", self.cache.run_dir,
+                            3 * BASELINE_PHASE_S)
+                self.io_baseline = measure_io_baseline(self.cache.run_dir, self.cache.generator)
+            cpu0 = time.process_time()
             elapsed = self._drive()
+            self.process_cpu_s = time.process_time() - cpu0
             return self._results(elapsed)
         finally:
             t0 = time.perf_counter()
@@ -2239,7 +2338,8 @@ class IntegratedBenchmark:
             recorder=self.recorder, cache_stats=cache_stats, prefix_stats=self.prefixes.stats(),
             timeline=self.sampler.timeline, elapsed_s=elapsed_s, workload_digest=self.workload_digest,
             admitted=self.scheduler.admitted, stop_reason=self.stop_reason, thread_errors=self.thread_errors,
-            conversations_evicted=self.conversations.evicted_conversations)
+            conversations_evicted=self.conversations.evicted_conversations, io_baseline=self.io_baseline,
+            process_cpu_s=self.process_cpu_s)
 
 
 # ============================================================================
@@ -2276,6 +2376,23 @@ def qos_metrics(records: Sequence[RequestRecord]) -> Dict[str, Any]:
     return out
 
 
+def storage_efficiency(cache_stats: Dict[str, Any], baseline: Optional[Dict[str, Any]],
+                       elapsed_s: float) -> Optional[Dict[str, float]]:
+    """The workload's storage-tier bandwidth as a fraction of the device's raw bandwidth."""
+    if not baseline or baseline["read_gbps"] <= 0 or baseline["write_gbps"] <= 0:
+        return None
+    raw_r, raw_w = baseline["read_gbps"], baseline["write_gbps"]
+    read_gb, write_gb = cache_stats["nvme_bytes_read_gb"], cache_stats["nvme_bytes_written_gb"]
+    return {
+        "read_device_busy": cache_stats["nvme_read_gbps_device"] / raw_r,
+        "write_device_busy": cache_stats["nvme_write_gbps_device"] / raw_w,
+        "read_wall": cache_stats["nvme_read_gbps_wall"] / raw_r,
+        "write_wall": cache_stats["nvme_write_gbps_wall"] / raw_w,
+        # Fraction of the run the device would need at its raw speed for what was moved.
+        "device_utilisation": _ratio(read_gb / raw_r + write_gb / raw_w, elapsed_s),
+    }
+
+
 def diagnose_bottlenecks(e2e: Dict[str, Any], queue_wait: Dict[str, Any], storage: Dict[str, Any],
                          generation: Dict[str, Any], cache_stats: Dict[str, Any]) -> List[str]:
     """Plain-language reasons why requests took as long as they did."""
@@ -2308,7 +2425,8 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
                      recorder: RunRecorder, cache_stats: Dict[str, Any], prefix_stats: Dict[str, int],
                      timeline: List[Dict[str, Any]], elapsed_s: float, workload_digest: str, admitted: int,
                      stop_reason: Optional[str], thread_errors: List[str],
-                     conversations_evicted: int = 0) -> Dict[str, Any]:
+                     conversations_evicted: int = 0, io_baseline: Optional[Dict[str, Any]] = None,
+                     process_cpu_s: float = 0.0) -> Dict[str, Any]:
     """The one place the results dict (and so the JSON) is put together."""
     e2e = [r.end_to_end_s for r in records]
     storage = [r.storage_s for r in records]
@@ -2350,6 +2468,11 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "verify_checked": cache_stats["verify_checked"],
         "verify_mismatches": cache_stats["verify_mismatches"],
         "io_errors": cache_stats["io_errors"],
+        "process_cpu_seconds": process_cpu_s,
+        "cpu_seconds_per_storage_gb": _ratio(process_cpu_s, cache_stats["nvme_bytes_read_gb"]
+                                             + cache_stats["nvme_bytes_written_gb"]),
+        "io_baseline": io_baseline,
+        "storage_efficiency": storage_efficiency(cache_stats, io_baseline, elapsed_s),
     }
     return {
         "benchmark": "kv-cache",
@@ -2394,6 +2517,7 @@ def _config_dict(config: BenchmarkConfig) -> Dict[str, Any]:
         "monitor_interval_s": config.monitor_interval_s,
         "storage_capacity_gb": config.storage_capacity_gb,
         "verify": config.verify,
+        "io_baseline": config.io_baseline,
     }
 
 
@@ -2480,6 +2604,21 @@ def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str,
         f"write {cs['nvme_write_gbps_wall']:.3f} GB/s (wall); device-busy basis: "
         f"read {cs['nvme_read_gbps_device']:.3f} GB/s, write {cs['nvme_write_gbps_device']:.3f} GB/s")
     add(f"  Requests/sec: {s['requests_per_second']:,.2f}")
+    add(f"  Process CPU: {s['process_cpu_seconds']:.2f} s, {s['cpu_seconds_per_storage_gb']:.3f} s per GB "
+        f"moved through the storage tier")
+    if s["io_baseline"]:
+        b, e = s["io_baseline"], s["storage_efficiency"]
+        add("")
+        add("### STORAGE EFFICIENCY (vs the device's raw bandwidth, measured before the run) ###")
+        add(f"  Raw device ({b['io_mode']}, {b['threads']} streams of {b['chunk_bytes'] // MIB} MiB I/O): "
+            f"write {b['write_gbps']:.3f} GB/s, read {b['read_gbps']:.3f} GB/s")
+        if e:
+            add(f"  Read efficiency: {e['read_device_busy'] * 100:.1f}% (device-busy basis), "
+                f"{e['read_wall'] * 100:.1f}% (wall)")
+            add(f"  Write efficiency: {e['write_device_busy'] * 100:.1f}% (device-busy basis), "
+                f"{e['write_wall'] * 100:.1f}% (wall)")
+            add(f"  Device utilisation: {e['device_utilisation'] * 100:.1f}% "
+                f"(time the moved bytes need at raw speed / elapsed)")
 
 
 def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
@@ -2628,6 +2767,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on simultaneous cache allocations, bounds RAM (0: unlimited)")
     m.add_argument("--storage-capacity-gb", type=float, default=0.0,
                    help="cap on the storage tier in GiB; its LRU entries leave the cache when full (0: unbounded)")
+    m.add_argument("--io-baseline", action="store_true",
+                   help="first measure the cache directory's raw direct-I/O bandwidth (a few seconds) "
+                        "and report the workload's storage efficiency against it")
     m.add_argument("--verify", action="store_true",
                    help="checksum every entry written and check every read against it")
 
@@ -2767,6 +2909,7 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         monitor_interval_s=args.monitor_interval,
         storage_capacity_gb=args.storage_capacity_gb,
         verify=args.verify,
+        io_baseline=args.io_baseline,
     )
 
 

@@ -1186,7 +1186,9 @@ class NVMeBackend(StorageBackend):
                 consume(buf[:want])
             done += want
         if not self.direct_io:
+            t = time.perf_counter()
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # the next read must reach the device too
+            device_s += time.perf_counter() - t
         return device_s
 
     def read_through(self, key: str, staging: np.ndarray, consume: Optional[Callable[[np.ndarray], None]] = None) -> IOTiming:
@@ -1307,7 +1309,8 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
             fd = os.open(work / f"stream_{i}.bin", os.O_RDONLY | (os.O_DIRECT if backend.direct_io else 0))
             try:
                 for offset in range(0, sizes[i], buf.size):
-                    os.preadv(fd, [buf], offset)
+                    if os.preadv(fd, [buf], offset) < buf.size:
+                        raise OSError(errno.EIO, "short read in the baseline")
             finally:
                 os.close(fd)
 
@@ -1324,8 +1327,8 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
         "io_mode": backend.io_mode,
         "threads": threads,
         "chunk_bytes": IO_CHUNK_BYTES,
-        "write_gbps": total / GIB / write_s if write_s > 0 else 0.0,
-        "read_gbps": total / GIB / read_s if read_s > 0 else 0.0,
+        "write_gib_per_sec": total / GIB / write_s if write_s > 0 else 0.0,
+        "read_gib_per_sec": total / GIB / read_s if read_s > 0 else 0.0,
         "bytes_written": total,
         "bytes_read": total,
         "write_s": write_s,
@@ -1389,7 +1392,10 @@ def evaluate_storage_performance(profile: str, stats: Dict[str, Any]) -> Dict[st
     not_applicable: List[str] = []
     if profile == "throughput":
         tput = stats["nvme_throughput"]
-        criteria.append(_criterion("Storage tier throughput > 0 tok/s", 0.0, tput, "tok/s", tput > 0))
+        if stats["nvme_reads"] + stats["nvme_writes"] == 0:
+            not_applicable.append("Storage tier throughput > 0 tok/s")
+        else:
+            criteria.append(_criterion("Storage tier throughput > 0 tok/s", 0.0, tput, "tok/s", tput > 0))
         errors = stats["io_errors"]
         criteria.append(_criterion("Storage I/O errors = 0", 0, errors, "errors", errors == 0))
     else:
@@ -1459,6 +1465,8 @@ def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str],
         total_written += written_b
         stats[f"{tier}_reads"] = c[f"{tier}_reads"]
         stats[f"{tier}_writes"] = c[f"{tier}_writes"]
+        stats[f"{tier}_aborted_reads"] = c[f"{tier}_aborted_reads"]
+        stats[f"{tier}_aborted_writes"] = c[f"{tier}_aborted_writes"]
         stats[f"{tier}_bytes_read_gb"] = read_b / GIB
         stats[f"{tier}_bytes_written_gb"] = written_b / GIB
         for op in ("read", "write"):
@@ -1475,8 +1483,8 @@ def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str],
     stats["read_write_ratio"] = _ratio(total_read, total_written)
     stats["nvme_tokens_processed"] = c["nvme_tokens_read"] + c["nvme_tokens_written"]
     stats["nvme_throughput"] = _ratio(stats["nvme_tokens_processed"], duration_s)
-    stats["nvme_read_gbps_wall"] = _ratio(c["nvme_bytes_read"] / GIB, duration_s)
-    stats["nvme_write_gbps_wall"] = _ratio(c["nvme_bytes_written"] / GIB, duration_s)
+    stats["nvme_read_gib_per_sec_wall"] = _ratio(c["nvme_bytes_read"] / GIB, duration_s)
+    stats["nvme_write_gib_per_sec_wall"] = _ratio(c["nvme_bytes_written"] / GIB, duration_s)
     stats["tokens_read"] = sum(c[f"{t}_tokens_read"] for t in TIER_NAMES)
     stats["tokens_written"] = sum(c[f"{t}_tokens_written"] for t in TIER_NAMES)
     stats["retired_entries_deleted"] = c["retired_entries_deleted"]
@@ -1484,8 +1492,8 @@ def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str],
     stats["verify_mismatches"] = c["verify_mismatches"]
     stats.update(tiers_info)
     # Device-busy basis: bytes over the wall time during which at least one such I/O was in flight.
-    stats["nvme_read_gbps_device"] = _ratio(c["nvme_bytes_read"] / GIB, stats.get("nvme_read_device_busy_s", 0.0))
-    stats["nvme_write_gbps_device"] = _ratio(c["nvme_bytes_written"] / GIB, stats.get("nvme_write_device_busy_s", 0.0))
+    stats["nvme_read_gib_per_sec_busy"] = _ratio(c["nvme_bytes_read"] / GIB, stats.get("nvme_read_device_busy_s", 0.0))
+    stats["nvme_write_gib_per_sec_busy"] = _ratio(c["nvme_bytes_written"] / GIB, stats.get("nvme_write_device_busy_s", 0.0))
     stats["storage_health"] = evaluate_storage_performance(profile, stats)
     return stats
 
@@ -1548,6 +1556,16 @@ class CacheStats:
     def snapshot(self) -> Tuple[Dict[str, int], Dict[Tuple[str, str], Tuple[List[float], ...]]]:
         with self._lock:
             return dict(self.counters), {k: tuple(list(x) for x in v) for k, v in self.samples.items()}
+
+
+@dataclass
+class CacheResult:
+    """One cache operation: success (written, or a read hit), where, how long, tokens moved."""
+    success: bool
+    tier: Optional[str]
+    latency_s: float
+    tokens: int
+    aborted: bool = False
 
 
 @dataclass
@@ -1669,24 +1687,31 @@ class MultiTierCache:
         Returns (success, tier, seconds spent, demotions included). An entry
         that another worker is writing right now is left to it.
         """
+        result = self.write_entry(key, num_tokens, phase)
+        return result.success, result.tier, result.latency_s
+
+    def write_entry(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL) -> "CacheResult":
+        """`allocate_cache` with the tokens moved (this entry's, plus entries it demoted)."""
         t0 = time.perf_counter()
         if num_tokens <= 0:
-            return False, None, 0.0
+            return CacheResult(False, None, 0.0, 0)
+        self._tls.demoted_tokens = 0
         if self._alloc_slots is not None:
             self._alloc_slots.acquire()
         try:
-            return self._allocate(key, num_tokens, phase, t0)
+            success, tier, tokens = self._allocate(key, num_tokens, phase)
         finally:
             if self._alloc_slots is not None:
                 self._alloc_slots.release()
+        return CacheResult(success, tier, time.perf_counter() - t0, tokens + self._tls.demoted_tokens)
 
-    def _allocate(self, key: str, num_tokens: int, phase: InferencePhase, t0: float) -> Tuple[bool, Optional[str], float]:
+    def _allocate(self, key: str, num_tokens: int, phase: InferencePhase) -> Tuple[bool, Optional[str], int]:
         cfg = self.model_config
         size = num_tokens * cfg.kv_cache_size_per_token
         with self._lock:
             old = self._entries.get(key)
             if old is not None and old.state != "ready":
-                return True, old.tier, time.perf_counter() - t0
+                return True, old.tier, 0
             if old is not None:
                 self._forget(old)
             entry = CacheEntry(key, size, num_tokens, shape=cfg.entry_shape(num_tokens), dtype=cfg.numpy_dtype.str)
@@ -1697,7 +1722,7 @@ class MultiTierCache:
         if tier is None:
             self._drop(entry, reserved_tier=None)
             self.stats.count("allocation_failures")
-            return False, None, time.perf_counter() - t0
+            return False, None, 0
         source, crc = generator_source(self.generator, key), None
         if self.verify:
             source, crc = _checksummed(source)
@@ -1706,14 +1731,14 @@ class MultiTierCache:
         except (OSError, IOAborted) as exc:
             self._drop(entry, reserved_tier=tier)
             self._record_failure(tier, "write", exc)
-            return False, None, time.perf_counter() - t0
+            return False, None, 0
         with self._lock:
             entry.checksum = crc[0] if crc is not None else None
             entry.tier, entry.state = tier, "ready"
             self._lru[tier][key] = None
         reason = "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE) else "decode"
         self.stats.record_io(tier, "write", size, num_tokens, timing, reason)
-        return True, tier, time.perf_counter() - t0
+        return True, tier, num_tokens
 
     def _reserve(self, size: int, first_tier_index: int) -> Optional[str]:
         """Reserve `size` bytes in the fastest tier from `first_tier_index` on, demoting LRU entries to make room."""
@@ -1768,18 +1793,19 @@ class MultiTierCache:
         self.backends[source].delete(victim.key)
         self.stats.count(f"offloads_{dest}")
         self.stats.record_io(dest, "write", victim.size_bytes, victim.num_tokens, timing, "demotion")
+        self._tls.demoted_tokens = getattr(self._tls, "demoted_tokens", 0) + victim.num_tokens
 
     def _move(self, entry: CacheEntry, source: str, dest: str) -> IOTiming:
         t0 = time.perf_counter()
-        data = self.backends[source].take(entry.key)
+        data = self.backends[source].take(entry.key)       # a GPU->host copy, or free for the CPU tier
+        fetch_s = time.perf_counter() - t0
         backend = self.backends[dest]
         if isinstance(backend, (CPUMemoryBackend, GPUMemoryBackend)):
             timing = backend.store(entry.key, data)
         else:
             timing = backend.write_from(entry.key, array_source(data), entry.size_bytes,
                                         entry.shape, entry.dtype, self._staging())
-        total = time.perf_counter() - t0                   # includes fetching from the source tier
-        return IOTiming(total, timing.device, total - timing.device)
+        return IOTiming.from_device(time.perf_counter() - t0, fetch_s + timing.device)
 
     def _forget(self, entry: CacheEntry) -> None:
         """Remove a ready entry's bookkeeping. Caller holds the lock."""
@@ -1812,6 +1838,12 @@ class MultiTierCache:
     def access_cache(self, key: str, phase: InferencePhase = InferencePhase.DECODE,
                      cache_type: str = "user") -> Tuple[Optional[str], float]:
         """Read the whole entry from the tier that holds it. Returns (tier or None on a miss, seconds)."""
+        result = self.read_entry(key, phase, cache_type)
+        return result.tier, result.latency_s
+
+    def read_entry(self, key: str, phase: InferencePhase = InferencePhase.DECODE,
+                   cache_type: str = "user") -> "CacheResult":
+        """`access_cache` with the tokens read; `aborted` when the run's stop cut the read short."""
         t0 = time.perf_counter()
         if cache_type not in _HIT_COUNTER:
             raise ValueError(f"cache_type must be one of {CACHE_TYPES}, not {cache_type!r}")
@@ -1831,7 +1863,7 @@ class MultiTierCache:
                 continue
             except IOAborted as exc:                   # the run is stopping: neither hit nor miss
                 self.stats.record_partial(tier, "read", exc.nbytes)
-                return None, time.perf_counter() - t0
+                return CacheResult(False, None, time.perf_counter() - t0, 0, aborted=True)
             except OSError as exc:
                 self._record_io_error(tier, "read", exc)
                 break
@@ -1840,9 +1872,9 @@ class MultiTierCache:
                                  "decode" if phase == InferencePhase.DECODE else "prefill")
             if crc is not None:
                 self._check_read(key, tier, entry.checksum, crc[0])
-            return tier, time.perf_counter() - t0
+            return CacheResult(True, tier, time.perf_counter() - t0, entry.num_tokens)
         self.stats.record_lookup(cache_type, hit=False)
-        return None, time.perf_counter() - t0
+        return CacheResult(False, None, time.perf_counter() - t0, 0)
 
     def _check_read(self, key: str, tier: str, expected: int, actual: int) -> None:
         self.stats.count("verify_checked")
@@ -1896,8 +1928,9 @@ class MultiTierCache:
             with self._lock:
                 self._trash.append(trash)
 
-    def collect_garbage(self) -> int:
-        """Delete retired entries that reached the storage tier and replaced files; returns how many."""
+    def collect_garbage(self, should_stop: Callable[[], bool] = lambda: False) -> int:
+        """Delete retired entries that reached the storage tier and replaced files; returns how many.
+        Stops early when `should_stop()` says so; what is left stays listed for the next call."""
         doomed = []
         with self._lock:
             for key in list(self._retired):
@@ -1909,13 +1942,25 @@ class MultiTierCache:
                     self._retired.discard(key)
                     doomed.append(key)
             trash, self._trash = self._trash, []
-        for key in doomed:
+        deleted = 0
+        for i, key in enumerate(doomed):
+            if should_stop():
+                with self._lock:                     # its bookkeeping is gone: delete its file later
+                    self._trash.extend(self.backends["nvme"].detach(k) for k in doomed[i:])
+                    self._trash.extend(trash)
+                break
             self.backends["nvme"].delete(key)
-        for path in trash:
-            path.unlink(missing_ok=True)
-        if doomed:
-            self.stats.count("retired_entries_deleted", len(doomed))
-        return len(doomed) + len(trash)
+            deleted += 1
+        else:
+            for j, path in enumerate(trash):
+                if should_stop():
+                    with self._lock:
+                        self._trash.extend(trash[j:])
+                    break
+                path.unlink(missing_ok=True)
+        if deleted:
+            self.stats.count("retired_entries_deleted", deleted)
+        return deleted
 
     def abort_io(self) -> None:
         """The run is stopping: storage operations in flight give up at their next chunk."""
@@ -2036,6 +2081,27 @@ class RequestRecord:
     prefill_s: float
     decode_s: float
     generation_s: float
+    tokens_moved: int = 0         # tokens this request's cache operations read or wrote (demotions included)
+
+
+@dataclass
+class RequestIO:
+    """Accumulates one request's cache operations."""
+    storage_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    tokens: int = 0
+    aborted: bool = False
+
+    def add(self, phase: str, result: CacheResult) -> CacheResult:
+        self.storage_s += result.latency_s
+        if phase == "decode":
+            self.decode_s += result.latency_s
+        else:
+            self.prefill_s += result.latency_s
+        self.tokens += result.tokens
+        self.aborted = self.aborted or result.aborted
+        return result
 
 
 class RunRecorder:
@@ -2046,7 +2112,6 @@ class RunRecorder:
         self._max_requests = max_requests
         self.records: List[RequestRecord] = []
         self.tokens_generated = 0
-        self.storage_s_all_requests = 0.0      # completed and abandoned: the I/O really happened
         self.abandoned = 0
         self.reached_max_requests = threading.Event()
 
@@ -2054,14 +2119,12 @@ class RunRecorder:
         with self._lock:
             self.records.append(record)
             self.tokens_generated += record.generate_tokens
-            self.storage_s_all_requests += record.storage_s
             if self._max_requests and len(self.records) >= self._max_requests:
                 self.reached_max_requests.set()
 
-    def abandon(self, storage_s: float) -> None:
+    def abandon(self) -> None:
         with self._lock:
             self.abandoned += 1
-            self.storage_s_all_requests += storage_s
 
     def progress(self) -> Tuple[int, int]:
         with self._lock:
@@ -2192,8 +2255,7 @@ class IntegratedBenchmark:
         self.scheduler.seed(t0)
         threads = [self._spawn(self.scheduler.run, "arrival-scheduler")]
         threads += [self._spawn(self._worker, f"worker-{i}") for i in range(slots)]
-        monitor = self._spawn(self._monitor, "monitor", t0)
-        threads.append(self._spawn(self._reaper, "storage-reaper"))
+        housekeeping = [self._spawn(self._monitor, "monitor", t0), self._spawn(self._reaper, "storage-reaper")]
         deadline = t0 + cfg.duration_s if cfg.duration_s else None
         while not self._stop.is_set():
             if self.recorder.reached_max_requests.wait(0.05):
@@ -2202,9 +2264,11 @@ class IntegratedBenchmark:
                 self.request_stop("duration")
         # Generation sleeps end at once; storage I/O in flight gives up at its next chunk.
         self.cache.abort_io()
-        for thread in threads + [monitor]:
+        for thread in threads:
             thread.join()
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0         # the workload's end: before housekeeping winds down
+        for thread in housekeeping:
+            thread.join()
         self.sampler.sample(elapsed)
         return elapsed
 
@@ -2222,7 +2286,7 @@ class IntegratedBenchmark:
 
     def _reaper(self) -> None:
         while not self._stop.wait(0.5):
-            self.cache.collect_garbage()
+            self.cache.collect_garbage(self._stop.is_set)
 
     def _monitor(self, t0: float) -> None:
         interval = self.config.monitor_interval_s
@@ -2282,34 +2346,28 @@ class IntegratedBenchmark:
 
     def _process(self, req: InferenceRequest) -> Optional[RequestRecord]:
         req.start_time = time.perf_counter()
-        io = {"storage": 0.0, "prefill": 0.0, "decode": 0.0}
+        io = RequestIO()
         cache = self.cache
-
-        def spent(kind: str, seconds: float) -> None:
-            io["storage"] += seconds
-            io[kind] += seconds
-
         if req.prefix_key and self.config.enable_prefix_caching:
-            location, seconds = cache.access_cache(req.prefix_key, InferencePhase.PREFILL, req.prefix_type)
-            spent("prefill", seconds)
-            self.prefixes.record(req.prefix_type, location is not None,
-                                 req.prefix_tokens * self.config.model.kv_cache_size_per_token)
-            if location is None:                   # evicted or never written: prefill it again
-                spent("prefill", cache.allocate_cache(req.prefix_key, req.prefix_tokens, InferencePhase.PREFILL,
-                                                      req.prefix_type)[2])
+            found = io.add("prefill", cache.read_entry(req.prefix_key, InferencePhase.PREFILL, req.prefix_type))
+            if not found.aborted:
+                self.prefixes.record(req.prefix_type, found.success,
+                                     req.prefix_tokens * self.config.model.kv_cache_size_per_token)
+            if not found.success:                  # evicted or never written: prefill it again
+                io.add("prefill", cache.write_entry(req.prefix_key, req.prefix_tokens, InferencePhase.PREFILL))
         if req.previous_cache_key:
-            spent("prefill", cache.access_cache(req.previous_cache_key, InferencePhase.PREFILL, "multi_turn")[1])
-        spent("prefill", cache.allocate_cache(req.cache_key, req.context_tokens, InferencePhase.PREFILL)[2])
-        generation_s = self._decode(req, spent)
-        if generation_s is None:
-            self.recorder.abandon(io["storage"])
+            io.add("prefill", cache.read_entry(req.previous_cache_key, InferencePhase.PREFILL, "multi_turn"))
+        io.add("prefill", cache.write_entry(req.cache_key, req.context_tokens, InferencePhase.PREFILL))
+        generation_s = self._decode(req, io)
+        if generation_s is None or io.aborted:
+            self.recorder.abandon()
             return None
         req.complete_time = time.perf_counter()
         return RequestRecord(req.qos_level.value, req.context_tokens, req.generate_tokens,
                              req.complete_time - req.submit_time, req.start_time - req.submit_time,
-                             io["storage"], io["prefill"], io["decode"], generation_s)
+                             io.storage_s, io.prefill_s, io.decode_s, generation_s, io.tokens)
 
-    def _decode(self, req: InferenceRequest, spent: Callable[[str, float], None]) -> Optional[float]:
+    def _decode(self, req: InferenceRequest, io: "RequestIO") -> Optional[float]:
         """Decode reads interleaved with simulated generation; None when the run stopped first."""
         if req.phase is InferencePhase.PREFILL or req.generate_tokens <= 0:
             return 0.0
@@ -2321,7 +2379,7 @@ class IntegratedBenchmark:
             if self._stop.is_set():
                 return None
             if step < reads:
-                spent("decode", self.cache.access_cache(req.cache_key, InferencePhase.DECODE, "user")[1])
+                io.add("decode", self.cache.read_entry(req.cache_key, InferencePhase.DECODE, "user"))
             if step < steps and per_token_s > 0:
                 tokens = min(DECODE_TOKENS_PER_READ, req.generate_tokens - step * DECODE_TOKENS_PER_READ)
                 t = time.perf_counter()
@@ -2334,7 +2392,7 @@ class IntegratedBenchmark:
     def _results(self, elapsed_s: float) -> Dict[str, Any]:
         cache_stats = self.cache.get_stats(elapsed_s)      # tier counts: end of workload, before cleanup
         return assemble_results(
-            config=self.config, seed=self.config.seed, records=list(self.recorder.records),
+            config=self.config, seed=self.seed, records=list(self.recorder.records),
             recorder=self.recorder, cache_stats=cache_stats, prefix_stats=self.prefixes.stats(),
             timeline=self.sampler.timeline, elapsed_s=elapsed_s, workload_digest=self.workload_digest,
             admitted=self.scheduler.admitted, stop_reason=self.stop_reason, thread_errors=self.thread_errors,
@@ -2361,6 +2419,7 @@ def qos_metrics(records: Sequence[RequestRecord]) -> Dict[str, Any]:
         sla.total_requests = len(service_s)
         sla.violations = sum(1 for s in service_s if s * 1000.0 > sla.target_latency_p95_ms)
         summary = latency_summary_ms(service_s)
+        measured = sla.total_requests > 0
         out[level.value] = {
             "total_requests": sla.total_requests,
             "priority": sla.priority,
@@ -2369,8 +2428,8 @@ def qos_metrics(records: Sequence[RequestRecord]) -> Dict[str, Any]:
                 "target_p95_ms": sla.target_latency_p95_ms,
                 "target_p99_ms": sla.target_latency_p99_ms,
                 "actual_p95_ms": summary["p95"],
-                "compliance": sla.sla_compliance,
-                "met": summary["p95"] is not None and summary["p95"] <= sla.target_latency_p95_ms,
+                "compliance": sla.sla_compliance if measured else None,
+                "met": summary["p95"] <= sla.target_latency_p95_ms if measured else None,
             },
         }
     return out
@@ -2379,15 +2438,15 @@ def qos_metrics(records: Sequence[RequestRecord]) -> Dict[str, Any]:
 def storage_efficiency(cache_stats: Dict[str, Any], baseline: Optional[Dict[str, Any]],
                        elapsed_s: float) -> Optional[Dict[str, float]]:
     """The workload's storage-tier bandwidth as a fraction of the device's raw bandwidth."""
-    if not baseline or baseline["read_gbps"] <= 0 or baseline["write_gbps"] <= 0:
+    if not baseline or baseline["read_gib_per_sec"] <= 0 or baseline["write_gib_per_sec"] <= 0:
         return None
-    raw_r, raw_w = baseline["read_gbps"], baseline["write_gbps"]
+    raw_r, raw_w = baseline["read_gib_per_sec"], baseline["write_gib_per_sec"]
     read_gb, write_gb = cache_stats["nvme_bytes_read_gb"], cache_stats["nvme_bytes_written_gb"]
     return {
-        "read_device_busy": cache_stats["nvme_read_gbps_device"] / raw_r,
-        "write_device_busy": cache_stats["nvme_write_gbps_device"] / raw_w,
-        "read_wall": cache_stats["nvme_read_gbps_wall"] / raw_r,
-        "write_wall": cache_stats["nvme_write_gbps_wall"] / raw_w,
+        "read_efficiency_busy_basis": cache_stats["nvme_read_gib_per_sec_busy"] / raw_r,
+        "write_efficiency_busy_basis": cache_stats["nvme_write_gib_per_sec_busy"] / raw_w,
+        "read_efficiency_wall_basis": cache_stats["nvme_read_gib_per_sec_wall"] / raw_r,
+        "write_efficiency_wall_basis": cache_stats["nvme_write_gib_per_sec_wall"] / raw_w,
         # Fraction of the run the device would need at its raw speed for what was moved.
         "device_utilisation": _ratio(read_gb / raw_r + write_gb / raw_w, elapsed_s),
     }
@@ -2443,8 +2502,7 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "elapsed_time": elapsed_s,
         "avg_throughput_tokens_per_sec": _ratio(tokens_generated, elapsed_s),
         "total_tokens_per_sec": _ratio(tokens_generated, elapsed_s),
-        "storage_throughput_tokens_per_sec": _ratio(cache_stats["tokens_read"] + cache_stats["tokens_written"],
-                                                    recorder.storage_s_all_requests),
+        "storage_throughput_tokens_per_sec": _ratio(sum(r.tokens_moved for r in records), sum(storage)),
         "requests_per_second": _ratio(len(records), elapsed_s),
         "nvme_throughput": cache_stats["nvme_throughput"],
         "end_to_end_latency_ms": summaries["e2e"],
@@ -2469,8 +2527,8 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "verify_mismatches": cache_stats["verify_mismatches"],
         "io_errors": cache_stats["io_errors"],
         "process_cpu_seconds": process_cpu_s,
-        "cpu_seconds_per_storage_gb": _ratio(process_cpu_s, cache_stats["nvme_bytes_read_gb"]
-                                             + cache_stats["nvme_bytes_written_gb"]),
+        "cpu_seconds_per_storage_gb": (process_cpu_s / storage_gb) if (storage_gb := cache_stats["nvme_bytes_read_gb"]
+                                                                         + cache_stats["nvme_bytes_written_gb"]) else None,
         "io_baseline": io_baseline,
         "storage_efficiency": storage_efficiency(cache_stats, io_baseline, elapsed_s),
     }
@@ -2478,6 +2536,7 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "benchmark": "kv-cache",
         "version": __version__,
         "seed": seed,
+        "seed_given": config.seed is not None,
         "workload_digest": workload_digest,
         "interrupted": interrupted,
         "config": _config_dict(config),
@@ -2544,7 +2603,8 @@ def format_report(results: Dict[str, Any]) -> str:
     add("KV CACHE BENCHMARK RESULTS")
     add("=" * 80)
     add(f"Model: {cfg['model']} ({cfg['kv_bytes_per_token']:,} bytes/token) | Users: {cfg['num_users']} | "
-        f"Generation: {cfg['generation_mode']} | Seed: {results['seed']}")
+        f"Generation: {cfg['generation_mode']} | Seed: {results['seed']}"
+        + ("" if results["seed_given"] else " (drawn at random; pass --seed to reproduce)"))
     requested = f"{cfg['duration_s']:.0f}s" if cfg["duration_s"] else "no time limit"
     add(f"Duration: {requested} requested, {s['elapsed_time']:.2f}s elapsed | stopped by: {s['stop_reason']}"
         + (" | INTERRUPTED" if results["interrupted"] else ""))
@@ -2586,7 +2646,8 @@ def _report_assessment(add: Callable[[str], None], health: Dict[str, Any]) -> No
             shown = f"{actual}"
         add(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['name']}: {shown}")
     for name in health["not_applicable"]:
-        add(f"  [N/A ] {name}: tier not used in this run")
+        why = "no cache lookups in this run" if "Hit Rate" in name else "tier not used in this run"
+        add(f"  [N/A ] {name}: {why}")
 
 
 def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str, Any]) -> None:
@@ -2600,23 +2661,24 @@ def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str,
         f"(tokens moved by cache I/O / time spent in cache I/O)")
     add(f"  Storage Tier Throughput: {cs['nvme_throughput']:,.2f} tok/s "
         f"(storage-tier tokens read + written / wall time)")
-    add(f"  Storage Tier Bandwidth: read {cs['nvme_read_gbps_wall']:.3f} GB/s, "
-        f"write {cs['nvme_write_gbps_wall']:.3f} GB/s (wall); device-busy basis: "
-        f"read {cs['nvme_read_gbps_device']:.3f} GB/s, write {cs['nvme_write_gbps_device']:.3f} GB/s")
+    add(f"  Storage Tier Bandwidth: read {cs['nvme_read_gib_per_sec_wall']:.3f} GB/s, "
+        f"write {cs['nvme_write_gib_per_sec_wall']:.3f} GB/s (wall); device-busy basis: "
+        f"read {cs['nvme_read_gib_per_sec_busy']:.3f} GB/s, write {cs['nvme_write_gib_per_sec_busy']:.3f} GB/s")
     add(f"  Requests/sec: {s['requests_per_second']:,.2f}")
-    add(f"  Process CPU: {s['process_cpu_seconds']:.2f} s, {s['cpu_seconds_per_storage_gb']:.3f} s per GB "
-        f"moved through the storage tier")
+    per_gb = s["cpu_seconds_per_storage_gb"]
+    add(f"  Process CPU: {s['process_cpu_seconds']:.2f} s"
+        + (f", {per_gb:.3f} s per GB moved through the storage tier" if per_gb is not None else ""))
     if s["io_baseline"]:
         b, e = s["io_baseline"], s["storage_efficiency"]
         add("")
         add("### STORAGE EFFICIENCY (vs the device's raw bandwidth, measured before the run) ###")
         add(f"  Raw device ({b['io_mode']}, {b['threads']} streams of {b['chunk_bytes'] // MIB} MiB I/O): "
-            f"write {b['write_gbps']:.3f} GB/s, read {b['read_gbps']:.3f} GB/s")
+            f"write {b['write_gib_per_sec']:.3f} GB/s, read {b['read_gib_per_sec']:.3f} GB/s")
         if e:
-            add(f"  Read efficiency: {e['read_device_busy'] * 100:.1f}% (device-busy basis), "
-                f"{e['read_wall'] * 100:.1f}% (wall)")
-            add(f"  Write efficiency: {e['write_device_busy'] * 100:.1f}% (device-busy basis), "
-                f"{e['write_wall'] * 100:.1f}% (wall)")
+            add(f"  Read efficiency: {e['read_efficiency_busy_basis'] * 100:.1f}% (device-busy basis), "
+                f"{e['read_efficiency_wall_basis'] * 100:.1f}% (wall)")
+            add(f"  Write efficiency: {e['write_efficiency_busy_basis'] * 100:.1f}% (device-busy basis), "
+                f"{e['write_efficiency_wall_basis'] * 100:.1f}% (wall)")
             add(f"  Device utilisation: {e['device_utilisation'] * 100:.1f}% "
                 f"(time the moved bytes need at raw speed / elapsed)")
 
@@ -2628,7 +2690,7 @@ def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
     add(_fmt_latency("Queue Wait (measured)", s["queue_wait_latency_ms"]))
     add(_fmt_latency("Storage I/O", s["storage_io_latency_ms"]))
     add(_fmt_latency("Generation (simulated)", s["generation_latency_ms"]))
-    add(f"  Approximate mean queue wait: {_fmt_ms(s['queue_wait_latency_ms']['mean'])}")
+    add(f"  Mean queue wait: {_fmt_ms(s['queue_wait_latency_ms']['mean'])} (measured per request, not approximated)")
     add("  Potential bottlenecks:")
     for note in s["bottlenecks"]:
         add(f"    - {note}")

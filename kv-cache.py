@@ -1867,6 +1867,10 @@ class MultiTierCache:
             except OSError as exc:
                 self._record_io_error(tier, "read", exc)
                 break
+            with self._lock:
+                replaced = self._entries.get(key) is not entry
+            if replaced:                               # rewritten while we read: those were another entry's bytes
+                continue
             self.stats.record_lookup(cache_type, hit=True)
             self.stats.record_io(tier, "read", entry.size_bytes, entry.num_tokens, timing,
                                  "decode" if phase == InferencePhase.DECODE else "prefill")
@@ -2238,7 +2242,11 @@ class IntegratedBenchmark:
             if self.config.io_baseline:
                 logger.info("Measuring the raw bandwidth of %s (about %.0f s)...", self.cache.run_dir,
                             3 * BASELINE_PHASE_S)
-                self.io_baseline = measure_io_baseline(self.cache.run_dir, self.cache.generator)
+                try:
+                    self.io_baseline = measure_io_baseline(self.cache.run_dir, self.cache.generator)
+                except OSError as exc:
+                    logger.error("--io-baseline failed, the run goes on without it: %s", exc)
+                    self.thread_errors.append(f"io-baseline: {exc}")
             cpu0 = time.process_time()
             elapsed = self._drive()
             self.process_cpu_s = time.process_time() - cpu0
@@ -3027,7 +3035,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_USAGE
     _announce_unavailable(args)
     output = args.output or f"benchmark_results_{time.strftime('%Y%m%d_%H%M%S')}.json"
-    created_dirs = _make_cache_dir(config.cache_dir)
+    try:
+        created_dirs = _make_cache_dir(config.cache_dir)
+    except OSError as exc:
+        print(f"kv-cache.py: error: --cache-dir {config.cache_dir}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         bench = IntegratedBenchmark(config)
         _install_signal_handlers(bench)

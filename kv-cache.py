@@ -2767,6 +2767,124 @@ def _report_qos(add: Callable[[str], None], qos: Dict[str, Any]) -> None:
             f"[{'MET' if sla['met'] else 'MISSED'}]")
 
 
+# --- Spreadsheet export ----------------------------------------------------------
+
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    if args is None:
+        return default
+    if isinstance(args, dict):
+        return args.get(name, default)
+    return getattr(args, name, default)
+
+
+def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
+    """One spreadsheet row per run: the original's columns first, then ours (units in the names)."""
+    s, cfg = results["summary"], results.get("config", {})
+    cs = s["cache_stats"]
+    e2e, sio, queue_ms = s["end_to_end_latency_ms"], s["storage_io_latency_ms"], s["queue_wait_latency_ms"]
+    return {
+        "Model": _arg(args, "model", cfg.get("model")),
+        "Num Users": _arg(args, "num_users", cfg.get("num_users")),
+        "Duration (s)": cfg.get("duration_s") if cfg.get("duration_s") is not None else _arg(args, "duration"),
+        "GPU Mem (GB)": cs.get("effective_gpu_mem_gb", _arg(args, "gpu_mem_gb")),
+        "CPU Mem (GB)": cs.get("effective_cpu_mem_gb", _arg(args, "cpu_mem_gb")),
+        "Total Requests": s["total_requests"],
+        "Total Tokens": s["total_tokens"],
+        "Avg Throughput (tok/s)": s["avg_throughput_tokens_per_sec"],
+        "Storage Throughput (tok/s)": s["storage_throughput_tokens_per_sec"],
+        "Cache Hit Rate": cs["cache_hit_rate"],
+        "E2E Latency P95 (ms)": e2e["p95"],
+        "Storage IO P95 (ms)": sio["p95"],
+        "Storage Tier Throughput (tok/s)": s["nvme_throughput"],
+        "Storage Read (GB/s)": cs["nvme_read_gib_per_sec_wall"],
+        "Storage Write (GB/s)": cs["nvme_write_gib_per_sec_wall"],
+        "Storage Read P95 (ms)": cs["nvme_read_p95_ms"],
+        "Storage Write P95 (ms)": cs["nvme_write_p95_ms"],
+        "E2E Latency Mean (ms)": e2e["mean"],
+        "Queue Wait Mean (ms)": queue_ms["mean"],
+        "Multi-turn Hit Rate": s["multi_turn_stats"]["hit_rate"],
+        "GPU Entries": cs["gpu_entries"],
+        "CPU Entries": cs["cpu_entries"],
+        "Storage Entries": cs["nvme_entries"],
+        "Decode Bytes Read (GB)": cs["decode_bytes_read_gb"],
+        "Prefill Bytes Written (GB)": cs["prefill_bytes_written_gb"],
+        "Elapsed (s)": s["elapsed_time"],
+        "Generation Mode": cfg.get("generation_mode"),
+        "Assessment": cs["storage_health"]["overall_status"],
+        "I/O Errors": s.get("io_errors", 0),
+        "Seed": results.get("seed"),
+        "Workload Digest": results.get("workload_digest"),
+    }
+
+
+_PERCENT_COLUMNS = ("Cache Hit Rate", "Multi-turn Hit Rate", "SLA Compliance")
+
+
+def _detail_sheets(results: Dict[str, Any], args: Any) -> Dict[str, List[Dict[str, Any]]]:
+    s = results["summary"]
+    cs = s["cache_stats"]
+    params = dict(results.get("config", {}))
+    if args is not None:
+        params.update({k: v for k, v in (vars(args) if not isinstance(args, dict) else args).items()
+                       if isinstance(v, (str, int, float, bool)) or v is None})
+    tiers = []
+    for tier in TIER_NAMES:
+        for op in ("read", "write"):
+            if not cs.get(f"{tier}_{op}s"):
+                continue
+            tiers.append({"Tier": tier, "Operation": op, "Operations": cs[f"{tier}_{op}s"],
+                          "GB Moved": cs[f"{tier}_bytes_{'read' if op == 'read' else 'written'}_gb"],
+                          "P50 (ms)": cs[f"{tier}_{op}_p50_ms"], "P95 (ms)": cs[f"{tier}_{op}_p95_ms"],
+                          "P99 (ms)": cs[f"{tier}_{op}_p99_ms"],
+                          "Device P95 (ms)": cs[f"{tier}_{op}_device_p95_ms"],
+                          "Host P95 (ms)": cs[f"{tier}_{op}_host_p95_ms"]})
+    qos = [{"QoS": level, "Requests": q["total_requests"], "P95 (ms)": q["latency_ms"]["p95"],
+            "Target P95 (ms)": q["sla"]["target_p95_ms"], "SLA Compliance": q["sla"]["compliance"],
+            "Met": q["sla"]["met"]} for level, q in s["qos_metrics"].items()]
+    return {"Run Parameters": [{"Parameter": k, "Value": str(v)} for k, v in params.items()],
+            "Tier Metrics": tiers, "QoS Metrics": qos}
+
+
+def export_results_to_xlsx(results: Dict[str, Any], args: Any, output_path: str) -> Optional[str]:
+    """Write the run as a spreadsheet: .xlsx with openpyxl (Summary, Run Parameters, Tier
+    Metrics, QoS Metrics sheets), else the Summary row as .csv. Returns the path written,
+    or None (with a warning) when pandas is missing."""
+    if not PANDAS_AVAILABLE:
+        logger.warning("pandas is not installed: skipping the spreadsheet export to %s", output_path)
+        return None
+    import pandas as pd                          # heavy: imported only for the export
+    rows = [summary_row(results, args)]
+    if not OPENPYXL_AVAILABLE or Path(output_path).suffix.lower() == ".csv":
+        path = str(Path(output_path).with_suffix(".csv"))
+        if not OPENPYXL_AVAILABLE:
+            logger.warning("openpyxl is not installed: writing the summary row as CSV to %s", path)
+        pd.DataFrame(rows).to_csv(path, index=False)
+        return path
+    sheets = {"Summary": rows, **_detail_sheets(results, args)}
+    write_workbook(sheets, output_path)
+    return output_path
+
+
+def write_workbook(sheets: Dict[str, List[Dict[str, Any]]], output_path: str) -> None:
+    """Sheets of rows to an .xlsx file, formatted for people: widths, percentages, decimals."""
+    import pandas as pd
+    with pd.ExcelWriter(output_path, engine="openpyxl") as writer:
+        for name, rows in sheets.items():
+            pd.DataFrame(rows).to_excel(writer, sheet_name=name, index=False)
+            sheet = writer.sheets[name]
+            sheet.freeze_panes = "A2"
+            for column in sheet.columns:
+                header = str(column[0].value)
+                width = max(len(header), *(len(f"{c.value:,.2f}" if isinstance(c.value, float) else str(c.value))
+                                           for c in column[1:]), 8) if len(column) > 1 else len(header)
+                sheet.column_dimensions[column[0].column_letter].width = min(width + 2, 60)
+                for cell in column[1:]:
+                    if header in _PERCENT_COLUMNS:
+                        cell.number_format = "0.0%"
+                    elif isinstance(cell.value, float):
+                        cell.number_format = "#,##0.00"
+
+
 def write_json(results: Dict[str, Any], path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2, default=_json_default)
@@ -2802,7 +2920,6 @@ NOT_YET_AVAILABLE = {
     "enable_autoscaling": "--enable-autoscaling",
     "enable_rag": "--enable-rag",
     "dataset_path": "--dataset-path",
-    "xlsx_output": "--xlsx-output",
 }
 
 SYSTEM_PATHS = ("/", "/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "/boot", "/lib", "/lib64")
@@ -3061,6 +3178,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as exc:
         written = False
         logger.error("could not write the results to %s: %s", output, exc)
+    if args.xlsx_output:
+        try:
+            path = export_results_to_xlsx(results, args, args.xlsx_output)
+            if path:
+                logger.info("Spreadsheet written to %s", path)
+        except (OSError, ValueError) as exc:
+            written = False
+            logger.error("could not write the spreadsheet %s: %s", args.xlsx_output, exc)
     if bench.stop_reason in EXIT_SIGNAL:
         return EXIT_SIGNAL[bench.stop_reason]
     summary = results["summary"]

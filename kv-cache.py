@@ -2885,6 +2885,77 @@ def write_workbook(sheets: Dict[str, List[Dict[str, Any]]], output_path: str) ->
                         cell.number_format = "#,##0.00"
 
 
+# --- Suite comparison (the wrapper's closing table) ----------------------------------
+
+_SUITE_COLUMNS = (("Workload", "{}"), ("Status", "{}"), ("Throughput tok/s", "{:,.1f}"),
+                  ("Storage tok/s", "{:,.1f}"), ("E2E P95 ms", "{:,.1f}"), ("Storage P95 ms", "{:,.1f}"),
+                  ("Hit rate", "{:.1%}"), ("GPU/CPU/Storage entries", "{}"))
+
+
+def _suite_row(name: str, status: str, results: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    row: Dict[str, Any] = {"Workload": name, "Status": status}
+    if results is None:
+        return row
+    s = results["summary"]
+    cs = s["cache_stats"]
+    row.update({"Throughput tok/s": s["avg_throughput_tokens_per_sec"],
+                "Storage tok/s": s["nvme_throughput"],
+                "E2E P95 ms": s["end_to_end_latency_ms"]["p95"],
+                "Storage P95 ms": s["storage_io_latency_ms"]["p95"],
+                "Hit rate": cs["cache_hit_rate"],
+                "GPU/CPU/Storage entries": f"{cs['gpu_entries']}/{cs['cpu_entries']}/{cs['nvme_entries']}"})
+    return row
+
+
+def _median_row(name: str, rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"Workload": f"{name} (median of {len(rows)})",
+                           "Status": "ok" if all(r["Status"] == "ok" for r in rows) else "degraded"}
+    for column, _ in _SUITE_COLUMNS[2:7]:
+        values = [r[column] for r in rows if r.get(column) is not None]
+        out[column] = float(np.median(values)) if values else None
+    out["GPU/CPU/Storage entries"] = rows[-1].get("GPU/CPU/Storage entries")
+    return out
+
+
+def suite_comparison(results_dir: str) -> str:
+    """Compare every run of a wrapper suite in `results_dir`: a table (returned) and a
+    workbook `suite_summary.xlsx` with one row per run (when pandas and openpyxl are there).
+    MLPerf submission trials are also summarised as the median of their trials."""
+    directory = Path(results_dir)
+    statuses: Dict[str, str] = {}
+    status_file = directory / "status.tsv"
+    if status_file.exists():
+        for line in status_file.read_text().splitlines():
+            name, _, status = line.partition("\t")
+            statuses[name] = status
+    names = list(statuses) or sorted(p.stem[len("results_"):] for p in directory.glob("results_*.json"))
+    rows, sheet_rows, trials = [], [], defaultdict(list)
+    for name in names:
+        path = directory / f"results_{name}.json"
+        results = json.loads(path.read_text()) if path.exists() else None
+        row = _suite_row(name, statuses.get(name, "ok" if results else "failed"), results)
+        rows.append(row)
+        if results is not None:
+            sheet_rows.append({"Workload": name, "Status": row["Status"], **summary_row(results)})
+        match = re.match(r"(mlperf_submission_\w+?)_trial\d+$", name)
+        if match:
+            trials[match.group(1)].append(row)
+    rows += [_median_row(option, option_rows) for option, option_rows in trials.items()]
+    lines = ["", "### SUITE COMPARISON ###"]
+    widths = {c: max(len(c), *(len(_suite_cell(r.get(c), f)) for r in rows)) for c, f in _SUITE_COLUMNS}
+    lines.append("  ".join(c.ljust(widths[c]) for c, _ in _SUITE_COLUMNS))
+    for row in rows:
+        lines.append("  ".join(_suite_cell(row.get(c), f).ljust(widths[c]) for c, f in _SUITE_COLUMNS))
+    if sheet_rows and PANDAS_AVAILABLE and OPENPYXL_AVAILABLE:
+        write_workbook({"Runs": sheet_rows}, str(directory / "suite_summary.xlsx"))
+        lines.append(f"Workbook: {directory / 'suite_summary.xlsx'} ({len(sheet_rows)} runs)")
+    return "\n".join(lines)
+
+
+def _suite_cell(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
 def write_json(results: Dict[str, Any], path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2, default=_json_default)

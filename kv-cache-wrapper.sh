@@ -1,0 +1,246 @@
+#!/usr/bin/env bash
+# kv-cache-wrapper.sh: detect the hardware, then run the KV-cache benchmark's scenario suite
+# and compare the runs. Needs bash, coreutils and python3 (with the project's requirements).
+#
+#   ./kv-cache-wrapper.sh                          # all scenarios, defaults
+#   ./kv-cache-wrapper.sh -w storage-only,production -t 60
+#   ./kv-cache-wrapper.sh -m tiny-1b -t 5 -s 5 -r 5 -a 20 -w cpu-only,storage-only,production -o out
+#   ./kv-cache-wrapper.sh -n                       # print the commands, run nothing
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+BENCH="${SCRIPT_DIR}/kv-cache.py"
+PYTHON="${PYTHON:-python3}"
+SEED=42
+
+ALL_WORKLOADS="gpu-only cpu-only storage-only gpu-cpu cpu-storage gpu-cpu-storage storage-saturation production autoscale capacity-autoscale mlperf_submission"
+GPU_WORKLOADS=" gpu-only gpu-cpu gpu-cpu-storage "
+
+MODEL="llama3.1-8b"
+TIER_S=120
+SATURATION_S=180
+PRODUCTION_S=180
+AUTOSCALE_S=300
+WORKLOADS=""
+USERS=""
+HIGH_USERS=""
+RAG=0
+RAG_DOCS=10
+CACHE_DIR=""
+RESULTS_DIR=""
+TRIALS=1
+DRY_RUN=0
+
+usage() {
+    cat <<EOF
+Usage: $(basename "$0") [options]
+  -m MODEL   model (default: ${MODEL})
+  -t SECONDS duration of the tier comparison tests (default: ${TIER_S})
+  -s SECONDS duration of storage saturation and MLPerf submission runs (default: ${SATURATION_S})
+  -r SECONDS duration of the production test (default: ${PRODUCTION_S})
+  -a SECONDS duration of the autoscaling tests (default: ${AUTOSCALE_S})
+  -w LIST    comma-separated workloads (default: all):
+             ${ALL_WORKLOADS// /, }
+  -u USERS   baseline user count (default: from RAM)
+  -U USERS   high-load user count (default: from RAM)
+  -R         add the RAG workload to every run
+  -D DOCS    RAG documents (default: ${RAG_DOCS})
+  -c DIR     cache directory on the storage under test (default: /mnt/nvme, /mnt/ssd, else a temporary directory)
+  -o DIR     results directory (default: ./kv_cache_results_<timestamp>)
+  -T N       trials per MLPerf submission option, reported as the median (default: ${TRIALS})
+  -n         dry run: print the commands, run nothing
+  -h         this help
+EOF
+}
+
+die_usage() {
+    echo "$(basename "$0"): error: $*" >&2
+    usage >&2
+    exit 2
+}
+
+is_positive_int() { [[ "$1" =~ ^[1-9][0-9]*$ ]]; }
+
+parse_args() {
+    local opt
+    while getopts ":m:t:s:r:a:w:u:U:RD:c:o:T:nh" opt; do
+        case "$opt" in
+            m) MODEL="$OPTARG" ;;
+            t) TIER_S="$OPTARG" ;;
+            s) SATURATION_S="$OPTARG" ;;
+            r) PRODUCTION_S="$OPTARG" ;;
+            a) AUTOSCALE_S="$OPTARG" ;;
+            w) WORKLOADS="${OPTARG//,/ }" ;;
+            u) USERS="$OPTARG" ;;
+            U) HIGH_USERS="$OPTARG" ;;
+            R) RAG=1 ;;
+            D) RAG_DOCS="$OPTARG" ;;
+            c) CACHE_DIR="$OPTARG" ;;
+            o) RESULTS_DIR="$OPTARG" ;;
+            T) TRIALS="$OPTARG" ;;
+            n) DRY_RUN=1 ;;
+            h) usage; exit 0 ;;
+            :) die_usage "option -$OPTARG needs a value" ;;
+            *) die_usage "unknown option -$OPTARG" ;;
+        esac
+    done
+    shift $((OPTIND - 1))
+    [ $# -eq 0 ] || die_usage "unexpected argument: $1"
+    local name value
+    for name in TIER_S SATURATION_S PRODUCTION_S AUTOSCALE_S TRIALS RAG_DOCS; do
+        value="${!name}"
+        is_positive_int "$value" || die_usage "a positive integer is needed, got '${value}'"
+    done
+    for value in "$USERS" "$HIGH_USERS"; do
+        [ -z "$value" ] || is_positive_int "$value" || die_usage "user counts must be positive integers, got '${value}'"
+    done
+    WORKLOADS="${WORKLOADS:-$ALL_WORKLOADS}"
+    local w
+    for w in $WORKLOADS; do
+        [[ " $ALL_WORKLOADS " == *" $w "* ]] || die_usage "unknown workload '$w'"
+    done
+}
+
+# --- Hardware detection ---------------------------------------------------------
+
+detect_hardware() {
+    GPU_COUNT=0
+    GPU_MEM_GB=0
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        local vram_mib
+        vram_mib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -dc '0-9')"
+        GPU_COUNT="$(nvidia-smi --list-gpus 2>/dev/null | wc -l | tr -dc '0-9')"
+        # 80 % of the first GPU's memory: the rest is the model's weights and activations.
+        [ -n "$vram_mib" ] && GPU_MEM_GB=$(( vram_mib * 8 / 10 / 1024 ))
+    fi
+    local ram_kib
+    ram_kib="$(awk '/^MemTotal:/ {print $2}' /proc/meminfo 2>/dev/null || echo 0)"
+    RAM_GB=$(( ram_kib / 1024 / 1024 ))
+    # A quarter of RAM for the CPU tier, at most 32 GiB, at least 1.
+    CPU_MEM_GB=$(( RAM_GB / 4 ))
+    (( CPU_MEM_GB > 32 )) && CPU_MEM_GB=32
+    (( CPU_MEM_GB < 1 )) && CPU_MEM_GB=1
+    if (( RAM_GB >= 64 )); then
+        USERS="${USERS:-50}"; HIGH_USERS="${HIGH_USERS:-150}"
+    else
+        USERS="${USERS:-20}"; HIGH_USERS="${HIGH_USERS:-60}"
+    fi
+    if [ -z "$CACHE_DIR" ]; then
+        local candidate
+        for candidate in /mnt/nvme /mnt/ssd; do
+            if [ -d "$candidate" ] && [ -w "$candidate" ]; then CACHE_DIR="$candidate"; break; fi
+        done
+        CACHE_DIR="${CACHE_DIR:-${TMPDIR:-/tmp}}"
+    fi
+    echo "Hardware: ${GPU_COUNT} GPU(s), GPU tier budget ${GPU_MEM_GB} GB; RAM ${RAM_GB} GB, CPU tier budget ${CPU_MEM_GB} GB"
+    echo "Users: baseline ${USERS}, high load ${HIGH_USERS} | cache directory: ${CACHE_DIR} | model: ${MODEL}"
+}
+
+# --- Running one benchmark -------------------------------------------------------
+
+FAILED=()
+declare -A STATUS=()
+
+# run_bench NAME MODEL ARGS...: one kv-cache.py run writing results_NAME.json (and .xlsx)
+run_bench() {
+    local name="$1" model="$2"; shift 2
+    local cmd=("$PYTHON" "$BENCH" --model "$model" --cache-dir "$CACHE_DIR" --seed "$SEED"
+               --output "${RESULTS_DIR}/results_${name}.json" --xlsx-output "${RESULTS_DIR}/results_${name}.xlsx" "$@")
+    (( RAG )) && cmd+=(--enable-rag --rag-num-docs "$RAG_DOCS")
+    echo
+    echo ">>> ${name}: ${cmd[*]}"
+    (( DRY_RUN )) && return 0
+    local rc=0
+    "${cmd[@]}" > "${RESULTS_DIR}/log_${name}.txt" 2>&1 || rc=$?
+    if (( rc == 0 )); then
+        STATUS[$name]="ok"
+    elif (( rc == 1 )) && [ -f "${RESULTS_DIR}/results_${name}.json" ]; then
+        STATUS[$name]="degraded"; FAILED+=("$name")
+    else
+        STATUS[$name]="failed (exit ${rc})"; FAILED+=("$name")
+    fi
+    printf '%s\t%s\n' "$name" "${STATUS[$name]}" >> "${RESULTS_DIR}/status.tsv"
+    echo "<<< ${name}: ${STATUS[$name]} (log: ${RESULTS_DIR}/log_${name}.txt)"
+    tail -n 3 "${RESULTS_DIR}/log_${name}.txt" | sed 's/^/    /'
+}
+
+# --- Scenarios (seed 000, section 4) ------------------------------------------------
+
+tier_args() {   # tier_args GPU_GB CPU_GB USERS DURATION
+    echo --gpu-mem-gb "$1" --cpu-mem-gb "$2" --num-users "$3" --duration "$4" --generation-mode fast
+}
+
+scenario() {
+    local w="$1" third=$(( CPU_MEM_GB / 4 > 0 ? CPU_MEM_GB / 4 : 1 ))
+    # shellcheck disable=SC2046  # tier_args prints words meant to be split
+    case "$w" in
+        gpu-only)        run_bench "$w" "$MODEL" $(tier_args "$GPU_MEM_GB" 0 "$USERS" "$TIER_S") ;;
+        cpu-only)        run_bench "$w" "$MODEL" $(tier_args 0 "$CPU_MEM_GB" "$USERS" "$TIER_S") ;;
+        storage-only)    run_bench "$w" "$MODEL" $(tier_args 0 0.5 "$USERS" "$TIER_S") ;;
+        gpu-cpu)         run_bench "$w" "$MODEL" $(tier_args "$GPU_MEM_GB" "$CPU_MEM_GB" "$USERS" "$TIER_S") ;;
+        cpu-storage)     run_bench "$w" "$MODEL" $(tier_args 0 "$third" "$USERS" "$TIER_S") ;;
+        gpu-cpu-storage) run_bench "$w" "$MODEL" $(tier_args $(( GPU_MEM_GB / 4 )) "$third" "$USERS" "$TIER_S") ;;
+        storage-saturation)
+            run_bench "$w" "$MODEL" --gpu-mem-gb 0 --cpu-mem-gb 0.5 --num-users "$HIGH_USERS" --duration "$SATURATION_S" \
+                --generation-mode none --performance-profile throughput ;;
+        production)
+            run_bench "$w" "$MODEL" --gpu-mem-gb "$GPU_MEM_GB" --cpu-mem-gb "$CPU_MEM_GB" --num-users "$USERS" \
+                --duration "$PRODUCTION_S" --generation-mode realistic ;;
+        autoscale)
+            run_bench "$w" "$MODEL" --gpu-mem-gb "$GPU_MEM_GB" --cpu-mem-gb "$CPU_MEM_GB" --num-users "$(( USERS / 2 > 0 ? USERS / 2 : 1 ))" \
+                --duration "$AUTOSCALE_S" --generation-mode realistic --enable-autoscaling --autoscaler-mode qos ;;
+        capacity-autoscale)
+            run_bench "$w" "$MODEL" --gpu-mem-gb 0 --cpu-mem-gb 0.5 --num-users 10 --duration "$AUTOSCALE_S" \
+                --generation-mode none --enable-autoscaling --autoscaler-mode capacity ;;
+        mlperf_submission) mlperf_submission ;;
+    esac
+}
+
+# MLPerf submission options 1-3 (seed 001, "MLPerf Submission Guidelines"), TRIALS each.
+mlperf_submission() {
+    local trial
+    for (( trial = 1; trial <= TRIALS; trial++ )); do
+        run_bench "mlperf_submission_stress8b_trial${trial}" llama3.1-8b --num-users 200 \
+            --duration "$SATURATION_S" --gpu-mem-gb 0 --cpu-mem-gb 0 --max-concurrent-allocs 16 --generation-mode none
+        run_bench "mlperf_submission_throughput8b_trial${trial}" llama3.1-8b --num-users 100 \
+            --duration "$SATURATION_S" --gpu-mem-gb 0 --cpu-mem-gb 4 --max-concurrent-allocs 0 --generation-mode none
+        run_bench "mlperf_submission_stress70b_trial${trial}" llama3.1-70b-instruct --num-users 70 \
+            --duration "$SATURATION_S" --gpu-mem-gb 0 --cpu-mem-gb 0 --max-concurrent-allocs 4 --generation-mode none
+    done
+}
+
+# --- Comparison ---------------------------------------------------------------------
+
+compare_runs() {
+    (( DRY_RUN )) && return 0
+    "$PYTHON" - "$BENCH" "$RESULTS_DIR" <<'PYEOF' || echo "warning: the comparison could not be made" >&2
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("kv_cache", sys.argv[1])
+kv = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kv)
+print(kv.suite_comparison(sys.argv[2]))
+PYEOF
+}
+
+main() {
+    parse_args "$@"
+    detect_hardware
+    RESULTS_DIR="${RESULTS_DIR:-./kv_cache_results_$(date +%Y%m%d_%H%M%S)}"
+    (( DRY_RUN )) || mkdir -p "$RESULTS_DIR"
+    local w
+    for w in $WORKLOADS; do
+        if [[ "$GPU_WORKLOADS" == *" $w "* ]] && (( GPU_MEM_GB == 0 )); then
+            echo
+            echo "--- ${w}: skipped, no GPU detected (nvidia-smi)"
+            continue
+        fi
+        scenario "$w"
+    done
+    compare_runs
+    if (( ${#FAILED[@]} )); then
+        echo "Runs that failed or degraded: ${FAILED[*]}" >&2
+        exit 1
+    fi
+}
+
+main "$@"

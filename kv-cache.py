@@ -569,20 +569,35 @@ class UserPlan:
 
 
 class WorkloadPlan:
-    """All users and their plans, made from (seed, model, user count) before the clock starts."""
+    """All users and their plans, made from (seed, model, user count) before the clock starts.
+
+    User i has a generator of its own, so it is the same user whatever the
+    user count: the autoscaler can add users 100, 101, ... to a run of 100.
+    """
 
     def __init__(self, model_name: str, num_users: int, seed: int):
         self.model_name = model_name
         self.seed = seed
+        self.num_users = num_users
         self.matcher = PrefixMatcher()
-        self.users = UserSimulator.generate_mixed_users(num_users, random.Random(derive_seed(seed, "users")))
-        self.plans = [UserPlan(u, seed, i, self.matcher) for i, u in enumerate(self.users)]
+        self.users: List[UserProfile] = []
+        self.plans: List[UserPlan] = []
+        self.ensure_users(num_users)
+
+    def ensure_users(self, count: int) -> None:
+        while len(self.users) < count:
+            i = len(self.users)
+            r = random.Random(derive_seed(self.seed, "user", i))
+            user_type, qos = _weighted_choice(r, PERSONA_MIX), _weighted_choice(r, QOS_MIX)
+            user = UserSimulator.generate_user(f"user_{i}", user_type, QOS_PROFILES[qos].priority, qos, r)
+            self.plans.append(UserPlan(user, self.seed, i, self.matcher))
+            self.users.append(user)
 
     def digest(self) -> str:
         """Hash of each user's profile and first PLAN_DIGEST_REQUESTS planned requests."""
         h = hashlib.sha256()
-        h.update(f"{self.model_name}|{len(self.users)}|{self.seed}".encode())
-        for user, plan in zip(self.users, self.plans):
+        h.update(f"{self.model_name}|{self.num_users}|{self.seed}".encode())
+        for user, plan in zip(self.users[:self.num_users], self.plans):
             h.update(f"|{user.user_id}:{user.user_type}:{user.qos_level.value}".encode())
             for planned in plan.peek(PLAN_DIGEST_REQUESTS):
                 h.update(repr(planned.digest_fields()).encode())
@@ -1557,6 +1572,15 @@ class CacheStats:
         with self._lock:
             return dict(self.counters), {k: tuple(list(x) for x in v) for k, v in self.samples.items()}
 
+    def window(self, marks: Dict[Tuple[str, str], int]) -> Tuple[Dict[str, int], Dict[Tuple[str, str], List[float]]]:
+        """Counters, and the total-latency samples recorded since `marks` (updated in place)."""
+        with self._lock:
+            new = {}
+            for key, (totals, _, _) in self.samples.items():
+                new[key] = totals[marks.get(key, 0):]
+                marks[key] = len(totals)
+            return dict(self.counters), new
+
 
 @dataclass
 class CacheResult:
@@ -2012,39 +2036,184 @@ class MultiTierCache:
 
 
 # ============================================================================
-# MONITORING
+# MONITORING AND AUTOSCALING
 # ============================================================================
 
-class ThroughputSampler:
-    """Samples the run every monitor interval into `throughput_timeline`."""
+# Saturation: how close the run is to what storage and the worker slots can take.
+SATURATION_READ_P95_MS = 200.0          # the latency profile's storage read target
+SATURATION_WRITE_P95_MS = 500.0         # the latency profile's storage write target
 
-    def __init__(self, cache: MultiTierCache, recorder: "RunRecorder", request_queue: "queue.Queue"):
+
+def saturation_score(read_p95_ms: Optional[float], write_p95_ms: Optional[float],
+                     queue_wait_mean_ms: Optional[float], service_mean_ms: Optional[float]) -> float:
+    """Saturation in [0, 1] (docs/metrics.md):
+
+        latency = max(read P95 / 200 ms, write P95 / 500 ms)     storage tier, this window
+        queueing = mean queue wait / (mean queue wait + mean service time)
+        saturation = min(1, max(latency, queueing))
+
+    1.0 means the storage tier misses its latency targets or requests spend
+    most of their time waiting for a worker slot; a missing sample counts 0.
+    """
+    latency = max((read_p95_ms or 0.0) / SATURATION_READ_P95_MS, (write_p95_ms or 0.0) / SATURATION_WRITE_P95_MS)
+    wait, service = queue_wait_mean_ms or 0.0, service_mean_ms or 0.0
+    queueing = wait / (wait + service) if wait + service > 0 else 0.0
+    return min(1.0, max(latency, queueing))
+
+
+class StorageMonitor:
+    """Samples the run every monitor interval: KPIs over the last window, the saturation
+    score, and a `throughput_timeline` point."""
+
+    def __init__(self, cache: MultiTierCache, recorder: "RunRecorder", request_queue: "queue.Queue",
+                 active_users: Callable[[], int]):
         self._cache = cache
         self._recorder = recorder
         self._queue = request_queue
-        self._last = (0.0, 0, 0, 0, 0)          # elapsed, requests, tokens, nvme bytes read, written
+        self._active_users = active_users
+        self._last_elapsed = 0.0
+        self._last_counters: Dict[str, int] = {}
+        self._sample_marks: Dict[Tuple[str, str], int] = {}
+        self._record_mark = 0
         self.timeline: List[Dict[str, Any]] = []
 
     def sample(self, elapsed_s: float) -> Dict[str, Any]:
-        counters, _ = self._cache.stats.snapshot()
-        requests, tokens = self._recorder.progress()
-        read_b, written_b = counters.get("nvme_bytes_read", 0), counters.get("nvme_bytes_written", 0)
-        t0, r0, k0, rb0, wb0 = self._last
-        window = max(elapsed_s - t0, 1e-9)
+        counters, window = self._cache.stats.window(self._sample_marks)
+        records = self._recorder.records_since(self._record_mark)
+        self._record_mark += len(records)
+        span = max(elapsed_s - self._last_elapsed, 1e-9)
+        delta = {k: counters.get(k, 0) - self._last_counters.get(k, 0) for k in counters}
+        read_p95 = latency_summary_ms(window.get(("nvme", "read"), []))["p95"]
+        write_p95 = latency_summary_ms(window.get(("nvme", "write"), []))["p95"]
+        queue_ms = latency_summary_ms([r.queue_wait_s for r in records])["mean"]
+        service_ms = latency_summary_ms([r.end_to_end_s - r.queue_wait_s - r.generation_s for r in records])["mean"]
+        io_tokens = sum(delta.get(f"{t}_tokens_{d}", 0) for t in TIER_NAMES for d in ("read", "written"))
         point = {
             "elapsed_s": round(elapsed_s, 3),
-            "requests_completed": requests,
-            "tokens_generated": tokens,
-            "throughput_tokens_per_sec": (tokens - k0) / window,
-            "requests_per_sec": (requests - r0) / window,
-            "storage_read_gb_per_sec": (read_b - rb0) / GIB / window,
-            "storage_write_gb_per_sec": (written_b - wb0) / GIB / window,
+            "active_users": self._active_users(),
+            "requests_completed": self._record_mark,
+            "requests_per_sec": len(records) / span,
+            "throughput_tokens_per_sec": sum(r.generate_tokens for r in records) / span,
+            "io_tokens_per_sec": io_tokens / span,
+            "storage_read_gib_per_sec": delta.get("nvme_bytes_read", 0) / GIB / span,
+            "storage_write_gib_per_sec": delta.get("nvme_bytes_written", 0) / GIB / span,
+            "storage_read_p95_ms": read_p95,
+            "storage_write_p95_ms": write_p95,
             "queue_depth": self._queue.qsize(),
+            "queue_wait_mean_ms": queue_ms,
+            "service_mean_ms": service_ms,
+            "saturation": saturation_score(read_p95, write_p95, queue_ms, service_ms),
             "tier_usage_gb": {t: self._cache._get_tier_usage(t) / GIB for t in self._cache._get_tier_order()},
         }
-        self._last = (elapsed_s, requests, tokens, read_b, written_b)
+        self._last_elapsed, self._last_counters = elapsed_s, counters
         self.timeline.append(point)
         return point
+
+
+@dataclass
+class ScalingDecision:
+    action: str           # 'up', 'down' or 'hold'
+    users_after: int
+    reason: str
+
+
+QOS_SCALE_UP = 1.25                     # +25 % users (at least one) while below the target
+QOS_SCALE_DOWN = 0.80                   # -20 % users (at least one) when above it
+QOS_TOLERANCE = 0.05                    # hold within the target +/- this
+QOS_COOLDOWN_INTERVALS = 2              # intervals without scaling up after a scale-down
+CAPACITY_MIN_GAIN = 0.05                # a stage must beat the best throughput by 5 %
+CAPACITY_STALL_STAGES = 2               # stages without a gain before concluding
+
+
+def qos_decision(saturation: float, target: float, users: int, cooldown_left: int,
+                 max_users: int = MAX_USERS) -> ScalingDecision:
+    """QoS mode: the most users whose saturation stays at the target (pure)."""
+    if saturation > target + QOS_TOLERANCE and users > 1:
+        after = max(1, min(users - 1, int(users * QOS_SCALE_DOWN)))
+        return ScalingDecision("down", after, f"saturation {saturation:.2f} above target {target:.2f}")
+    if saturation < target - QOS_TOLERANCE:
+        if cooldown_left > 0:
+            return ScalingDecision("hold", users, f"cooling down after a scale-down ({cooldown_left} left)")
+        if users < max_users:
+            after = min(max_users, max(users + 1, int(users * QOS_SCALE_UP)))
+            return ScalingDecision("up", after, f"saturation {saturation:.2f} below target {target:.2f}")
+    return ScalingDecision("hold", users, f"saturation {saturation:.2f} at target {target:.2f}")
+
+
+class CapacitySearch:
+    """Capacity mode: grow the load in stages (double, then x1.5) while throughput rises;
+    conclude after CAPACITY_STALL_STAGES stages without a gain (pure state machine)."""
+
+    def __init__(self) -> None:
+        self.best_throughput = 0.0
+        self.best_users = 0
+        self.stalled = 0
+        self.stages = 0
+        self.done = False
+
+    def step(self, throughput: float, users: int, max_users: int = MAX_USERS) -> ScalingDecision:
+        if self.done:
+            return ScalingDecision("hold", users, "peak capacity already found")
+        if throughput > self.best_throughput * (1 + CAPACITY_MIN_GAIN):
+            self.best_throughput, self.best_users, self.stalled = throughput, users, 0
+            gained = True
+        else:
+            self.stalled += 1
+            gained = False
+        if self.stalled >= CAPACITY_STALL_STAGES or users >= max_users:
+            self.done = True
+            return ScalingDecision("hold", users, f"Peak capacity found: {self.best_throughput:,.1f} tok/s "
+                                                  f"at {self.best_users} users")
+        factor = 2.0 if self.stages == 0 else 1.5
+        self.stages += 1
+        after = min(max_users, max(users + 1, int(math.ceil(users * factor))))
+        reason = "throughput rose" if gained else f"no gain ({self.stalled} of {CAPACITY_STALL_STAGES})"
+        return ScalingDecision("up", after, f"{reason}: {throughput:,.1f} tok/s at {users} users")
+
+
+class WorkloadAutoscaler:
+    """Turns each monitor sample into a decision, and keeps the record of them."""
+
+    def __init__(self, mode: str, target_saturation: float, initial_users: int):
+        self.mode = mode
+        self.target = target_saturation
+        self.initial_users = initial_users
+        self.cooldown_left = 0
+        self.capacity = CapacitySearch()
+        self.history: List[Dict[str, Any]] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.mode == "capacity" and self.capacity.done
+
+    def evaluate(self, point: Dict[str, Any], users: int) -> ScalingDecision:
+        if self.mode == "capacity":
+            decision = self.capacity.step(point["io_tokens_per_sec"], users)
+        else:
+            decision = qos_decision(point["saturation"], self.target, users, self.cooldown_left)
+            self.cooldown_left = QOS_COOLDOWN_INTERVALS if decision.action == "down" else max(0, self.cooldown_left - 1)
+        self.history.append({
+            "elapsed_s": point["elapsed_s"], "users_before": users, "users_after": decision.users_after,
+            "action": decision.action, "reason": decision.reason, "saturation": point["saturation"],
+            "throughput_tokens_per_sec": point["throughput_tokens_per_sec"],
+            "io_tokens_per_sec": point["io_tokens_per_sec"],
+            "storage_read_p95_ms": point["storage_read_p95_ms"],
+            "storage_write_p95_ms": point["storage_write_p95_ms"],
+            "queue_wait_mean_ms": point["queue_wait_mean_ms"],
+        })
+        return decision
+
+    def summary(self, final_users: int) -> Dict[str, Any]:
+        out = {"mode": self.mode, "initial_users": self.initial_users, "final_users": final_users,
+               "evaluations": len(self.history),
+               "reason": self.history[-1]["reason"] if self.history else "no monitor interval completed"}
+        if self.mode == "capacity":
+            out.update({"peak_throughput": self.capacity.best_throughput, "peak_users": self.capacity.best_users,
+                        "peak_found": self.capacity.done, "throughput_metric": "io_tokens_per_sec"})
+        else:
+            out.update({"target_saturation": self.target,
+                        "peak_throughput": max((h["throughput_tokens_per_sec"] for h in self.history), default=0.0)})
+        return out
 
 
 # ============================================================================
@@ -2068,6 +2237,8 @@ class BenchmarkConfig:
     max_concurrent_allocs: int = 0
     worker_slots: int = DEFAULT_WORKER_SLOTS
     monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
+    autoscaler_mode: Optional[str] = None         # None, 'qos' or 'capacity'
+    target_saturation: float = 0.8
     storage_capacity_gb: float = 0.0              # 0: the storage tier is unbounded
     verify: bool = False
     io_baseline: bool = False                     # measure the cache directory's raw bandwidth first
@@ -2130,6 +2301,10 @@ class RunRecorder:
         with self._lock:
             self.abandoned += 1
 
+    def records_since(self, index: int) -> List[RequestRecord]:
+        with self._lock:
+            return self.records[index:]
+
     def progress(self) -> Tuple[int, int]:
         with self._lock:
             return len(self.records), self.tokens_generated
@@ -2154,13 +2329,30 @@ class ArrivalScheduler:
         self._heap: List[Tuple[float, int, int, PlannedRequest]] = []
         self._ticket = itertools.count()        # heap tie-break: never compare requests
         self._queue_seq = itertools.count()     # queue tie-break within a priority: arrival order
+        self._active_users = 0                  # users 0 .. n-1 send requests
+        self._in_system: set = set()            # users with a planned arrival or a request in flight
         self.admitted = 0
+
+    @property
+    def active_users(self) -> int:
+        return self._active_users
 
     def seed(self, t0: float) -> None:
         """Plan every user's first arrival, counted from `t0`."""
+        self.set_active_users(self._plan.num_users, t0)
+
+    def set_active_users(self, count: int, now: Optional[float] = None) -> None:
+        """Grow or shrink the load: new users arrive within their first think time;
+        retired users finish the request they have in flight and send no more."""
+        now = time.perf_counter() if now is None else now
+        self._plan.ensure_users(count)
         with self._cond:
-            for index, user_plan in enumerate(self._plan.plans):
-                self._push(t0 + user_plan.first_arrival_s(), index, user_plan.next_request())
+            for index in range(self._active_users, count):
+                if index not in self._in_system:
+                    plan = self._plan.plans[index]
+                    self._push(now + plan.first_arrival_s(), index, plan.next_request())
+            self._active_users = count
+            self._cond.notify()
 
     def start(self, t0: float) -> threading.Thread:
         """Seed and run in a thread of its own (the engine runs `run` in a guarded thread)."""
@@ -2170,13 +2362,18 @@ class ArrivalScheduler:
         return thread
 
     def release(self, user_index: int) -> None:
-        """The user's request completed: plan its next one."""
+        """The user's request completed: plan its next one (unless the user was retired)."""
+        with self._cond:
+            if user_index >= self._active_users:
+                self._in_system.discard(user_index)
+                return
         planned = self._plan.plans[user_index].next_request()
         with self._cond:
             self._push(time.perf_counter() + planned.think_time_s, user_index, planned)
             self._cond.notify()
 
     def _push(self, due: float, user_index: int, planned: PlannedRequest) -> None:
+        self._in_system.add(user_index)
         heapq.heappush(self._heap, (due, next(self._ticket), user_index, planned))
 
     def run(self) -> None:
@@ -2191,6 +2388,9 @@ class ArrivalScheduler:
                     self._cond.wait(min(wait, 0.1))
                     continue
                 heapq.heappop(self._heap)
+                if user_index >= self._active_users:
+                    self._in_system.discard(user_index)      # retired by the autoscaler
+                    continue
                 if self._max_requests and self.admitted >= self._max_requests:
                     continue                    # admission closed; the run ends when these complete
                 self.admitted += 1
@@ -2226,9 +2426,12 @@ class IntegratedBenchmark:
         self.thread_errors: List[str] = []
         self.io_baseline: Optional[Dict[str, Any]] = None
         self.process_cpu_s = 0.0
-        self.sampler = ThroughputSampler(self.cache, self.recorder, self.request_queue)
         self.scheduler = ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop,
                                           config.max_requests)
+        self.monitor = StorageMonitor(self.cache, self.recorder, self.request_queue,
+                                      lambda: self.scheduler.active_users)
+        self.autoscaler = (WorkloadAutoscaler(config.autoscaler_mode, config.target_saturation, config.num_users)
+                           if config.autoscaler_mode else None)
 
     # --- control ---
     def request_stop(self, reason: str) -> None:
@@ -2277,7 +2480,7 @@ class IntegratedBenchmark:
         elapsed = time.perf_counter() - t0         # the workload's end: before housekeeping winds down
         for thread in housekeeping:
             thread.join()
-        self.sampler.sample(elapsed)
+        self.monitor.sample(elapsed)
         return elapsed
 
     def _spawn(self, target: Callable, name: str, *args: Any) -> threading.Thread:
@@ -2300,8 +2503,21 @@ class IntegratedBenchmark:
         interval = self.config.monitor_interval_s
         next_sample = t0 + interval
         while not self._stop.wait(max(0.0, next_sample - time.perf_counter())):
-            self.sampler.sample(time.perf_counter() - t0)
+            point = self.monitor.sample(time.perf_counter() - t0)
             next_sample += interval
+            if self.autoscaler is not None:
+                self._autoscale(point)
+
+    def _autoscale(self, point: Dict[str, Any]) -> None:
+        users = self.scheduler.active_users
+        decision = self.autoscaler.evaluate(point, users)
+        if decision.users_after != users:
+            logger.info("autoscaler: %s %d -> %d users (%s)", decision.action, users, decision.users_after,
+                        decision.reason)
+            self.scheduler.set_active_users(decision.users_after)
+        if self.autoscaler.finished:
+            logger.info("%s", decision.reason)
+            self.request_stop("peak_capacity_found")
 
     # --- requests ---
     def _build_request(self, user_index: int, planned: PlannedRequest) -> InferenceRequest:
@@ -2402,10 +2618,12 @@ class IntegratedBenchmark:
         return assemble_results(
             config=self.config, seed=self.seed, records=list(self.recorder.records),
             recorder=self.recorder, cache_stats=cache_stats, prefix_stats=self.prefixes.stats(),
-            timeline=self.sampler.timeline, elapsed_s=elapsed_s, workload_digest=self.workload_digest,
+            timeline=self.monitor.timeline, elapsed_s=elapsed_s, workload_digest=self.workload_digest,
             admitted=self.scheduler.admitted, stop_reason=self.stop_reason, thread_errors=self.thread_errors,
             conversations_evicted=self.conversations.evicted_conversations, io_baseline=self.io_baseline,
-            process_cpu_s=self.process_cpu_s)
+            process_cpu_s=self.process_cpu_s,
+            autoscaling=(self.autoscaler.history, self.autoscaler.summary(self.scheduler.active_users))
+            if self.autoscaler else None)
 
 
 # ============================================================================
@@ -2493,7 +2711,8 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
                      timeline: List[Dict[str, Any]], elapsed_s: float, workload_digest: str, admitted: int,
                      stop_reason: Optional[str], thread_errors: List[str],
                      conversations_evicted: int = 0, io_baseline: Optional[Dict[str, Any]] = None,
-                     process_cpu_s: float = 0.0) -> Dict[str, Any]:
+                     process_cpu_s: float = 0.0,
+                     autoscaling: Optional[Tuple[List[Dict[str, Any]], Dict[str, Any]]] = None) -> Dict[str, Any]:
     """The one place the results dict (and so the JSON) is put together."""
     e2e = [r.end_to_end_s for r in records]
     storage = [r.storage_s for r in records]
@@ -2520,7 +2739,8 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "cache_stats": cache_stats,
         "qos_metrics": qos_metrics(records),
         "prefix_cache_stats": prefix_stats,
-        "autoscaling_stats": [],
+        "autoscaling_stats": autoscaling[0] if autoscaling else [],
+        "autoscaling_summary": autoscaling[1] if autoscaling else None,
         "multi_turn_stats": {"cache_hits": multi_hits, "cache_misses": multi_misses,
                              "hit_rate": _ratio(multi_hits, multi_hits + multi_misses)},
         "bottlenecks": diagnose_bottlenecks(summaries["e2e"], summaries["queue"], summaries["storage"],
@@ -2582,6 +2802,8 @@ def _config_dict(config: BenchmarkConfig) -> Dict[str, Any]:
         "max_concurrent_allocs": config.max_concurrent_allocs,
         "worker_slots": config.worker_slots,
         "monitor_interval_s": config.monitor_interval_s,
+        "autoscaler_mode": config.autoscaler_mode,
+        "target_saturation": config.target_saturation,
         "storage_capacity_gb": config.storage_capacity_gb,
         "verify": config.verify,
         "io_baseline": config.io_baseline,
@@ -2628,6 +2850,8 @@ def format_report(results: Dict[str, Any]) -> str:
     _report_tiers(add, cs)
     _report_cache_types(add, s, cs)
     _report_qos(add, s["qos_metrics"])
+    if s.get("autoscaling_summary"):
+        _report_autoscaling(add, s["autoscaling_summary"], s["autoscaling_stats"])
     if s["thread_errors"]:
         add("")
         add("### THREAD FAILURES ###")
@@ -2956,6 +3180,22 @@ def _suite_cell(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _report_autoscaling(add: Callable[[str], None], summary: Dict[str, Any], stats: List[Dict[str, Any]]) -> None:
+    add("")
+    add(f"### AUTOSCALING ({summary['mode']} mode) ###")
+    if summary["mode"] == "capacity":
+        add(f"  Peak throughput: {summary['peak_throughput']:,.1f} I/O tok/s at {summary['peak_users']} users"
+            + ("" if summary["peak_found"] else " (the run ended before the peak was confirmed)"))
+    else:
+        add(f"  Target saturation {summary['target_saturation']:.2f}: settled at {summary['final_users']} users")
+    add(f"  Users: {summary['initial_users']} at the start, {summary['final_users']} at the end; "
+        f"{summary['evaluations']} evaluations; last: {summary['reason']}")
+    for h in stats:
+        add(f"  t={h['elapsed_s']:7.1f}s  {h['action']:>4}  {h['users_before']:>5} -> {h['users_after']:<5} "
+            f"saturation {h['saturation']:.2f}  {h['throughput_tokens_per_sec']:,.0f} tok/s  "
+            f"I/O {h['io_tokens_per_sec']:,.0f} tok/s")
+
+
 def write_json(results: Dict[str, Any], path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2, default=_json_default)
@@ -2988,7 +3228,6 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 NOT_YET_AVAILABLE = {
-    "enable_autoscaling": "--enable-autoscaling",
     "enable_rag": "--enable-rag",
     "dataset_path": "--dataset-path",
 }
@@ -3168,6 +3407,8 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         storage_capacity_gb=args.storage_capacity_gb,
         verify=args.verify,
         io_baseline=args.io_baseline,
+        autoscaler_mode=args.autoscaler_mode if args.enable_autoscaling else None,
+        target_saturation=args.target_saturation,
     )
 
 

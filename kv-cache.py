@@ -1691,6 +1691,14 @@ def latency_summary_ms(samples_s: Sequence[float]) -> Dict[str, Optional[float]]
             "max": float(a.max()), "count": int(a.size)}
 
 
+def _fmt_ms(value: Optional[float]) -> str:
+    if value is None:
+        return "n/a"
+    if value >= 10_000:
+        return f"{value / 1000:.2f}s"
+    return f"{value:.2f}ms"
+
+
 def _ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator > 0 else 0.0
 
@@ -2384,6 +2392,10 @@ class StorageMonitor:
         self._record_mark = 0
         self.timeline: List[Dict[str, Any]] = []
 
+    @property
+    def last_elapsed_s(self) -> float:
+        return self._last_elapsed
+
     def sample(self, elapsed_s: float) -> Dict[str, Any]:
         counters, window = self._cache.stats.window(self._sample_marks)
         records = self._recorder.records_since(self._record_mark)
@@ -2415,6 +2427,54 @@ class StorageMonitor:
         self._last_elapsed, self._last_counters = elapsed_s, counters
         self.timeline.append(point)
         return point
+
+
+PROGRESS_LINE_INTERVAL_S = 5.0          # plain status lines when stderr is not a terminal (logs, CI)
+PROGRESS_TTY_INTERVAL_S = 1.0           # redraw rate of the one-line progress display on a terminal
+
+
+class ProgressReporter:
+    """Live progress on stderr: a redrawn line on a terminal, a status line every few
+    seconds otherwise. Never writes to stdout, where the report goes."""
+
+    def __init__(self, monitor: StorageMonitor, duration_s: Optional[float], max_requests: int,
+                 stream: Any = None, tty: Optional[bool] = None):
+        self._monitor = monitor
+        self._duration_s = duration_s
+        self._max_requests = max_requests
+        self._stream = stream if stream is not None else sys.stderr
+        self._tty = self._stream.isatty() if tty is None else tty
+        self.lines_written = 0
+
+    def run(self, stop: threading.Event, t0: float) -> None:
+        interval = PROGRESS_TTY_INTERVAL_S if self._tty else PROGRESS_LINE_INTERVAL_S
+        while not stop.wait(interval):
+            self._write(self.format_line(self._monitor.sample(time.perf_counter() - t0)))
+        if self._tty and self.lines_written:
+            self._stream.write("\n")
+            self._stream.flush()
+
+    def _write(self, line: str) -> None:
+        self._stream.write(f"\r\x1b[2K{line}" if self._tty else f"{line}\n")
+        self._stream.flush()
+        self.lines_written += 1
+
+    def format_line(self, p: Dict[str, Any]) -> str:
+        elapsed = p["elapsed_s"]
+        if self._duration_s:
+            done = min(1.0, elapsed / self._duration_s)
+            clock = f"{elapsed:6.1f}s/{self._duration_s:g}s {max(0.0, self._duration_s - elapsed):5.1f}s left"
+        elif self._max_requests:
+            done = min(1.0, p["requests_completed"] / self._max_requests)
+            clock = f"{elapsed:6.1f}s {p['requests_completed']}/{self._max_requests} requests"
+        else:
+            done, clock = 0.0, f"{elapsed:6.1f}s"
+        bar = ("#" * int(done * 20)).ljust(20, ".") if self._tty else f"{done * 100:3.0f}%"
+        usage = " ".join(f"{t.upper()} {gb:.2f}" for t, gb in p["tier_usage_gb"].items())
+        return (f"[{bar}] {clock} | {p['requests_completed']:,} req | {p['throughput_tokens_per_sec']:,.0f} tok/s | "
+                f"storage R {p['storage_read_gib_per_sec']:.2f} W {p['storage_write_gib_per_sec']:.2f} GB/s | "
+                f"P95 R {_fmt_ms(p['storage_read_p95_ms'])} W {_fmt_ms(p['storage_write_p95_ms'])} | "
+                f"tiers GB: {usage} | users {p['active_users']}")
 
 
 @dataclass
@@ -2551,6 +2611,7 @@ class BenchmarkConfig:
     dataset_path: Optional[str] = None            # ShareGPT JSON to replay instead of synthetic users
     max_conversations: int = 500
     request_rate: float = 0.0                     # admissions per second; 0: no pacing
+    progress: bool = False                        # live progress on stderr
     storage_capacity_gb: float = 0.0              # 0: the storage tier is unbounded
     verify: bool = False
     io_baseline: bool = False                     # measure the cache directory's raw bandwidth first
@@ -2751,6 +2812,7 @@ class IntegratedBenchmark:
         self.thread_errors: List[str] = []
         self.io_baseline: Optional[Dict[str, Any]] = None
         self.process_cpu_s = 0.0
+        self.latency_samples: Dict[str, List[float]] = {}     # per tier and operation, seconds (for --plot)
         self.scheduler = ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop,
                                           config.max_requests, config.request_rate)
         self.monitor = StorageMonitor(self.cache, self.recorder, self.request_queue,
@@ -2797,6 +2859,11 @@ class IntegratedBenchmark:
         threads = [self._spawn(self.scheduler.run, "arrival-scheduler")]
         threads += [self._spawn(self._worker, f"worker-{i}") for i in range(slots)]
         housekeeping = [self._spawn(self._monitor, "monitor", t0), self._spawn(self._reaper, "storage-reaper")]
+        if cfg.progress:
+            progress_monitor = StorageMonitor(self.cache, self.recorder, self.request_queue,
+                                              lambda: self.scheduler.active_users)
+            reporter = ProgressReporter(progress_monitor, cfg.duration_s, cfg.max_requests)
+            housekeeping.append(self._spawn(reporter.run, "progress", self._stop, t0))
         deadline = t0 + cfg.duration_s if cfg.duration_s else None
         while not self._stop.is_set():
             if self.recorder.reached_max_requests.wait(0.05):
@@ -2810,7 +2877,8 @@ class IntegratedBenchmark:
         elapsed = time.perf_counter() - t0         # the workload's end: before housekeeping winds down
         for thread in housekeeping:
             thread.join()
-        self.monitor.sample(elapsed)
+        if elapsed - self.monitor.last_elapsed_s >= 0.5 * cfg.monitor_interval_s:
+            self.monitor.sample(elapsed)          # the last window, unless it is too short to mean much
         return elapsed
 
     def _spawn(self, target: Callable, name: str, *args: Any) -> threading.Thread:
@@ -2956,6 +3024,8 @@ class IntegratedBenchmark:
     # --- results ---
     def _results(self, elapsed_s: float) -> Dict[str, Any]:
         cache_stats = self.cache.get_stats(elapsed_s)      # tier counts: end of workload, before cleanup
+        _, samples = self.cache.stats.snapshot()
+        self.latency_samples = {f"{tier} {op}": totals for (tier, op), (totals, _, _) in samples.items()}
         return assemble_results(
             config=self.config, seed=self.seed, records=list(self.recorder.records),
             recorder=self.recorder, cache_stats=cache_stats, prefix_stats=self.prefixes.stats(),
@@ -3126,6 +3196,7 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "decode_latencies": [r.decode_s for r in records],
         "queue_wait_latencies": queue_wait,
         "throughput_timeline": timeline,
+        "timeline": timeline,
         "multi_turn_cache_hits": multi_hits,
         "multi_turn_cache_misses": multi_misses,
         "summary": summary,
@@ -3168,14 +3239,6 @@ def _config_dict(config: BenchmarkConfig) -> Dict[str, Any]:
         "verify": config.verify,
         "io_baseline": config.io_baseline,
     }
-
-
-def _fmt_ms(value: Optional[float]) -> str:
-    if value is None:
-        return "n/a"
-    if value >= 10_000:
-        return f"{value / 1000:.2f}s"
-    return f"{value:.2f}ms"
 
 
 def _fmt_latency(name: str, s: Dict[str, Any]) -> str:
@@ -3537,6 +3600,9 @@ def suite_comparison(results_dir: str) -> str:
     if sheet_rows and PANDAS_AVAILABLE and OPENPYXL_AVAILABLE:
         write_workbook({"Runs": sheet_rows}, str(directory / "suite_summary.xlsx"))
         lines.append(f"Workbook: {directory / 'suite_summary.xlsx'} ({len(sheet_rows)} runs)")
+    chart = plot_suite(rows, directory / "suite_comparison.png")
+    if chart is not None:
+        lines.append(f"Chart: {chart}")
     return "\n".join(lines)
 
 
@@ -3582,6 +3648,149 @@ def _report_autoscaling(add: Callable[[str], None], summary: Dict[str, Any], sta
         add(f"  t={h['elapsed_s']:7.1f}s  {h['action']:>4}  {h['users_before']:>5} -> {h['users_after']:<5} "
             f"saturation {h['saturation']:.2f}  {h['throughput_tokens_per_sec']:,.0f} tok/s  "
             f"I/O {h['io_tokens_per_sec']:,.0f} tok/s")
+
+
+# --- Charts (--plot) -------------------------------------------------------------------
+
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend; None when matplotlib is missing."""
+    if not _installed("matplotlib"):
+        return None
+    import matplotlib                              # heavy: imported only for --plot
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def make_plots(results: Dict[str, Any], latency_samples: Dict[str, List[float]], out_dir: str) -> List[str]:
+    """PNG charts of one run into `out_dir`; returns the files written ([] without matplotlib)."""
+    plt = _pyplot()
+    if plt is None:
+        logger.warning("matplotlib is not installed: no charts (pip install matplotlib)")
+        return []
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    timeline = results["timeline"]
+    title = (f"{results['config']['model']}, {results['config']['num_users']} users, "
+             f"{results['config']['generation_mode']} generation")
+    written = [_plot_throughput(plt, timeline, title, out / "throughput.png"),
+               _plot_latency_cdf(plt, latency_samples, title, out / "latency_cdf.png"),
+               _plot_tier_usage(plt, timeline, results["summary"]["cache_stats"], title, out / "tier_occupancy.png")]
+    if results["summary"].get("autoscaling_summary"):
+        written.append(_plot_autoscaling(plt, timeline, results["summary"]["autoscaling_summary"], title,
+                                         out / "autoscaler.png"))
+    return [str(p) for p in written if p is not None]
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_throughput(plt: Any, timeline: List[Dict[str, Any]], title: str, path: Path) -> Optional[Path]:
+    if not timeline:
+        return None
+    t = [p["elapsed_s"] for p in timeline]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    top.plot(t, [p["throughput_tokens_per_sec"] for p in timeline], marker="o", label="generated tokens/s (left)")
+    top.set_ylabel("generated tokens per second")
+    io_axis = top.twinx()
+    io_axis.plot(t, [p["io_tokens_per_sec"] for p in timeline], marker=".", color="tab:green",
+                 label="cache I/O tokens/s, all tiers (right)")
+    io_axis.set_ylabel("cache I/O tokens per second")
+    top.set_title(f"Throughput over time — {title}")
+    handles = top.get_legend_handles_labels()[0] + io_axis.get_legend_handles_labels()[0]
+    top.legend(handles, [h.get_label() for h in handles], loc="upper right")
+    top.grid(alpha=0.3)
+    bottom.plot(t, [p["storage_read_gib_per_sec"] for p in timeline], marker="o", label="storage tier read")
+    bottom.plot(t, [p["storage_write_gib_per_sec"] for p in timeline], marker="o", label="storage tier write")
+    bottom.set_ylabel("GiB per second")
+    bottom.set_xlabel("elapsed time (s)")
+    bottom.set_title("Storage-tier bandwidth (per monitor interval)")
+    bottom.legend()
+    bottom.grid(alpha=0.3)
+    return _save(plt, fig, path)
+
+
+def _plot_latency_cdf(plt: Any, samples: Dict[str, List[float]], title: str, path: Path) -> Optional[Path]:
+    series = {name: np.sort(np.asarray(v) * 1000.0) for name, v in sorted(samples.items()) if len(v)}
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name, ms in series.items():
+        ax.plot(np.maximum(ms, 1e-3), np.arange(1, ms.size + 1) / ms.size, label=f"{name} ({ms.size:,} ops)")
+    ax.axhline(0.95, color="grey", linestyle=":", linewidth=1)
+    ax.text(ax.get_xlim()[0], 0.95, " P95", va="bottom", color="grey")
+    ax.set_xscale("log")
+    ax.set_xlabel("operation latency (ms, log scale)")
+    ax.set_ylabel("fraction of operations")
+    ax.set_title(f"Latency CDF per tier and operation — {title}")
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
+    return _save(plt, fig, path)
+
+
+def _plot_tier_usage(plt: Any, timeline: List[Dict[str, Any]], cache_stats: Dict[str, Any], title: str,
+                     path: Path) -> Optional[Path]:
+    if not timeline:
+        return None
+    t = [p["elapsed_s"] for p in timeline]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for tier in timeline[0]["tier_usage_gb"]:
+        line, = ax.plot(t, [p["tier_usage_gb"].get(tier, 0.0) for p in timeline], marker="o",
+                        label=f"{tier.upper()} in use")
+        budget = cache_stats.get(f"effective_{tier}_mem_gb")
+        if budget:
+            ax.axhline(budget * TIER_HEADROOM, color=line.get_color(), linestyle="--",
+                       label=f"{tier.upper()} 80% of budget ({budget * TIER_HEADROOM:.2f} GiB)")
+    ax.set_xlabel("elapsed time (s)")
+    ax.set_ylabel("GiB held")
+    ax.set_title(f"Tier occupancy — {title}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(plt, fig, path)
+
+
+def _plot_autoscaling(plt: Any, timeline: List[Dict[str, Any]], summary: Dict[str, Any], title: str,
+                      path: Path) -> Optional[Path]:
+    t = [p["elapsed_s"] for p in timeline]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    ax.step(t, [p["active_users"] for p in timeline], where="post", marker="o", label="active users")
+    ax.set_xlabel("elapsed time (s)")
+    ax.set_ylabel("active users")
+    right = ax.twinx()
+    right.plot(t, [p["saturation"] for p in timeline], color="tab:red", marker=".", label="saturation (0-1)")
+    right.set_ylabel("saturation (0-1)")
+    right.set_ylim(0, 1.05)
+    if summary.get("target_saturation") is not None and summary["mode"] == "qos":
+        right.axhline(summary["target_saturation"], color="tab:red", linestyle="--", label="target saturation")
+    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], loc="upper left")
+    ax.set_title(f"Autoscaler ({summary['mode']} mode) — {title}")
+    ax.grid(alpha=0.3)
+    return _save(plt, fig, path)
+
+
+def plot_suite(rows: List[Dict[str, Any]], path: Path) -> Optional[Path]:
+    """The wrapper's chart: throughput and storage P95 per scenario."""
+    plt = _pyplot()
+    rows = [r for r in rows if r.get("Throughput tok/s") is not None]
+    if plt is None or not rows:
+        return None
+    names = [r["Workload"] for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(rows)), 7), sharex=True)
+    top.bar(names, [r["Throughput tok/s"] for r in rows], color="tab:blue", label="generated tokens/s")
+    top.set_ylabel("tokens per second")
+    top.set_title("Scenario comparison: system throughput")
+    top.legend()
+    bottom.bar(names, [r["Storage P95 ms"] or 0.0 for r in rows], color="tab:orange", label="storage I/O P95 per request")
+    bottom.set_ylabel("milliseconds")
+    bottom.set_title("Storage I/O latency per request (P95)")
+    bottom.legend()
+    plt.setp(bottom.get_xticklabels(), rotation=30, ha="right")
+    return _save(plt, fig, path)
 
 
 def write_json(results: Dict[str, Any], path: str) -> None:
@@ -3675,6 +3884,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--xlsx-output", default=None, help="results spreadsheet (.xlsx, or .csv)")
     o.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="(default: %(default)s)")
+    o.add_argument("--quiet", action="store_true",
+                   help="only warnings, errors and the final report: no progress, no INFO lines")
+    o.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts of the run into DIR (needs matplotlib)")
     return p
 
 
@@ -3706,6 +3918,8 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_cache_dir(args.cache_dir)
     _check_output_path("--output", args.output)
     _check_output_path("--xlsx-output", args.xlsx_output)
+    if args.plot is not None and Path(args.plot).expanduser().exists() and not Path(args.plot).expanduser().is_dir():
+        raise UsageError(f"--plot {args.plot} exists and is not a directory")
 
 
 def _check_cache_dir(cache_dir: Optional[str]) -> None:
@@ -3798,6 +4012,7 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         dataset_path=args.dataset_path,
         max_conversations=args.max_conversations,
         request_rate=args.request_rate,
+        progress=not args.quiet,
     )
 
 
@@ -3837,7 +4052,8 @@ def _make_cache_dir(cache_dir: Optional[str]) -> List[Path]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s: %(message)s")
+    level = logging.WARNING if args.quiet else getattr(logging, args.log_level)
+    logging.basicConfig(level=level, format="%(levelname)s: %(message)s")
     try:
         config = config_from_args(args)
     except UsageError as exc:
@@ -3874,6 +4090,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as exc:
         written = False
         logger.error("could not write the results to %s: %s", output, exc)
+    if args.plot:
+        try:
+            charts = make_plots(results, bench.latency_samples, args.plot)
+            if charts:
+                logger.info("Charts written: %s", ", ".join(charts))
+        except OSError as exc:
+            written = False
+            logger.error("could not write the charts into %s: %s", args.plot, exc)
     if args.xlsx_output:
         try:
             path = export_results_to_xlsx(results, args, args.xlsx_output)

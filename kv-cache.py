@@ -652,12 +652,14 @@ class RAGDocumentManager:
         self.misses = 0
         self.read_latencies_s: List[float] = []
 
-    def ingest_all(self, cache: Any) -> Dict[str, Any]:
+    def ingest_all(self, cache: Any, should_stop: Callable[[], bool] = lambda: False) -> Dict[str, Any]:
         """Write every chunk's KV through the cache, before any query may read it."""
         t0 = time.perf_counter()
         for doc in self.documents:
             ok = True
             for i, tokens in enumerate(doc.chunk_tokens):
+                if should_stop():
+                    break
                 result = cache.write_entry(doc.chunk_key(i), tokens, InferencePhase.PREFILL)
                 if result.success:
                     self.ingest["chunks_ingested"] += 1
@@ -2038,19 +2040,19 @@ class MultiTierCache:
         if self._alloc_slots is not None:
             self._alloc_slots.acquire()
         try:
-            success, tier, tokens = self._allocate(key, num_tokens, phase)
+            success, tier, tokens, aborted = self._allocate(key, num_tokens, phase)
         finally:
             if self._alloc_slots is not None:
                 self._alloc_slots.release()
-        return CacheResult(success, tier, time.perf_counter() - t0, tokens + self._tls.demoted_tokens)
+        return CacheResult(success, tier, time.perf_counter() - t0, tokens + self._tls.demoted_tokens, aborted)
 
-    def _allocate(self, key: str, num_tokens: int, phase: InferencePhase) -> Tuple[bool, Optional[str], int]:
+    def _allocate(self, key: str, num_tokens: int, phase: InferencePhase) -> Tuple[bool, Optional[str], int, bool]:
         cfg = self.model_config
         size = num_tokens * cfg.kv_cache_size_per_token
         with self._lock:
             old = self._entries.get(key)
             if old is not None and old.state != "ready":
-                return True, old.tier, 0
+                return True, old.tier, 0, False
             if old is not None:
                 self._forget(old)
             entry = CacheEntry(key, size, num_tokens, shape=cfg.entry_shape(num_tokens), dtype=cfg.numpy_dtype.str)
@@ -2061,7 +2063,7 @@ class MultiTierCache:
         if tier is None:
             self._drop(entry, reserved_tier=None)
             self.stats.count("allocation_failures")
-            return False, None, 0
+            return False, None, 0, False
         source, crc = generator_source(self.generator, key), None
         if self.verify:
             source, crc = _checksummed(source)
@@ -2070,14 +2072,14 @@ class MultiTierCache:
         except (OSError, IOAborted) as exc:
             self._drop(entry, reserved_tier=tier)
             self._record_failure(tier, "write", exc)
-            return False, None, 0
+            return False, None, 0, isinstance(exc, IOAborted)
         with self._lock:
             entry.checksum = crc[0] if crc is not None else None
             entry.tier, entry.state = tier, "ready"
             self._lru[tier][key] = None
         reason = "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE) else "decode"
         self.stats.record_io(tier, "write", size, num_tokens, timing, reason)
-        return True, tier, num_tokens
+        return True, tier, num_tokens, False
 
     def _reserve(self, size: int, first_tier_index: int) -> Optional[str]:
         """Reserve `size` bytes in the fastest tier from `first_tier_index` on, demoting LRU entries to make room."""
@@ -2579,7 +2581,8 @@ class WorkloadAutoscaler:
                         "peak_found": self.capacity.done, "throughput_metric": "io_tokens_per_sec"})
         else:
             out.update({"target_saturation": self.target,
-                        "peak_throughput": max((h["throughput_tokens_per_sec"] for h in self.history), default=0.0)})
+                        "peak_generated_tokens_per_sec": max((h["throughput_tokens_per_sec"] for h in self.history),
+                                                             default=0.0)})
         return out
 
 
@@ -2836,12 +2839,7 @@ class IntegratedBenchmark:
                     self.io_baseline = measure_io_baseline(self.cache.run_dir, self.cache.generator)
                 except OSError as exc:
                     logger.error("--io-baseline failed, the run goes on without it: %s", exc)
-                    self.thread_errors.append(f"io-baseline: {exc}")
-            if self.rag is not None:
-                logger.info("RAG: ingesting %d documents (%d chunks)...", len(self.rag.documents), len(self.rag.chunks))
-                ingest = self.rag.ingest_all(self.cache)
-                logger.info("RAG: ingested %d chunks (%.2f GB) in %.1fs", ingest["chunks_ingested"],
-                            ingest["bytes_ingested"] / GIB, ingest["ingest_seconds"])
+                    self.io_baseline = {"error": str(exc)}
             cpu0 = time.process_time()
             elapsed = self._drive()
             self.process_cpu_s = time.process_time() - cpu0
@@ -2855,15 +2853,20 @@ class IntegratedBenchmark:
         cfg = self.config
         slots = max(1, min(cfg.worker_slots, cfg.num_users))
         t0 = time.perf_counter()
-        self.scheduler.seed(t0)
-        threads = [self._spawn(self.scheduler.run, "arrival-scheduler")]
-        threads += [self._spawn(self._worker, f"worker-{i}") for i in range(slots)]
         housekeeping = [self._spawn(self._monitor, "monitor", t0), self._spawn(self._reaper, "storage-reaper")]
         if cfg.progress:
             progress_monitor = StorageMonitor(self.cache, self.recorder, self.request_queue,
                                               lambda: self.scheduler.active_users)
             reporter = ProgressReporter(progress_monitor, cfg.duration_s, cfg.max_requests)
             housekeeping.append(self._spawn(reporter.run, "progress", self._stop, t0))
+        if self.rag is not None:                   # the workload's first phase: a write burst, timed
+            logger.info("RAG: ingesting %d documents (%d chunks)...", len(self.rag.documents), len(self.rag.chunks))
+            ingest = self.rag.ingest_all(self.cache, self._stop.is_set)
+            logger.info("RAG: ingested %d chunks (%.2f GB) in %.1fs", ingest["chunks_ingested"],
+                        ingest["bytes_ingested"] / GIB, ingest["ingest_seconds"])
+        self.scheduler.seed(time.perf_counter())
+        threads = [self._spawn(self.scheduler.run, "arrival-scheduler")]
+        threads += [self._spawn(self._worker, f"worker-{i}") for i in range(slots)]
         deadline = t0 + cfg.duration_s if cfg.duration_s else None
         while not self._stop.is_set():
             if self.recorder.reached_max_requests.wait(0.05):
@@ -3077,7 +3080,7 @@ def qos_metrics(records: Sequence[RequestRecord]) -> Dict[str, Any]:
 def storage_efficiency(cache_stats: Dict[str, Any], baseline: Optional[Dict[str, Any]],
                        elapsed_s: float) -> Optional[Dict[str, float]]:
     """The workload's storage-tier bandwidth as a fraction of the device's raw bandwidth."""
-    if not baseline or baseline["read_gib_per_sec"] <= 0 or baseline["write_gib_per_sec"] <= 0:
+    if not baseline or "error" in baseline or baseline["read_gib_per_sec"] <= 0 or baseline["write_gib_per_sec"] <= 0:
         return None
     raw_r, raw_w = baseline["read_gib_per_sec"], baseline["write_gib_per_sec"]
     read_gb, write_gb = cache_stats["nvme_bytes_read_gb"], cache_stats["nvme_bytes_written_gb"]
@@ -3327,7 +3330,9 @@ def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str,
     per_gb = s["cpu_seconds_per_storage_gb"]
     add(f"  Process CPU: {s['process_cpu_seconds']:.2f} s"
         + (f", {per_gb:.3f} s per GB moved through the storage tier" if per_gb is not None else ""))
-    if s["io_baseline"]:
+    if s["io_baseline"] and "error" in s["io_baseline"]:
+        add(f"  --io-baseline failed: {s['io_baseline']['error']}")
+    elif s["io_baseline"]:
         b, e = s["io_baseline"], s["storage_efficiency"]
         add("")
         add("### STORAGE EFFICIENCY (vs the device's raw bandwidth, measured before the run) ###")
@@ -4109,7 +4114,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if bench.stop_reason in EXIT_SIGNAL:
         return EXIT_SIGNAL[bench.stop_reason]
     summary = results["summary"]
-    degraded = summary["io_errors"] or summary["thread_errors"] or summary["verify_mismatches"] or not written
+    baseline_failed = bool(summary["io_baseline"] and "error" in summary["io_baseline"])
+    degraded = (summary["io_errors"] or summary["thread_errors"] or summary["verify_mismatches"]
+                or baseline_failed or not written)
     return EXIT_DEGRADED if degraded else EXIT_OK
 
 

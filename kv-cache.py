@@ -2336,7 +2336,14 @@ class MultiTierCache:
 
     def close(self) -> None:
         """Delete everything the cache stored, including the run directory it made."""
-        self.collect_garbage()
+        try:
+            self.collect_garbage()
+        except Exception:                           # the files are still ours: clear them below
+            logger.exception("deleting retired entries failed; removing every file of the run instead")
+        with self._lock:
+            trash, self._trash = self._trash, []
+        for path in trash:
+            path.unlink(missing_ok=True)
         for backend in self.backends.values():
             backend.clear()
         with self._lock:
@@ -2881,7 +2888,11 @@ class IntegratedBenchmark:
         for thread in housekeeping:
             thread.join()
         if elapsed - self.monitor.last_elapsed_s >= 0.5 * cfg.monitor_interval_s:
-            self.monitor.sample(elapsed)          # the last window, unless it is too short to mean much
+            try:                                  # the last window, unless it is too short to mean much
+                self.monitor.sample(elapsed)
+            except Exception as exc:              # recorded like the monitor thread's own failure
+                logger.exception("final monitor sample failed")
+                self.thread_errors.append(f"monitor (final sample): {type(exc).__name__}: {exc}")
         return elapsed
 
     def _spawn(self, target: Callable, name: str, *args: Any) -> threading.Thread:
@@ -3365,7 +3376,8 @@ def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any]) -> None:
     add("### TIER DISTRIBUTION (entries at the end of the workload) ###")
     add(f"  GPU: {cs['gpu_entries']:,} | CPU: {cs['cpu_entries']:,} | Storage: {cs['nvme_entries']:,}")
     add(f"  Demotions: to CPU {cs['offloads_cpu']:,}, to storage {cs['offloads_nvme']:,} | "
-        f"evicted from the cache: {cs['evictions']:,} | I/O errors: {cs['io_errors']:,}")
+        f"evicted from the cache: {cs['evictions']:,} | I/O errors: {cs['io_errors']:,} | "
+        f"allocations refused (every tier full of entries in use): {cs['allocation_failures']:,}")
     if cs["io_errors"]:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(cs["io_errors_by_kind"].items()))
         add(f"  I/O errors by tier, operation and kind: {kinds}")
@@ -3799,9 +3811,17 @@ def plot_suite(rows: List[Dict[str, Any]], path: Path) -> Optional[Path]:
 
 
 def write_json(results: Dict[str, Any], path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2, default=_json_default)
-        f.write("\n")
+    """Write the results whole or not at all: a temporary file beside `path`, then a rename."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2, default=_json_default)
+            f.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _json_default(value: Any) -> Any:
@@ -3831,6 +3851,7 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 SYSTEM_PATHS = ("/", "/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "/boot", "/lib", "/lib64")
+SYSTEM_TREES = tuple(p for p in SYSTEM_PATHS if p != "/")     # nothing inside these either
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -3931,9 +3952,10 @@ def _check_cache_dir(cache_dir: Optional[str]) -> None:
     if cache_dir is None:
         return
     path = Path(cache_dir).expanduser()
-    resolved = path.resolve()
-    if str(resolved) in SYSTEM_PATHS or any(str(resolved).startswith(p + "/") for p in ("/proc", "/sys", "/dev")):
-        raise UsageError(f"--cache-dir {cache_dir} is a system path; give a directory on the storage under test")
+    # Both the path as given and where its symbolic links lead (/bin -> /usr/bin on merged-/usr systems).
+    for candidate in {os.path.abspath(path), str(path.resolve())}:
+        if candidate in SYSTEM_PATHS or any(candidate.startswith(tree + "/") for tree in SYSTEM_TREES):
+            raise UsageError(f"--cache-dir {cache_dir} is a system path; give a directory on the storage under test")
     if path.exists() and not path.is_dir():
         raise UsageError(f"--cache-dir {cache_dir} exists and is not a directory")
     existing = path
@@ -3947,6 +3969,8 @@ def _check_dataset(dataset_path: Optional[str]) -> None:
     if dataset_path is None:
         return
     path = Path(dataset_path).expanduser()
+    if path.is_dir():
+        raise UsageError(f"--dataset-path {dataset_path} is a directory; give a ShareGPT JSON file")
     if not path.is_file():
         raise UsageError(f"--dataset-path {dataset_path}: no such file")
     if not os.access(path, os.R_OK):
@@ -3980,7 +4004,8 @@ def available_memory_bytes() -> Optional[int]:
     return None
 
 
-def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
+def config_from_args(args: argparse.Namespace, notices: Optional[List[str]] = None) -> BenchmarkConfig:
+    """The run's configuration; adjustments worth a warning go to `notices` (logged when None)."""
     validate_args(args)
     duration = args.duration
     if duration is None and not args.max_requests:
@@ -3988,8 +4013,12 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
     cpu_mem_gb = args.cpu_mem_gb
     available = available_memory_bytes()
     if available is not None and cpu_mem_gb * GIB > available:
-        logger.warning("--cpu-mem-gb %.2f exceeds the %.2f GB of available RAM; using %.2f GB.",
-                       cpu_mem_gb, available / GIB, available / GIB)
+        notice = (f"--cpu-mem-gb {cpu_mem_gb:.2f} exceeds the {available / GIB:.2f} GB of available RAM; "
+                  f"using {available / GIB:.2f} GB.")
+        if notices is None:
+            logger.warning("%s", notice)
+        else:
+            notices.append(notice)
         cpu_mem_gb = available / GIB
     return BenchmarkConfig(
         model=MODEL_CONFIGS[args.model],
@@ -4029,7 +4058,7 @@ def _install_signal_handlers(bench: IntegratedBenchmark) -> None:
     def on_signal(signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name
         if bench.stop_reason in EXIT_SIGNAL:
-            logger.warning("%s received again: abandoning in-flight work now.", name)
+            logger.warning("%s received again: already stopping; in-flight I/O ends at its next chunk.", name)
         else:
             logger.warning("%s received: stopping; partial results will be written.", name)
         bench.request_stop(name)
@@ -4059,8 +4088,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING if args.quiet else getattr(logging, args.log_level)
     logging.basicConfig(level=level, format="%(levelname)s: %(message)s")
+    notices: List[str] = []
     try:
-        config = config_from_args(args)
+        config = config_from_args(args, notices)
     except UsageError as exc:
         print(f"kv-cache.py: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -4076,6 +4106,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except DatasetError as exc:
             print(f"kv-cache.py: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        for notice in notices:
+            logger.warning("%s", notice)
         _install_signal_handlers(bench)
         logger.info("Running %s with %d users (%s); workload digest %s", config.model.name, config.num_users,
                     f"{config.duration_s:g}s" if config.duration_s else f"{config.max_requests} requests",

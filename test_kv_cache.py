@@ -8,13 +8,16 @@ registering it in sys.modules. GPU tests skip themselves unless PyTorch or CuPy
 is installed and a CUDA device answers. Every file a test writes lives under
 pytest's tmp_path.
 """
+import errno
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import queue
 import random
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -1644,9 +1647,6 @@ class TestReport:
 
 
 class TestXLSXExport:
-    @pytest.mark.xfail(strict=True, reason=(
-        "BUG: export_results_to_xlsx(results, args, output_path), part of the public interface "
-        "(interface.md 'Results'), does not exist; --xlsx-output is only announced as unavailable"))
     def test_one_row_per_run(self, engine_run, tmp_path):
         args = kv.build_parser().parse_args(["--model", "tiny-1b", "--num-users", "16", "--gpu-mem-gb", "0",
                                              "--cpu-mem-gb", "0.05"])
@@ -1940,3 +1940,424 @@ class TestEndToEnd:
         assert r["workload_digest"] == kv.WorkloadPlan("tiny-1b", 8, r["seed"]).digest()
         assert "drawn at random" in stdout
         assert cache_dir.is_dir() and files_under(cache_dir) == []
+
+
+# ============================================================================
+# RELIABILITY AND SAFETY (docs/reliability.md lists each case and its tests)
+# ============================================================================
+
+# Every bad-input run starts from arguments that would make a harmless one-second run,
+# so a value that wrongly passed validation could not start a long run or write elsewhere.
+HARMLESS_RUN = ("--model", "tiny-1b", "--num-users", "1", "--duration", "1", "--gpu-mem-gb", "0",
+                "--cpu-mem-gb", "0", "--generation-mode", "none", "--cache-dir", "{tmp}/cache",
+                "--output", "{tmp}/r.json")
+SYSTEM_CACHE_DIRS = ("/", "/sys", "/dev", "/etc", "/usr", "/bin", "/boot")    # /proc: TestCLI
+def _bad_cache_dir_case(path: str):
+    return pytest.param(["--cache-dir", path], "--cache-dir", id=f"cache-dir {path}")
+
+
+def limit_file_size(nbytes: int):
+    """A preexec_fn: the child may not grow any file past `nbytes` (a real EFBIG, like a full quota)."""
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+    return apply
+
+
+def raising(code: int):
+    """A stand-in for an I/O call that fails as the device would, with errno `code`."""
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+    return fail
+
+
+def fail_in_thread(original, thread_prefix: str, on_call: int = 1, always: bool = False):
+    """`original`, raising RuntimeError on its `on_call`-th call from a thread whose name starts
+    with `thread_prefix` (on every call anywhere when `always`)."""
+    calls = itertools.count(1)
+
+    def wrapper(*args, **kwargs):
+        if always or (threading.current_thread().name.startswith(thread_prefix) and next(calls) == on_call):
+            raise RuntimeError("injected failure")
+        return original(*args, **kwargs)
+    return wrapper
+
+
+def corrupt_npy_files(directory: Path, stop: threading.Event, corrupted: list) -> None:
+    """Until `stop`: overwrite 64 random bytes past the .npy header of every entry file in `directory`,
+    through a file descriptor of our own, made durable (a device returning wrong data)."""
+    rng = random.Random(99)
+    while not stop.is_set():
+        for path in directory.glob("*.npy"):
+            try:
+                size = path.stat().st_size
+                if size < kv.NPY_DATA_OFFSET + 128:
+                    continue
+                fd = os.open(path, os.O_WRONLY)
+            except FileNotFoundError:                  # deleted meanwhile
+                continue
+            try:
+                os.pwrite(fd, rng.randbytes(64), rng.randrange(kv.NPY_DATA_OFFSET, size - 64))
+                os.fsync(fd)
+                corrupted.append(path.name)
+            finally:
+                os.close(fd)
+        stop.wait(0.02)
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """`main` installs its SIGINT/SIGTERM/SIGXFSZ handlers; give pytest its own back afterwards."""
+    signals = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGXFSZ] if hasattr(signal, "SIGXFSZ") else [])
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def run_main(tmp_path: Path, capsys, *args):
+    """`kv.main` in this process on a missing cache dir under `tmp_path`; returns (status, results, stdout)."""
+    out = tmp_path / "r.json"
+    status = kv.main([*SMALL_RUN, "--cache-dir", str(tmp_path / "cache"), "--output", str(out), *map(str, args)])
+    return status, json.loads(out.read_text()), capsys.readouterr().out
+
+
+@pytest.fixture(scope="class")
+def unwritable_results_run(tmp_path_factory):
+    """A run whose results JSON cannot be written: the file-size limit (8 KiB) lets the storage
+    tier's probe through, nothing reaches storage (1 GiB CPU tier), but the JSON hits EFBIG."""
+    workdir = tmp_path_factory.mktemp("unwritable")
+    proc = subprocess.run([sys.executable, str(SCRIPT), *SMALL_RUN, "--cpu-mem-gb", "1", "--num-users", "4",
+                           "--max-requests", "4", "--seed", "42", "--cache-dir", str(workdir / "cache"),
+                           "--output", str(workdir / "r.json")], cwd=workdir, capture_output=True, text=True,
+                          timeout=60, preexec_fn=limit_file_size(8192))
+    return proc, workdir
+
+
+class TestReliability:
+    # --- bad input -----------------------------------------------------------
+    @pytest.mark.parametrize("argv,flag", [
+        pytest.param(["--max-conversations", "0"], "--max-conversations", id="max-conversations 0"),
+        pytest.param(["--rag-num-docs", "-1"], "--rag-num-docs", id="rag-num-docs -1"),
+        pytest.param(["--request-rate", "-1"], "--request-rate", id="request-rate -1"),
+        pytest.param(["--max-requests", "-1"], "--max-requests", id="max-requests -1"),
+        pytest.param(["--max-concurrent-allocs", "-1"], "--max-concurrent-allocs", id="max-concurrent-allocs -1"),
+        pytest.param(["--duration", "86401"], "--duration", id="duration 86401"),
+        pytest.param(["--gpu-mem-gb", "-1"], "--gpu-mem-gb", id="gpu-mem-gb -1"),
+        *[_bad_cache_dir_case(path) for path in SYSTEM_CACHE_DIRS],
+        pytest.param(["--dataset-path", "{tmp}"], "--dataset-path", id="dataset-path directory"),
+        pytest.param(["--dataset-path", "{malformed}"], "--dataset-path", id="dataset-path malformed JSON"),
+        pytest.param(["--dataset-path", "{not_a_list}"], "--dataset-path", id="dataset-path not a list"),
+        pytest.param(["--no-such-flag"], "--no-such-flag", id="unknown flag"),
+        pytest.param(["--duration", "ten"], "--duration", id="non-numeric value"),
+    ])
+    def test_bad_input_exits_2_with_one_line_and_touches_nothing(self, tmp_path, argv, flag):
+        inputs = tmp_path / "inputs"
+        inputs.mkdir()
+        (inputs / "malformed.json").write_text('[{"id": "a", "conversations": [{"from": "human", "val')
+        (inputs / "not_a_list.json").write_text('{"id": "a", "conversations": []}')
+        argv = [a.format(tmp=tmp_path, malformed=inputs / "malformed.json", not_a_list=inputs / "not_a_list.json")
+                for a in (*HARMLESS_RUN, *argv)]
+        system_dir = Path(argv[-1]) if flag == "--cache-dir" else None
+
+        def ours_there():
+            return sorted(system_dir.glob("kvcache_*")) if system_dir and system_dir.is_dir() else []
+        before = ours_there()
+        proc = run_cli(*argv, cwd=tmp_path, timeout=30)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert lines[0].startswith("kv-cache.py: error:") and flag in lines[0]
+        assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
+        if argv[-1] in ("--no-such-flag", "ten"):                # argparse's errors point to --help
+            assert lines[0].endswith("(see --help)")
+        assert proc.stdout == ""
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["inputs"]     # no cache dir, no results file
+        assert sorted(p.name for p in inputs.iterdir()) == ["malformed.json", "not_a_list.json"]
+        assert ours_there() == before
+
+    def test_bad_dataset_content_is_the_only_line_on_stderr(self, tmp_path):
+        dataset = tmp_path / "d.json"
+        dataset.write_text("not json")
+        proc = run_cli(*[a.format(tmp=tmp_path) for a in HARMLESS_RUN], "--cpu-mem-gb", kv.MAX_MEMORY_GB,
+                       "--dataset-path", dataset, cwd=tmp_path, timeout=30)
+        assert proc.returncode == 2 and "--dataset-path" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+    @pytest.mark.parametrize("path", ["/bin", "/sbin", "/lib", "/lib64", "/etc/ssl", "/usr/local/share"])
+    def test_symlinked_system_dirs_are_refused(self, path):
+        with pytest.raises(kv.UsageError, match="--cache-dir .* system path"):
+            kv.validate_args(kv.build_parser().parse_args(["--cache-dir", path]))
+
+    # --- storage faults ---------------------------------------------------------
+    @pytest.mark.slow
+    def test_storage_full_is_counted_reported_and_cleaned_up(self, tmp_path):
+        out, cache_dir = tmp_path / "r.json", tmp_path / "cache"
+        cache_dir.mkdir()
+        proc = subprocess.run([sys.executable, str(SCRIPT), *SMALL_RUN, "--cpu-mem-gb", "0", "--num-users", "8",
+                               "--duration", "2", "--seed", "42", "--cache-dir", str(cache_dir), "--output", str(out)],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                              preexec_fn=limit_file_size(16 * 1024 * 1024))
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.count("EFBIG errors are counted, not logged") == 1     # logged once, counted always
+        r = json.loads(out.read_text())                          # the results survive the full storage
+        s = r["summary"]
+        kinds = s["cache_stats"]["io_errors_by_kind"]
+        assert s["io_errors"] > 0 and kinds.get("nvme_write_EFBIG", 0) > 0
+        assert sum(kinds.values()) == s["io_errors"] == s["cache_stats"]["io_errors"]
+        assert r["requests_completed"] > 0 and s["thread_errors"] == [] and r["interrupted"] is False
+        assert f"I/O errors: {s['io_errors']:,}" in proc.stdout
+        assert f"nvme_write_EFBIG {kinds['nvme_write_EFBIG']}" in proc.stdout
+        assert f"{s['io_errors']} storage I/O errors" in proc.stdout
+        assert cache_dir.is_dir() and files_under(cache_dir) == [] and list(cache_dir.iterdir()) == []
+
+    @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EIO], ids=["ENOSPC", "EDQUOT", "EIO"])
+    def test_failed_storage_write_is_counted_by_kind_and_leaves_no_file(self, make_cache, monkeypatch, code):
+        cache = make_cache(cpu_entries=0)
+        with monkeypatch.context() as m:
+            m.setattr(kv, "_pwrite_all", raising(code))          # the pwrite(2) under every storage write
+            assert cache.allocate_cache("k", TOKENS)[:2] == (False, None)
+        s = cache.get_stats(1.0)
+        assert s["io_errors"] == 1 and s["io_errors_by_kind"] == {f"nvme_write_{errno.errorcode[code]}": 1}
+        assert cache.entry_location("k") is None and cache._get_tier_usage("nvme") == 0
+        assert list(cache.run_dir.iterdir()) == [] and cache.check_invariants() == []
+        assert cache.allocate_cache("k", TOKENS)[:2] == (True, "nvme")      # the next write works again
+
+    def test_failed_demotion_drops_the_entry_and_keeps_the_books(self, make_cache, monkeypatch):
+        cache = make_cache(cpu_entries=2.01)                 # one entry fits below 80 %
+        cache.allocate_cache("old", TOKENS)
+        with monkeypatch.context() as m:
+            m.setattr(kv, "_pwrite_all", raising(errno.ENOSPC))
+            assert cache.allocate_cache("new", TOKENS)[:2] == (True, "cpu")
+        assert cache.entry_location("old") is None and cache.entry_location("new") == "cpu"
+        assert cache.get_stats(1.0)["io_errors_by_kind"] == {"nvme_write_ENOSPC": 1}
+        assert cache.check_invariants() == [] and list(cache.run_dir.iterdir()) == []
+
+    def test_failed_storage_read_is_a_counted_miss(self, make_cache, monkeypatch):
+        cache = make_cache(cpu_entries=0)
+        cache.allocate_cache("k", TOKENS)
+        with monkeypatch.context() as m:
+            m.setattr(kv.NVMeBackend, "_read_chunks", raising(errno.EIO))
+            assert cache.access_cache("k")[0] is None
+        s = cache.get_stats(1.0)
+        assert s["io_errors_by_kind"] == {"nvme_read_EIO": 1} and s["cache_misses"] == 1
+        assert cache.access_cache("k")[0] == "nvme" and cache.check_invariants() == []
+
+    @pytest.mark.slow
+    def test_failed_io_baseline_is_reported_and_the_run_goes_on(self, tmp_path):
+        out, cache_dir = tmp_path / "r.json", tmp_path / "cache"
+        cache_dir.mkdir()
+        proc = subprocess.run([sys.executable, str(SCRIPT), *SMALL_RUN, "--cpu-mem-gb", "1", "--num-users", "4",
+                               "--max-requests", "4", "--seed", "42", "--io-baseline", "--cache-dir", str(cache_dir),
+                               "--output", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                              preexec_fn=limit_file_size(1024 * 1024))   # its first 8 MiB write fails
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr and "--io-baseline failed" in proc.stderr
+        s = json.loads(out.read_text())["summary"]
+        assert s["io_baseline"] == {"error": "[Errno 27] File too large"} and s["storage_efficiency"] is None
+        assert s["total_requests"] == 4 and s["thread_errors"] == [] and s["io_errors"] == 0
+        assert "--io-baseline failed: [Errno 27] File too large" in proc.stdout
+        assert "STORAGE EFFICIENCY" not in proc.stdout
+        assert list(cache_dir.iterdir()) == []                  # its private directory is gone too
+
+    @pytest.mark.slow
+    def test_unwritable_results_file_exits_1_after_the_report(self, unwritable_results_run):
+        proc, workdir = unwritable_results_run
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        assert f"could not write the results to {workdir / 'r.json'}: [Errno 27] File too large" in proc.stderr
+        assert "KV CACHE BENCHMARK RESULTS" in proc.stdout and "I/O errors: 0" in proc.stdout
+        assert not (workdir / "cache").exists()                 # made for the run, removed after it
+
+    @pytest.mark.slow
+    def test_unwritable_results_file_leaves_no_truncated_file(self, unwritable_results_run):
+        proc, workdir = unwritable_results_run
+        assert proc.returncode == 1
+        assert sorted(p.name for p in workdir.iterdir()) == []
+
+    # --- data integrity -----------------------------------------------------------
+    def test_verify_catches_storage_corrupted_during_a_run(self, tmp_path, monkeypatch, capsys,
+                                                          keep_signal_handlers):
+        corrupted = []
+
+        class CorruptingBenchmark(kv.IntegratedBenchmark):
+            def _drive(self):                          # corrupt the entry files while the workload runs
+                stop = threading.Event()
+                corrupter = threading.Thread(target=corrupt_npy_files, args=(self.cache.run_dir, stop, corrupted))
+                corrupter.start()
+                watcher = threading.Thread(target=self._stop_after_first_mismatch, args=(stop,))
+                watcher.start()
+                try:
+                    return super()._drive()
+                finally:
+                    stop.set()
+                    corrupter.join()
+                    watcher.join()
+
+            def _stop_after_first_mismatch(self, stop):     # however fast the disk: end once one is caught
+                while not stop.wait(0.05):
+                    if self.cache.stats.snapshot()[0].get("verify_mismatches", 0):
+                        self.request_stop("test: a corrupted read was caught")
+                        return
+        monkeypatch.setattr(kv, "IntegratedBenchmark", CorruptingBenchmark)
+        status, r, stdout = run_main(tmp_path, capsys, "--cpu-mem-gb", "0", "--num-users", "8", "--duration", "30",
+                                     "--seed", "42", "--verify")
+        s = r["summary"]
+        assert corrupted and s["stop_reason"] == "test: a corrupted read was caught"
+        assert s["verify_checked"] > 0 and s["verify_mismatches"] > 0
+        assert s["verify_checked"] == s["cache_stats"]["cache_hits"]
+        assert s["io_errors"] == 0 and s["thread_errors"] == []
+        assert status == 1                                     # mismatches make the run degraded
+        assert f"--verify: {s['verify_checked']:,} reads checked, {s['verify_mismatches']:,} mismatches" in stdout
+        assert files_under(tmp_path) == ["r.json"]
+
+    # --- thread failures ----------------------------------------------------------
+    @pytest.mark.parametrize("owner,method,thread,on_call", [
+        ("IntegratedBenchmark", "_process", "worker", 3),
+        ("IntegratedBenchmark", "_build_request", "arrival-scheduler", 3),
+        ("StorageMonitor", "sample", "monitor", 1),
+        ("MultiTierCache", "collect_garbage", "storage-reaper", 1),
+    ], ids=["worker", "scheduler", "monitor", "reaper"])
+    def test_a_failing_thread_stops_the_run_and_is_reported(self, tmp_path, monkeypatch, capsys,
+                                                           keep_signal_handlers, owner, method, thread, on_call):
+        cls = getattr(kv, owner)
+        monkeypatch.setattr(cls, method, fail_in_thread(getattr(cls, method), thread, on_call))
+        status, r, stdout = run_main(tmp_path, capsys, "--cpu-mem-gb", "0.05", "--num-users", "8",
+                                     "--duration", "20", "--seed", "42", "--monitor-interval", "0.1")
+        s = r["summary"]
+        assert len(s["thread_errors"]) == 1, s["thread_errors"]
+        assert re.fullmatch(rf"{thread}(-\d+)?: RuntimeError: injected failure", s["thread_errors"][0])
+        assert s["stop_reason"] == "thread_error" and s["elapsed_time"] < 10      # stopped, not run on
+        assert "### THREAD FAILURES ###" in stdout and f"  - {s['thread_errors'][0]}" in stdout
+        assert "### THREAD FAILURES ###" in kv.format_report(r)
+        assert status == 1
+        assert files_under(tmp_path) == ["r.json"]
+
+    @pytest.mark.parametrize("owner,method,thread", [
+        ("StorageMonitor", "sample", "monitor"),
+        ("MultiTierCache", "collect_garbage", "storage-reaper"),
+    ], ids=["monitor", "reaper"])
+    def test_a_housekeeping_failure_that_recurs_still_gives_results(self, tmp_path, monkeypatch, capsys,
+                                                                     keep_signal_handlers, owner, method, thread):
+        cls = getattr(kv, owner)
+        monkeypatch.setattr(cls, method, fail_in_thread(getattr(cls, method), thread, always=True))
+        status, r, stdout = run_main(tmp_path, capsys, "--cpu-mem-gb", "0", "--num-users", "4",
+                                     "--duration", "20", "--seed", "42", "--monitor-interval", "0.1")
+        assert status == 1 and any(e.startswith(thread) for e in r["summary"]["thread_errors"])
+        assert files_under(tmp_path) == ["r.json"]
+
+    # --- invariants under load -------------------------------------------------------
+    @pytest.mark.slow
+    def test_invariants_hold_under_load(self, tmp_path):
+        config = kv.BenchmarkConfig(model=TINY, num_users=200, duration_s=20, gpu_mem_gb=0, cpu_mem_gb=0.02,
+                                    storage_capacity_gb=0.3, cache_dir=str(tmp_path),
+                                    generation_mode=kv.GenerationMode.NONE, seed=42)
+        bench = kv.IntegratedBenchmark(config)
+        cache = bench.cache
+        capacity = {t: cache._tier_capacity(t) for t in cache._get_tier_order()}
+        assert set(capacity) == {"cpu", "nvme"}
+        violations, samples, done = [], [0], threading.Event()
+
+        def watch_usage():
+            while not done.is_set():
+                for tier, cap in capacity.items():
+                    used = cache._get_tier_usage(tier)
+                    if not 0 <= used <= cap:
+                        violations.append((tier, used))
+                samples[0] += 1
+                time.sleep(0.001)
+
+        largest = [0]                                  # every storage entry is written through write_from
+        nvme = cache.backends["nvme"]
+        write_from = nvme.write_from
+
+        def recording_write_from(key, source, nbytes, *args, **kwargs):
+            largest[0] = max(largest[0], nbytes)
+            return write_from(key, source, nbytes, *args, **kwargs)
+        nvme.write_from = recording_write_from
+
+        end = {}
+        drive = bench._drive
+
+        def drive_then_inspect():                      # the workload's end: every thread joined, nothing in flight
+            elapsed = drive()
+            done.set()
+            end["problems"] = cache.check_invariants()
+            with cache._lock:
+                end["entries"] = {k: (e.tier, e.state) for k, e in cache._entries.items()}
+                end["holders"] = {k: [t for t, b in cache.backends.items() if k in b] for k in cache._entries}
+                end["stored"] = {t: set(b.cache if t == "cpu" else b.metadata) for t, b in cache.backends.items()}
+            end["files"] = {p.name for p in cache.run_dir.iterdir() if not p.name.startswith(".trash_")}
+            end["nvme_files"] = {Path(m["path"]).name for m in nvme.metadata.values()}
+            return elapsed
+        bench._drive = drive_then_inspect
+        watcher = threading.Thread(target=watch_usage)
+        watcher.start()
+        try:
+            r = bench.run()
+        finally:
+            done.set()
+            watcher.join()
+        cs = r["summary"]["cache_stats"]
+        assert samples[0] > 1000 and violations == []
+        assert end["problems"] == []
+        assert end["entries"] and {state for _, state in end["entries"].values()} == {"ready"}
+        for key, (tier, _) in end["entries"].items():
+            assert end["holders"][key] == [tier], key             # in exactly one tier, the one on the books
+        for tier, keys in end["stored"].items():                 # and no tier holds data of no entry
+            assert keys == {k for k, (t, _) in end["entries"].items() if t == tier}, tier
+        assert end["files"] == end["nvme_files"]                 # no stray files in the run directory
+        assert cs["evictions"] > 0 and cs["nvme_reads"] > 0 and cs["io_errors"] == 0
+        assert 0 < cs["nvme_bytes_read_gb"] * GIB <= (cs["nvme_reads"] + cs["nvme_aborted_reads"]) * largest[0]
+        assert r["summary"]["thread_errors"] == []
+        assert list(tmp_path.iterdir()) == []
+
+    # --- signals ----------------------------------------------------------------------
+    @pytest.mark.slow
+    def test_second_sigint_during_shutdown(self, tmp_path):
+        out, cache_dir = tmp_path / "r.json", tmp_path / "cache"
+        cache_dir.mkdir()
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), "--model", "tiny-1b", "--gpu-mem-gb", "0",
+                                 "--cpu-mem-gb", "0", "--generation-mode", "realistic", "--num-users", "64",
+                                 "--duration", "30", "--seed", "42", "--cache-dir", str(cache_dir),
+                                 "--output", str(out)], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            for line in proc.stderr:
+                if "Running" in line:
+                    break
+            time.sleep(1.0)                                    # requests in flight: writing, generating
+            proc.send_signal(signal.SIGINT)
+            first = time.monotonic()
+            time.sleep(0.2)
+            assert proc.poll() is None, "shutdown took under 0.2 s: the second signal would not land in it"
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=30)
+            took = time.monotonic() - first
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 130, stderr
+        assert "SIGINT received again" in stderr and "Traceback" not in stderr
+        assert took < 5
+        r = json.loads(out.read_text())
+        assert r["interrupted"] is True and r["summary"]["stop_reason"] == "SIGINT"
+        assert "INTERRUPTED" in stdout
+        assert list(cache_dir.iterdir()) == []
+
+    # --- foreign files ---------------------------------------------------------------------
+    @pytest.mark.slow
+    def test_foreign_files_in_the_cache_dir_are_left_alone(self, tmp_path):
+        cache_dir = tmp_path / "cache"
+        (cache_dir / "keep").mkdir(parents=True)
+        (cache_dir / "foreign.txt").write_text("not the benchmark's")
+        (cache_dir / "keep" / "inner.npy").write_bytes(b"mine")
+        stamps = {p: p.stat().st_mtime_ns for p in cache_dir.rglob("*")}
+        _, r = run_benchmark(tmp_path, "--cpu-mem-gb", "0", "--num-users", "2", "--max-requests", "2", "--seed", "5")
+        cs = r["summary"]["cache_stats"]
+        assert cs["nvme_writes"] > 0 and Path(cs["storage_run_dir"]).parent == cache_dir
+        assert (cache_dir / "foreign.txt").read_text() == "not the benchmark's"
+        assert (cache_dir / "keep" / "inner.npy").read_bytes() == b"mine"
+        assert {p: p.stat().st_mtime_ns for p in cache_dir.rglob("*")} == stamps
+        assert sorted(p.name for p in cache_dir.iterdir()) == ["foreign.txt", "keep"]   # its kvcache_run_* is gone

@@ -3810,7 +3810,7 @@ def plot_suite(rows: List[Dict[str, Any]], path: Path) -> Optional[Path]:
     return _save(plt, fig, path)
 
 
-def write_json(results: Dict[str, Any], path: str) -> None:
+def write_json(results: Dict[str, Any], path: str) -> str:
     """Write the results whole or not at all: a temporary file beside `path`, then a rename."""
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
@@ -3822,6 +3822,7 @@ def write_json(results: Dict[str, Any], path: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return str(target)
 
 
 def _json_default(value: Any) -> Any:
@@ -4084,6 +4085,36 @@ def _make_cache_dir(cache_dir: Optional[str]) -> List[Path]:
     return created
 
 
+def _write_outputs(args: argparse.Namespace, results: Dict[str, Any], bench: IntegratedBenchmark) -> bool:
+    """The report on stdout, then the JSON, charts and spreadsheet; False when any could not be written."""
+    print(format_report(results))
+    output = args.output or f"benchmark_results_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    writers = [("results", output, lambda: write_json(results, output))]
+    if args.plot:
+        writers.append(("charts", args.plot, lambda: make_plots(results, bench.latency_samples, args.plot)))
+    if args.xlsx_output:
+        writers.append(("spreadsheet", args.xlsx_output, lambda: export_results_to_xlsx(results, args, args.xlsx_output)))
+    ok = True
+    for what, where, write in writers:
+        try:
+            if write():                           # falsy: skipped (a library is missing; it said so)
+                logger.info("%s written to %s", what.capitalize(), where)
+        except (OSError, ValueError) as exc:
+            ok = False
+            logger.error("could not write the %s to %s: %s", what, where, exc)
+    return ok
+
+
+def _exit_status(bench: IntegratedBenchmark, results: Dict[str, Any], outputs_written: bool) -> int:
+    if bench.stop_reason in EXIT_SIGNAL:
+        return EXIT_SIGNAL[bench.stop_reason]
+    summary = results["summary"]
+    baseline_failed = bool(summary["io_baseline"] and "error" in summary["io_baseline"])
+    degraded = (summary["io_errors"] or summary["thread_errors"] or summary["verify_mismatches"]
+                or baseline_failed or not outputs_written)
+    return EXIT_DEGRADED if degraded else EXIT_OK
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING if args.quiet else getattr(logging, args.log_level)
@@ -4091,18 +4122,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     notices: List[str] = []
     try:
         config = config_from_args(args, notices)
+        created_dirs = _make_cache_dir(config.cache_dir)
     except UsageError as exc:
         print(f"kv-cache.py: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    output = args.output or f"benchmark_results_{time.strftime('%Y%m%d_%H%M%S')}.json"
-    try:
-        created_dirs = _make_cache_dir(config.cache_dir)
     except OSError as exc:
-        print(f"kv-cache.py: error: --cache-dir {config.cache_dir}: {exc.strerror}", file=sys.stderr)
+        print(f"kv-cache.py: error: --cache-dir {args.cache_dir}: {exc.strerror}", file=sys.stderr)
         return EXIT_USAGE
     try:
         try:
-            bench = IntegratedBenchmark(config)
+            bench = IntegratedBenchmark(config)      # a bad dataset is found here, before anything is written
         except DatasetError as exc:
             print(f"kv-cache.py: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -4119,37 +4148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 directory.rmdir()
             except OSError:
                 break
-    print(format_report(results))
-    written = True
-    try:
-        write_json(results, output)
-        logger.info("Results written to %s", output)
-    except OSError as exc:
-        written = False
-        logger.error("could not write the results to %s: %s", output, exc)
-    if args.plot:
-        try:
-            charts = make_plots(results, bench.latency_samples, args.plot)
-            if charts:
-                logger.info("Charts written: %s", ", ".join(charts))
-        except OSError as exc:
-            written = False
-            logger.error("could not write the charts into %s: %s", args.plot, exc)
-    if args.xlsx_output:
-        try:
-            path = export_results_to_xlsx(results, args, args.xlsx_output)
-            if path:
-                logger.info("Spreadsheet written to %s", path)
-        except (OSError, ValueError) as exc:
-            written = False
-            logger.error("could not write the spreadsheet %s: %s", args.xlsx_output, exc)
-    if bench.stop_reason in EXIT_SIGNAL:
-        return EXIT_SIGNAL[bench.stop_reason]
-    summary = results["summary"]
-    baseline_failed = bool(summary["io_baseline"] and "error" in summary["io_baseline"])
-    degraded = (summary["io_errors"] or summary["thread_errors"] or summary["verify_mismatches"]
-                or baseline_failed or not written)
-    return EXIT_DEGRADED if degraded else EXIT_OK
+    return _exit_status(bench, results, _write_outputs(args, results, bench))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ Sections, in the order data flows through the program:
     COMMAND LINE
 """
 import argparse
+import dataclasses
 import errno
 import zlib
 import hashlib
@@ -2823,6 +2824,7 @@ class IntegratedBenchmark:
         self.io_baseline: Optional[Dict[str, Any]] = None
         self.process_cpu_s = 0.0
         self.latency_samples: Dict[str, List[float]] = {}     # per tier and operation, seconds (for --plot)
+        self.raw: Dict[str, Any] = {}
         self.scheduler = ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop,
                                           config.max_requests, config.request_rate)
         self.monitor = StorageMonitor(self.cache, self.recorder, self.request_queue,
@@ -3038,8 +3040,11 @@ class IntegratedBenchmark:
     # --- results ---
     def _results(self, elapsed_s: float) -> Dict[str, Any]:
         cache_stats = self.cache.get_stats(elapsed_s)      # tier counts: end of workload, before cleanup
-        _, samples = self.cache.stats.snapshot()
+        counters, samples = self.cache.stats.snapshot()
         self.latency_samples = {f"{tier} {op}": totals for (tier, op), (totals, _, _) in samples.items()}
+        # What an MPI aggregate needs to merge this run with others.
+        self.raw = {"records": list(self.recorder.records), "counters": counters, "samples": samples,
+                    "entry_counts": self.cache.tier_entry_counts(), "tiers_info": self.cache.describe_tiers()}
         return assemble_results(
             config=self.config, seed=self.seed, records=list(self.recorder.records),
             recorder=self.recorder, cache_stats=cache_stats, prefix_stats=self.prefixes.stats(),
@@ -3838,6 +3843,124 @@ def _json_default(value: Any) -> Any:
 
 
 # ============================================================================
+# MULTI-NODE (MPI)
+# ============================================================================
+# Under mpirun/mpiexec every rank is a full benchmark with its own share of the
+# users, its own seed and its own cache subdirectory; rank 0 gathers and merges.
+
+_MPI_ENV = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),     # Open MPI
+            ("PMI_RANK", "PMI_SIZE"),                             # MPICH / Hydra, Intel MPI
+            ("PMIX_RANK", "PMIX_SIZE"))                           # PMIx launchers
+
+
+def mpi_launch() -> Optional[Tuple[int, int]]:
+    """(rank, world size) when started by an MPI launcher with more than one rank, from its
+    environment alone: importing mpi4py would initialise MPI, so it is not done here."""
+    for rank_var, size_var in _MPI_ENV:
+        if rank_var in os.environ and size_var in os.environ:
+            try:
+                rank, size = int(os.environ[rank_var]), int(os.environ[size_var])
+            except ValueError:
+                continue
+            return (rank, size) if size > 1 else None
+    return None
+
+
+def rank_share(total: int, rank: int, size: int) -> int:
+    """Rank `rank`'s share of `total`: equal parts, the first `total % size` ranks one more."""
+    return total // size + (1 if rank < total % size else 0)
+
+
+def rank_config(config: BenchmarkConfig, rank: int, size: int) -> BenchmarkConfig:
+    """This rank's configuration: its users and requests, its seed, its own cache subdirectory."""
+    base_dir = config.cache_dir or tempfile.gettempdir()
+    return dataclasses.replace(
+        config,
+        num_users=rank_share(config.num_users, rank, size),
+        max_requests=rank_share(config.max_requests, rank, size) if config.max_requests else 0,
+        seed=derive_seed(config.seed, "mpi-rank", rank) if config.seed is not None else None,
+        cache_dir=str(Path(base_dir) / f"rank{rank}"),
+        progress=config.progress and rank == 0)
+
+
+def _sum_timelines(timelines: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """Point-wise merge of the ranks' timelines: rates and counts add up, latencies take the worst."""
+    merged = []
+    for points in zip(*timelines):
+        point: Dict[str, Any] = {}
+        for key, value in points[0].items():
+            values = [p.get(key) for p in points]
+            if key == "tier_usage_gb":
+                point[key] = {t: sum(v.get(t, 0.0) for v in values) for t in value}
+            elif key in ("elapsed_s", "storage_read_p95_ms", "storage_write_p95_ms", "saturation",
+                         "queue_wait_mean_ms", "service_mean_ms"):
+                present = [v for v in values if v is not None]
+                point[key] = max(present) if present else None
+            else:
+                point[key] = sum(v or 0 for v in values)
+        merged.append(point)
+    return merged
+
+
+def merge_rank_results(config: BenchmarkConfig, gathered: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One results dict for the whole world: request records and cache samples merged (so
+    percentiles come from all samples), throughputs and bytes the sums of the ranks'."""
+    records = [r for g in gathered for r in g["raw"]["records"]]
+    counters: Dict[str, int] = defaultdict(int)
+    samples: Dict[Tuple[str, str], Tuple[List[float], List[float], List[float]]] = defaultdict(lambda: ([], [], []))
+    entry_counts: Dict[str, int] = defaultdict(int)
+    for g in gathered:
+        for name, value in g["raw"]["counters"].items():
+            counters[name] += value
+        for key, lists in g["raw"]["samples"].items():
+            for merged, part in zip(samples[key], lists):
+                merged.extend(part)
+        for tier, n in g["raw"]["entry_counts"].items():
+            entry_counts[tier] += n
+    elapsed = max(g["results"]["summary"]["elapsed_time"] for g in gathered)
+    rank_summaries = [g["results"]["summary"] for g in gathered]
+    cache_stats = cache_stats_summary(dict(counters), samples, entry_counts, config.model, elapsed,
+                                      config.performance_profile, gathered[0]["raw"]["tiers_info"])
+    prefix = {k: sum(s["prefix_cache_stats"][k] for s in rank_summaries) for k in rank_summaries[0]["prefix_cache_stats"]}
+    digest = hashlib.sha256("|".join(g["results"]["workload_digest"] for g in gathered).encode()).hexdigest()[:16]
+    results = assemble_results(
+        config=config, seed=config.seed, records=records,
+        recorder=argparse.Namespace(abandoned=sum(s["requests_abandoned"] for s in rank_summaries)),
+        cache_stats=cache_stats, prefix_stats=prefix,
+        timeline=_sum_timelines([g["results"]["timeline"] for g in gathered]), elapsed_s=elapsed,
+        workload_digest=digest, admitted=sum(s["requests_admitted"] for s in rank_summaries),
+        stop_reason=gathered[0]["results"]["summary"]["stop_reason"],
+        thread_errors=[f"rank {g['rank']}: {e}" for g in gathered for e in g["results"]["summary"]["thread_errors"]],
+        process_cpu_s=sum(s["process_cpu_seconds"] for s in rank_summaries))
+    s = results["summary"]
+    for field_name in ("avg_throughput_tokens_per_sec", "total_tokens_per_sec", "requests_per_second",
+                       "nvme_throughput"):
+        s[field_name] = sum(r[field_name] for r in rank_summaries)        # sums of the ranks' rates
+    for field_name in ("nvme_read_gib_per_sec_wall", "nvme_write_gib_per_sec_wall"):
+        s["cache_stats"][field_name] = sum(r["cache_stats"][field_name] for r in rank_summaries)
+    s["cache_stats"]["nvme_throughput"] = s["nvme_throughput"]
+    results["interrupted"] = any(g["results"]["interrupted"] for g in gathered)
+    results["world_size"] = len(gathered)
+    results["ranks"] = [{"rank": g["rank"], "seed": g["results"]["seed"], "config": g["results"]["config"],
+                         "workload_digest": g["results"]["workload_digest"], "summary": g["results"]["summary"]}
+                        for g in gathered]
+    return results
+
+
+def format_rank_table(results: Dict[str, Any]) -> str:
+    lines = ["", f"### PER-RANK RESULTS ({results['world_size']} ranks; the report above is the aggregate) ###",
+             f"  {'rank':>4} {'users':>6} {'requests':>9} {'tok/s':>10} {'storage tok/s':>14} "
+             f"{'E2E P95 ms':>11} {'storage P95 ms':>15}  cache directory"]
+    for r in results["ranks"]:
+        s = r["summary"]
+        lines.append(f"  {r['rank']:>4} {r['config']['num_users']:>6} {s['total_requests']:>9,} "
+                     f"{s['avg_throughput_tokens_per_sec']:>10,.1f} {s['nvme_throughput']:>14,.1f} "
+                     f"{_fmt_ms(s['end_to_end_latency_ms']['p95']):>11} {_fmt_ms(s['storage_io_latency_ms']['p95']):>15}"
+                     f"  {r['config']['cache_dir']}")
+    return "\n".join(lines)
+
+
+# ============================================================================
 # COMMAND LINE
 # ============================================================================
 
@@ -4088,6 +4211,8 @@ def _make_cache_dir(cache_dir: Optional[str]) -> List[Path]:
 def _write_outputs(args: argparse.Namespace, results: Dict[str, Any], bench: IntegratedBenchmark) -> bool:
     """The report on stdout, then the JSON, charts and spreadsheet; False when any could not be written."""
     print(format_report(results))
+    if results.get("ranks"):
+        print(format_rank_table(results))
     output = args.output or f"benchmark_results_{time.strftime('%Y%m%d_%H%M%S')}.json"
     writers = [("results", output, lambda: write_json(results, output))]
     if args.plot:
@@ -4115,13 +4240,45 @@ def _exit_status(bench: IntegratedBenchmark, results: Dict[str, Any], outputs_wr
     return EXIT_DEGRADED if degraded else EXIT_OK
 
 
+def _mpi_config(config: BenchmarkConfig, launch: Tuple[int, int]) -> BenchmarkConfig:
+    rank, size = launch
+    if not _installed("mpi4py"):
+        raise UsageError(f"started by an MPI launcher with {size} ranks, but mpi4py is not installed "
+                         f"(pip install mpi4py); refusing to run {size} uncoordinated copies")
+    if config.num_users < size:
+        raise UsageError(f"--num-users {config.num_users} must be at least the number of MPI ranks ({size})")
+    if config.max_requests and config.max_requests < size:
+        raise UsageError(f"--max-requests {config.max_requests} must be 0 or at least the number of MPI ranks ({size})")
+    return rank_config(config, rank, size)
+
+
+def _gather_to_rank0(bench: IntegratedBenchmark, results: Dict[str, Any], world_config: BenchmarkConfig,
+                     rank: int) -> Optional[Dict[str, Any]]:
+    """Every rank sends its results to rank 0, which returns the merged results (others: None)."""
+    from mpi4py import MPI                           # initialised already by the import in main
+    gathered = MPI.COMM_WORLD.gather({"rank": rank, "results": results, "raw": bench.raw}, root=0)
+    if rank != 0:
+        return None
+    merged: Dict[str, List[float]] = defaultdict(list)
+    for g in gathered:
+        for (tier, op), (totals, _, _) in g["raw"]["samples"].items():
+            merged[f"{tier} {op}"].extend(totals)
+    bench.latency_samples = dict(merged)
+    return merge_rank_results(world_config, gathered)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    level = logging.WARNING if args.quiet else getattr(logging, args.log_level)
-    logging.basicConfig(level=level, format="%(levelname)s: %(message)s")
+    launch = mpi_launch()
+    rank = launch[0] if launch else 0
+    quiet = args.quiet or rank != 0                  # one voice: rank 0's
+    logging.basicConfig(level=logging.WARNING if quiet else getattr(logging, args.log_level),
+                        format=f"%(levelname)s: {f'[rank {rank}] ' if launch else ''}%(message)s")
     notices: List[str] = []
     try:
-        config = config_from_args(args, notices)
+        world_config = config = config_from_args(args, notices)
+        if launch:
+            config = _mpi_config(config, launch)
         created_dirs = _make_cache_dir(config.cache_dir)
     except UsageError as exc:
         print(f"kv-cache.py: error: {exc}", file=sys.stderr)
@@ -4129,6 +4286,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as exc:
         print(f"kv-cache.py: error: --cache-dir {args.cache_dir}: {exc.strerror}", file=sys.stderr)
         return EXIT_USAGE
+    if launch:
+        from mpi4py import MPI                       # initialises MPI: only ever under a launcher
     try:
         try:
             bench = IntegratedBenchmark(config)      # a bad dataset is found here, before anything is written
@@ -4138,9 +4297,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for notice in notices:
             logger.warning("%s", notice)
         _install_signal_handlers(bench)
-        logger.info("Running %s with %d users (%s); workload digest %s", config.model.name, config.num_users,
-                    f"{config.duration_s:g}s" if config.duration_s else f"{config.max_requests} requests",
+        logger.info("Running %s with %d users (%s); workload digest %s", config.model.name, world_config.num_users,
+                    f"{config.duration_s:g}s" if config.duration_s else f"{world_config.max_requests} requests",
                     bench.workload_digest)
+        if launch:
+            logger.info("MPI: %d ranks; rank 0 gathers the results", launch[1])
+            MPI.COMM_WORLD.Barrier()                 # all ranks start together
         results = bench.run()
     finally:
         for directory in reversed(created_dirs):     # only the ones we made, and only if empty
@@ -4148,6 +4310,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 directory.rmdir()
             except OSError:
                 break
+    if launch:
+        merged = _gather_to_rank0(bench, results, world_config, rank)
+        if merged is None:
+            return _exit_status(bench, results, True)
+        results = merged
     return _exit_status(bench, results, _write_outputs(args, results, bench))
 
 

@@ -3514,8 +3514,11 @@ def _detail_sheets(results: Dict[str, Any], args: Any) -> Dict[str, List[Dict[st
     qos = [{"QoS": level, "Requests": q["total_requests"], "P95 (ms)": q["latency_ms"]["p95"],
             "Target P95 (ms)": q["sla"]["target_p95_ms"], "SLA Compliance": q["sla"]["compliance"],
             "Met": q["sla"]["met"]} for level, q in s["qos_metrics"].items()]
-    return {"Run Parameters": [{"Parameter": k, "Value": str(v)} for k, v in params.items()],
-            "Tier Metrics": tiers, "QoS Metrics": qos}
+    sheets = {"Run Parameters": [{"Parameter": k, "Value": str(v)} for k, v in params.items()],
+              "Tier Metrics": tiers, "QoS Metrics": qos}
+    if results.get("ranks"):                     # an MPI run: the aggregate is the Summary row
+        sheets["Ranks"] = [{"Rank": r["rank"], **summary_row(r)} for r in results["ranks"]]
+    return sheets
 
 
 def export_results_to_xlsx(results: Dict[str, Any], args: Any, output_path: str) -> Optional[str]:

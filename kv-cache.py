@@ -660,6 +660,7 @@ class RAGDocumentManager:
             ok = True
             for i, tokens in enumerate(doc.chunk_tokens):
                 if should_stop():
+                    ok = False
                     break
                 result = cache.write_entry(doc.chunk_key(i), tokens, InferencePhase.PREFILL)
                 if result.success:
@@ -2505,15 +2506,19 @@ CAPACITY_STALL_STAGES = 2               # stages without a gain before concludin
 def qos_decision(saturation: float, target: float, users: int, cooldown_left: int,
                  max_users: int = MAX_USERS) -> ScalingDecision:
     """QoS mode: the most users whose saturation stays at the target (pure)."""
-    if saturation > target + QOS_TOLERANCE and users > 1:
-        after = max(1, min(users - 1, int(users * QOS_SCALE_DOWN)))
-        return ScalingDecision("down", after, f"saturation {saturation:.2f} above target {target:.2f}")
+    if saturation > target + QOS_TOLERANCE:
+        if users > 1:
+            after = max(1, min(users - 1, int(users * QOS_SCALE_DOWN)))
+            return ScalingDecision("down", after, f"saturation {saturation:.2f} above target {target:.2f}")
+        return ScalingDecision("hold", users, f"saturation {saturation:.2f} above target {target:.2f} "
+                                              f"even with a single user")
     if saturation < target - QOS_TOLERANCE:
         if cooldown_left > 0:
             return ScalingDecision("hold", users, f"cooling down after a scale-down ({cooldown_left} left)")
         if users < max_users:
             after = min(max_users, max(users + 1, int(users * QOS_SCALE_UP)))
             return ScalingDecision("up", after, f"saturation {saturation:.2f} below target {target:.2f}")
+        return ScalingDecision("hold", users, f"saturation {saturation:.2f} below target at the maximum user count")
     return ScalingDecision("hold", users, f"saturation {saturation:.2f} at target {target:.2f}")
 
 
@@ -2924,6 +2929,8 @@ class IntegratedBenchmark:
 
     def _autoscale(self, point: Dict[str, Any]) -> None:
         users = self.scheduler.active_users
+        if users == 0:                             # arrivals have not started (RAG ingestion): nothing to judge
+            return
         decision = self.autoscaler.evaluate(point, users)
         if decision.users_after != users:
             logger.info("autoscaler: %s %d -> %d users (%s)", decision.action, users, decision.users_after,
@@ -4026,7 +4033,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("dataset replay and RAG")
     d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file to replay")
     d.add_argument("--max-conversations", type=int, default=500, help="conversations to sample from the dataset (default: %(default)s)")
-    d.add_argument("--request-rate", type=float, default=0.0, help="target arrivals per second (0: no pacing)")
+    d.add_argument("--request-rate", type=float, default=0.0,
+                   help="cap on admissions per second, evenly spaced (0: no pacing)")
     d.add_argument("--enable-rag", action="store_true", help="simulate RAG document ingestion and retrieval")
     d.add_argument("--rag-num-docs", type=int, default=10, help="RAG documents to ingest (default: %(default)s)")
 

@@ -108,8 +108,11 @@ detect_hardware() {
     GPU_MEM_GB=0
     if command -v nvidia-smi >/dev/null 2>&1; then
         local vram_mib
-        vram_mib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -dc '0-9')"
-        GPU_COUNT="$(nvidia-smi --list-gpus 2>/dev/null | wc -l | tr -dc '0-9')"
+        # A failing nvidia-smi (no driver) means no GPU, not the end of the suite.
+        vram_mib="$( (nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null || true) | head -n 1 | tr -dc '0-9')"
+        if [ -n "$vram_mib" ]; then
+            GPU_COUNT="$( (nvidia-smi --list-gpus 2>/dev/null || true) | grep -c '^GPU' || true)"
+        fi
         # 80 % of the first GPU's memory: the rest is the model's weights and activations.
         [ -n "$vram_mib" ] && GPU_MEM_GB=$(( vram_mib * 8 / 10 / 1024 ))
     fi

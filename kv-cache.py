@@ -54,6 +54,7 @@ import sys
 import tempfile
 import threading
 import time
+import collections
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -104,6 +105,8 @@ MAX_TURNS_PER_CONVERSATION = 8          # planned turns per synthetic conversati
 
 # --- Storage I/O ---
 IO_CHUNK_BYTES = 8 * 1024 * 1024        # one pread/pwrite; chosen by measurement (docs/performance.md)
+IO_DEPTH = 4                            # chunks of one entry in flight at once (docs/performance.md)
+IO_POOL_THREADS = 64                    # threads issuing chunk transfers: 16 slots x IO_DEPTH
 NPY_DATA_OFFSET = 4096                  # .npy header padded so the array starts block-aligned
 
 # --- Engine ---
@@ -1053,6 +1056,90 @@ class BusyClock:
             return self._busy_s + (time.perf_counter() - self._since if self._inflight else 0.0)
 
 
+_IO_POOL: Any = None
+_IO_POOL_LOCK = threading.Lock()
+
+
+def _io_pool() -> Any:
+    """The shared threads that issue chunk transfers, so that one operation keeps several in flight."""
+    global _IO_POOL
+    with _IO_POOL_LOCK:
+        if _IO_POOL is None:
+            from concurrent.futures import ThreadPoolExecutor   # not at import: start-up cost
+            _IO_POOL = ThreadPoolExecutor(max_workers=IO_POOL_THREADS, thread_name_prefix="kv-io")
+        return _IO_POOL
+
+
+class ChunkPipeline:
+    """The chunk transfers of one operation: up to `depth` in flight on the I/O pool, completed
+    in the order they were issued (each completion's callback runs in the caller's thread).
+
+    A deep queue is what lets a drive reach its bandwidth: one 8 MiB request at a time per
+    operation leaves a fast drive idle between requests. `device_s()` is the wall time during
+    which at least one of this operation's transfers was in flight (overlaps counted once).
+    """
+
+    def __init__(self, clock: BusyClock, depth: int):
+        self.clock = clock
+        self.depth = max(1, depth)
+        self._pending: "collections.deque[Tuple[Any, Optional[Callable[[Any], None]]]]" = collections.deque()
+        self._intervals: List[Tuple[float, float]] = []
+
+    def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one transfer here, timed as device time (also used for fdatasync)."""
+        self.clock.start()
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._intervals.append((t0, time.perf_counter()))
+            self.clock.stop()
+
+    def make_room(self) -> None:
+        """Wait until fewer than `depth` transfers are in flight (the oldest one's buffer is free)."""
+        while len(self._pending) >= self.depth:
+            self._complete_oldest()
+
+    def submit(self, on_done: Optional[Callable[[Any], None]], fn: Callable[..., Any], *args: Any) -> None:
+        self.make_room()
+        if self.depth == 1:                               # nothing to overlap: no hand-off
+            result = self.timed(fn, *args)
+            if on_done is not None:
+                on_done(result)
+            return
+        self._pending.append((_io_pool().submit(self.timed, fn, *args), on_done))
+
+    def _complete_oldest(self) -> None:
+        future, on_done = self._pending.popleft()
+        result = future.result()
+        if on_done is not None:
+            on_done(result)
+
+    def drain(self) -> None:
+        while self._pending:
+            self._complete_oldest()
+
+    def abandon(self) -> None:
+        """After an error or an abort: wait for the transfers still in flight (they use our buffers
+        and fd); those that succeeded still complete, so their bytes are counted."""
+        while self._pending:
+            future, on_done = self._pending.popleft()
+            try:
+                result = future.result()
+                if on_done is not None:
+                    on_done(result)
+            except BaseException:
+                pass
+
+    def device_s(self) -> float:
+        total, end = 0.0, float("-inf")
+        for t0, t1 in sorted(self._intervals):
+            if t1 > end:
+                total += t1 - max(t0, end)
+                end = t1
+        return total
+
+
 # A source of entry bytes: fill(entry_offset, out) writes bytes [offset, offset+out.size).
 ByteSource = Callable[[int, np.ndarray], None]
 
@@ -1361,6 +1448,41 @@ def npy_header(shape: Sequence[int], dtype: str) -> bytes:
     return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode("latin1")
 
 
+_FALLOCATE: Any = None                  # libc's fallocate(2); False once known to be unavailable
+
+
+def preallocate(fd: int, nbytes: int) -> bool:
+    """Reserve the file's blocks in one go with fallocate(2), so that an entry written by
+    several concurrent transfers, next to other entries being written, is laid out
+    contiguously (reads of interleaved layouts were up to 40 % slower here; docs/performance.md).
+    Not posix_fallocate: its fallback writes zeros. False where the file system cannot;
+    OSError (ENOSPC, EFBIG) when the space or the size is not there."""
+    global _FALLOCATE
+    if _FALLOCATE is None:
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.fallocate
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            fn.restype = ctypes.c_int
+            _FALLOCATE = fn
+        except (OSError, AttributeError):
+            _FALLOCATE = False
+    if not _FALLOCATE or nbytes <= 0:
+        return False
+    if _FALLOCATE(fd, 0, 0, nbytes) == 0:
+        return True
+    err = ctypes_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
+
+
+def ctypes_errno() -> int:
+    import ctypes
+    return ctypes.get_errno()
+
+
 def probe_direct_io(directory: Path) -> Tuple[bool, str]:
     """Whether files in `directory` accept O_DIRECT, and why not."""
     if not hasattr(os, "O_DIRECT"):
@@ -1418,8 +1540,17 @@ class NVMeBackend(StorageBackend):
     def _thread_staging(self) -> np.ndarray:
         buf = getattr(self._staging, "buf", None)
         if buf is None:
-            buf = self._staging.buf = aligned_empty(IO_CHUNK_BYTES)
+            buf = self._staging.buf = aligned_empty(IO_DEPTH * IO_CHUNK_BYTES)
         return buf
+
+    @staticmethod
+    def _chunk_buffers(staging: np.ndarray) -> List[np.ndarray]:
+        """The staging area cut into IO_CHUNK_BYTES buffers, one per transfer in flight (at most
+        IO_DEPTH; a staging area smaller than one chunk is one smaller buffer)."""
+        if staging.size <= IO_CHUNK_BYTES:
+            return [staging]
+        count = min(IO_DEPTH, staging.size // IO_CHUNK_BYTES)
+        return [staging[i * IO_CHUNK_BYTES:(i + 1) * IO_CHUNK_BYTES] for i in range(count)]
 
     def _io_len(self, n: int) -> int:
         # O_DIRECT transfers whole blocks; the tail is padded and the file truncated afterwards.
@@ -1448,39 +1579,49 @@ class NVMeBackend(StorageBackend):
 
     def _write_chunks(self, fd: int, header: bytes, source: ByteSource, nbytes: int, staging: np.ndarray) -> float:
         total = NPY_DATA_OFFSET + nbytes
+        buffers = self._chunk_buffers(staging)
+        pipe = ChunkPipeline(self.busy["write"], len(buffers))
         file_off = data_off = 0
-        device_s = 0.0
-        clock = self.busy["write"]
-        while file_off < total:
-            self._check_abort(data_off)
-            n = min(staging.size, total - file_off)
-            head = 0
-            if file_off == 0:
-                staging[:NPY_DATA_OFFSET] = np.frombuffer(header, dtype=np.uint8)
-                head = NPY_DATA_OFFSET
-            if n > head:
-                source(data_off, staging[head:n])
-                data_off += n - head
-            clock.start()
-            t = time.perf_counter()
-            try:
-                _pwrite_all(fd, staging[:self._io_len(n)], file_off)
-            finally:
-                device_s += time.perf_counter() - t
-                clock.stop()
-            file_off += n
-        clock.start()
-        t = time.perf_counter()
+        written = [0]                                     # data bytes of completed transfers
+        pipe.timed(preallocate, fd, self._io_len(total))
+
+        def completed(data_bytes: int) -> Callable[[Any], None]:
+            def done(_: Any) -> None:
+                written[0] += data_bytes
+            return done
         try:
+            for i in itertools.count():
+                if file_off >= total:
+                    break
+                self._check_abort(written[0])
+                pipe.make_room()                          # buffer i % depth is free again
+                buf = buffers[i % len(buffers)]
+                n = min(buf.size, total - file_off)
+                head = 0
+                if file_off == 0:
+                    buf[:NPY_DATA_OFFSET] = np.frombuffer(header, dtype=np.uint8)
+                    head = NPY_DATA_OFFSET
+                if n > head:
+                    source(data_off, buf[head:n])
+                    data_off += n - head
+                pipe.submit(completed(n - head), _pwrite_all, fd, buf[:self._io_len(n)], file_off)
+                file_off += n
+            pipe.drain()
+        except IOAborted:
+            pipe.abandon()
+            raise IOAborted(written[0]) from None
+        except BaseException:
+            pipe.abandon()
+            raise
+
+        def finish() -> None:
             if self.direct_io and total % BLOCK_BYTES:
                 os.ftruncate(fd, total)
             os.fdatasync(fd)                              # durable before we call it written
             if not self.direct_io:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            device_s += time.perf_counter() - t
-            clock.stop()
-        return device_s
+        pipe.timed(finish)
+        return pipe.device_s()
 
     # --- reading ---
     def _open_for_read(self, key: str) -> Tuple[int, Dict[str, Any]]:
@@ -1492,38 +1633,50 @@ class NVMeBackend(StorageBackend):
         except FileNotFoundError:
             raise KeyError(key) from None                 # deleted while we looked
 
-    def _read_chunks(self, fd: int, nbytes: int, buffer_for: Callable[[int, int], np.ndarray],
+    def _read_chunks(self, fd: int, nbytes: int, buffer_for: Callable[[int, int, int], np.ndarray], depth: int,
                      consume: Optional[Callable[[np.ndarray], None]] = None) -> float:
-        device_s = 0.0
-        done = 0
-        clock = self.busy["read"]
-        while done < nbytes:
-            self._check_abort(done)
-            buf = buffer_for(done, nbytes - done)
-            want = min(buf.size, nbytes - done)
-            clock.start()
-            t = time.perf_counter()
-            try:
-                got = os.preadv(fd, [buf[:self._io_len(want)]], NPY_DATA_OFFSET + done)
-            finally:
-                device_s += time.perf_counter() - t
-                clock.stop()
-            if got < want:
-                raise OSError(errno.EIO, f"short read: {got} of {want} bytes")
-            if consume is not None:
-                consume(buf[:want])
-            done += want
+        """Read the entry's data in IO_CHUNK_BYTES transfers, `depth` in flight; chunk i lands in
+        buffer_for(i, offset, bytes left) and is handed to `consume` in order."""
+        pipe = ChunkPipeline(self.busy["read"], depth)
+        done = [0]                                        # bytes completed (and consumed)
+
+        def completed(buf: np.ndarray, want: int) -> Callable[[int], None]:
+            def check(got: int) -> None:
+                if got < want:
+                    raise OSError(errno.EIO, f"short read: {got} of {want} bytes")
+                if consume is not None:
+                    consume(buf[:want])
+                done[0] += want
+            return check
+        issued = 0
+        try:
+            for i in itertools.count():
+                if issued >= nbytes:
+                    break
+                self._check_abort(done[0])
+                pipe.make_room()
+                buf = buffer_for(i, issued, nbytes - issued)
+                want = min(buf.size, nbytes - issued, IO_CHUNK_BYTES)
+                pipe.submit(completed(buf, want), os.preadv, fd, [buf[:self._io_len(want)]], NPY_DATA_OFFSET + issued)
+                issued += want
+            pipe.drain()
+        except IOAborted:
+            pipe.abandon()
+            raise IOAborted(done[0]) from None
+        except BaseException:
+            pipe.abandon()
+            raise
         if not self.direct_io:
-            t = time.perf_counter()
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # the next read must reach the device too
-            device_s += time.perf_counter() - t
-        return device_s
+            pipe.timed(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_DONTNEED)   # the next read must reach the device too
+        return pipe.device_s()
 
     def read_through(self, key: str, staging: np.ndarray, consume: Optional[Callable[[np.ndarray], None]] = None) -> IOTiming:
         t0 = time.perf_counter()
         fd, meta = self._open_for_read(key)
         try:
-            device_s = self._read_chunks(fd, meta["size"], lambda done, left: staging, consume)
+            buffers = self._chunk_buffers(staging)
+            device_s = self._read_chunks(fd, meta["size"], lambda i, done, left: buffers[i % len(buffers)],
+                                         len(buffers), consume)
         finally:
             os.close(fd)
         return IOTiming.from_device(time.perf_counter() - t0, device_s)
@@ -1534,7 +1687,8 @@ class NVMeBackend(StorageBackend):
         nbytes = meta["size"]
         dest = aligned_empty(nbytes + BLOCK_BYTES)        # room for a padded direct-I/O tail
         try:
-            device_s = self._read_chunks(fd, nbytes, lambda done, left: dest[done:done + min(left + BLOCK_BYTES, IO_CHUNK_BYTES)])
+            device_s = self._read_chunks(fd, nbytes, lambda i, done, left: dest[done:done + min(left + BLOCK_BYTES, IO_CHUNK_BYTES)],
+                                         IO_DEPTH)
         finally:
             os.close(fd)
         data = dest[:nbytes].view(np.dtype(meta["dtype"])).reshape(meta["shape"])
@@ -1594,9 +1748,13 @@ def _pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
 
 # --- Device baseline -----------------------------------------------------------
 
-BASELINE_THREADS = 8                    # parallel sequential streams, like fio numjobs
+BASELINE_THREADS = 32                   # parallel sequential read streams, like fio numjobs: the queue
+                                        # depth a drive needs for its read ceiling (docs/performance.md)
+BASELINE_WRITE_STREAMS = 8              # write streams: writes here do not gain from more, and each one
+                                        # in flight at the phase's end makes the phase overrun
 BASELINE_PHASE_S = 2.0                  # seconds per phase (write, then cold read)
 BASELINE_MAX_FILE_BYTES = 1 * GIB       # per stream
+BASELINE_PREALLOCATE_BYTES = 64 * MIB   # a stream reserves its file's blocks this much at a time
 
 
 def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: float = BASELINE_PHASE_S,
@@ -1604,15 +1762,19 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
                         ) -> Dict[str, Any]:
     """The raw sequential write and cold read bandwidth of `directory`, fio-style.
 
-    `threads` streams each write one file with IO_CHUNK_BYTES direct writes
-    for about `phase_s` seconds (then fdatasync), and read it back the same
-    way; the data is incompressible and stamped like KV entries. The files
-    live in a private subdirectory and are removed. Returns GiB/s and the
-    bytes moved, which are never mixed into the workload's figures.
+    min(`threads`, BASELINE_WRITE_STREAMS) streams each write one file with
+    IO_CHUNK_BYTES direct writes for about `phase_s` seconds (then fdatasync),
+    then `threads` streams read those files the same way for about `phase_s`
+    seconds, each from its own starting point (passes over the files, from the
+    device: direct I/O, or buffered with the pages dropped before each pass); the data is
+    incompressible and stamped like KV entries. The files live in a private
+    subdirectory and are removed. Returns GiB/s and the bytes moved, which are
+    never mixed into the workload's figures.
     """
     work = Path(tempfile.mkdtemp(prefix="kvcache_baseline_", dir=directory))
     backend = NVMeBackend(work)
-    sizes = [0] * threads
+    writers = min(threads, BASELINE_WRITE_STREAMS)
+    sizes = [0] * writers
     try:
         def writer(i: int) -> None:
             path = work / f"stream_{i}.bin"
@@ -1622,7 +1784,11 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
             fd = os.open(path, flags, 0o644)
             try:
                 deadline = time.perf_counter() + phase_s
+                reserved = 0
                 while sizes[i] < max_file_bytes and time.perf_counter() < deadline:
+                    if sizes[i] >= reserved:              # laid out like the workload's preallocated entries
+                        reserved += BASELINE_PREALLOCATE_BYTES
+                        preallocate(fd, reserved)
                     generator.fill(layout, sizes[i], buf)
                     _pwrite_all(fd, buf, sizes[i])
                     sizes[i] += buf.size
@@ -1632,19 +1798,31 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
             finally:
                 os.close(fd)
 
+        read_bytes = [0] * max(threads, writers)
+
         def reader(i: int) -> None:
             buf = aligned_empty(IO_CHUNK_BYTES)
-            fd = os.open(work / f"stream_{i}.bin", os.O_RDONLY | (os.O_DIRECT if backend.direct_io else 0))
+            f, size = i % writers, sizes[i % writers]
+            fd = os.open(work / f"stream_{f}.bin", os.O_RDONLY | (os.O_DIRECT if backend.direct_io else 0))
             try:
-                for offset in range(0, sizes[i], buf.size):
+                deadline = time.perf_counter() + phase_s
+                share = -(-threads // writers)            # readers per file, spread over it
+                start = offset = (size // IO_CHUNK_BYTES) * (i // writers) // share * IO_CHUNK_BYTES
+                while size and time.perf_counter() < deadline:   # passes over the file until the phase is over
+                    if offset == start and not backend.direct_io:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     if os.preadv(fd, [buf], offset) < buf.size:
                         raise OSError(errno.EIO, "short read in the baseline")
+                    read_bytes[i] += buf.size
+                    offset = (offset + buf.size) % size
             finally:
                 os.close(fd)
 
-        write_s = _run_streams(writer, threads)
+        write_s = _run_streams(writer, writers)
+        if not backend.direct_io:                     # buffered: shared files would be read from the page cache
+            threads = writers
         read_s = _run_streams(reader, threads)
-        total = sum(sizes)
+        total, total_read = sum(sizes), sum(read_bytes)
     finally:
         for path in work.glob("stream_*.bin"):
             path.unlink()
@@ -1654,11 +1832,12 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
         "directory": str(directory),
         "io_mode": backend.io_mode,
         "threads": threads,
+        "write_threads": writers,
         "chunk_bytes": IO_CHUNK_BYTES,
         "write_gib_per_sec": total / GIB / write_s if write_s > 0 else 0.0,
-        "read_gib_per_sec": total / GIB / read_s if read_s > 0 else 0.0,
+        "read_gib_per_sec": total_read / GIB / read_s if read_s > 0 else 0.0,
         "bytes_written": total,
-        "bytes_read": total,
+        "bytes_read": total_read,
         "write_s": write_s,
         "read_s": read_s,
     }
@@ -2021,7 +2200,7 @@ class MultiTierCache:
     def _staging(self) -> np.ndarray:
         buf = getattr(self._tls, "staging", None)
         if buf is None:
-            buf = self._tls.staging = aligned_empty(IO_CHUNK_BYTES)
+            buf = self._tls.staging = aligned_empty(IO_DEPTH * IO_CHUNK_BYTES)
         return buf
 
     # --- writes ---
@@ -3370,7 +3549,8 @@ def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str,
         b, e = s["io_baseline"], s["storage_efficiency"]
         add("")
         add("### STORAGE EFFICIENCY (vs the device's raw bandwidth, measured before the run) ###")
-        add(f"  Raw device ({b['io_mode']}, {b['threads']} streams of {b['chunk_bytes'] // MIB} MiB I/O): "
+        add(f"  Raw device ({b['io_mode']}, {b['chunk_bytes'] // MIB} MiB I/O, {b.get('write_threads', b['threads'])} write "
+            f"and {b['threads']} read streams): "
             f"write {b['write_gib_per_sec']:.3f} GB/s, read {b['read_gib_per_sec']:.3f} GB/s")
         if e:
             add(f"  Read efficiency: {e['read_efficiency_busy_basis'] * 100:.1f}% (device-busy basis), "

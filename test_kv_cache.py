@@ -1222,6 +1222,153 @@ class TestNVMeBackend:
         assert len(list(nvme.base_path.iterdir())) == 40
 
 
+class TestChunkPipeline:
+    """The transfers of one operation overlap up to IO_DEPTH deep, and complete in order."""
+
+    def _track(self):
+        state = {"now": 0, "max": 0}
+        lock = threading.Lock()
+
+        def transfer(i, seconds=0.05):
+            with lock:
+                state["now"] += 1
+                state["max"] = max(state["max"], state["now"])
+            time.sleep(seconds)
+            with lock:
+                state["now"] -= 1
+            return i
+        return state, transfer
+
+    def test_keeps_depth_transfers_in_flight_and_completes_them_in_order(self):
+        state, transfer = self._track()
+        clock = kv.BusyClock()
+        pipe = kv.ChunkPipeline(clock, depth=3)
+        done = []
+        t0 = time.perf_counter()
+        for i in range(9):
+            pipe.submit(done.append, transfer, i)
+        pipe.drain()
+        wall = time.perf_counter() - t0
+        assert done == list(range(9)) and state["max"] == 3
+        assert pipe.device_s() <= wall + 1e-3 < 9 * 0.05            # overlaps counted once
+        assert clock.busy_s() == pytest.approx(pipe.device_s(), abs=0.02)
+
+    def test_depth_one_runs_inline_one_at_a_time(self):
+        state, transfer = self._track()
+        pipe = kv.ChunkPipeline(kv.BusyClock(), depth=1)
+        done = []
+        for i in range(3):
+            pipe.submit(done.append, transfer, i, 0.01)
+        assert done == [0, 1, 2] and state["max"] == 1
+
+    def test_abandon_waits_for_transfers_in_flight_and_counts_those_that_succeeded(self):
+        state, transfer = self._track()
+        pipe = kv.ChunkPipeline(kv.BusyClock(), depth=4)
+        done = []
+
+        def fails():
+            raise OSError(errno.EIO, "bad block")
+        pipe.submit(done.append, transfer, 0)
+        pipe.submit(done.append, fails)
+        pipe.submit(done.append, transfer, 2)
+        pipe.abandon()
+        assert done == [0, 2] and state["now"] == 0
+
+    def test_an_error_reaches_the_caller_when_its_transfer_completes(self):
+        pipe = kv.ChunkPipeline(kv.BusyClock(), depth=2)
+
+        def fails():
+            raise OSError(errno.EIO, "bad block")
+        pipe.submit(None, fails)
+        with pytest.raises(OSError, match="bad block"):
+            pipe.drain()
+
+    def test_device_time_is_the_union_of_intervals(self):
+        pipe = kv.ChunkPipeline(kv.BusyClock(), depth=2)
+        pipe._intervals = [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.7)]
+        assert pipe.device_s() == pytest.approx(4.0)
+
+
+class TestPipelinedStorageIO:
+    """NVMeBackend moves an entry in IO_CHUNK_BYTES transfers, several in flight."""
+
+    NBYTES = 3 * kv.IO_CHUNK_BYTES + 12_345                    # three full chunks and an odd tail
+
+    def _source(self, data):
+        flat = data.view(np.uint8)
+
+        def fill(offset, out):
+            out[:] = flat[offset:offset + out.size]
+        return fill
+
+    def test_streamed_write_and_read_through_keep_every_byte_in_order(self, nvme):
+        data = np.frombuffer(np.random.default_rng(7).bytes(self.NBYTES), dtype=np.uint8)
+        staging = kv.aligned_empty(kv.IO_DEPTH * kv.IO_CHUNK_BYTES)
+        timing = nvme.write_from("big", self._source(data), self.NBYTES, (self.NBYTES,), "uint8", staging)
+        assert timing.total >= timing.device > 0
+        path = nvme.base_path / "big.npy"
+        assert path.stat().st_size == kv.NPY_DATA_OFFSET + self.NBYTES
+        np.testing.assert_array_equal(np.load(path), data)
+        parts = []
+        nvme.read_through("big", staging, lambda chunk: parts.append(chunk.copy()))
+        assert [p.size for p in parts] == [kv.IO_CHUNK_BYTES] * 3 + [12_345]
+        np.testing.assert_array_equal(np.concatenate(parts), data)
+        np.testing.assert_array_equal(nvme.read("big")[0], data)
+
+    def test_transfers_of_one_entry_overlap(self, nvme, monkeypatch):
+        state = {"now": 0, "max": 0}
+        lock = threading.Lock()
+        real_preadv = os.preadv
+
+        def slow_preadv(*args):
+            with lock:
+                state["now"] += 1
+                state["max"] = max(state["max"], state["now"])
+            time.sleep(0.05)
+            try:
+                return real_preadv(*args)
+            finally:
+                with lock:
+                    state["now"] -= 1
+        data = np.frombuffer(np.random.default_rng(8).bytes(self.NBYTES), dtype=np.uint8)
+        nvme.write("big", data)
+        monkeypatch.setattr(kv.os, "preadv", slow_preadv)
+        staging = kv.aligned_empty(kv.IO_DEPTH * kv.IO_CHUNK_BYTES)
+        timing = nvme.read_through("big", staging)
+        assert state["max"] == min(kv.IO_DEPTH, 4) > 1
+        assert timing.device < 4 * 0.05                             # not the sum of the four transfers
+
+    def test_an_abort_mid_write_counts_the_completed_chunks_and_removes_the_file(self, nvme):
+        data = np.frombuffer(np.random.default_rng(9).bytes(self.NBYTES), dtype=np.uint8)
+        nvme.abort_event = threading.Event()
+        fill = self._source(data)
+        calls = [0]
+
+        def fill_then_stop(offset, out):
+            fill(offset, out)
+            calls[0] += 1
+            if calls[0] == 2:
+                nvme.abort_event.set()
+        staging = kv.aligned_empty(kv.IO_DEPTH * kv.IO_CHUNK_BYTES)
+        with pytest.raises(kv.IOAborted) as info:
+            nvme.write_from("big", fill_then_stop, self.NBYTES, (self.NBYTES,), "uint8", staging)
+        # both submitted chunks completed (the abandoned one is waited for and counted)
+        assert info.value.nbytes == 2 * kv.IO_CHUNK_BYTES - kv.NPY_DATA_OFFSET
+        assert list(nvme.base_path.iterdir()) == [] and "big" not in nvme
+
+    def test_preallocation_reserves_the_whole_file(self, tmp_path):
+        fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+        try:
+            reserved = kv.preallocate(fd, 5 * kv.MIB)
+        finally:
+            os.close(fd)
+        st = os.stat(tmp_path / "f")
+        if reserved:
+            assert st.st_size == 5 * kv.MIB and st.st_blocks * 512 >= 5 * kv.MIB
+        else:                                                      # a file system without fallocate
+            assert st.st_size == 0
+
+
 class TestGPUMemoryBackend:
     @pytest.fixture
     def gpu_backend(self):
@@ -2586,11 +2733,18 @@ class TestIOBaseline:
     def test_measures_and_cleans_up(self, tmp_path, generator):
         b = kv.measure_io_baseline(tmp_path, generator, phase_s=0.2, threads=2, max_file_bytes=4 * kv.IO_CHUNK_BYTES)
         assert b["write_gib_per_sec"] > 0 and b["read_gib_per_sec"] > 0
-        assert b["bytes_written"] == b["bytes_read"] > 0
-        assert b["bytes_written"] % kv.IO_CHUNK_BYTES == 0
+        assert b["bytes_written"] > 0 and b["bytes_read"] > 0
+        assert b["bytes_written"] % kv.IO_CHUNK_BYTES == 0 and b["bytes_read"] % kv.IO_CHUNK_BYTES == 0
         assert b["bytes_written"] <= 2 * 4 * kv.IO_CHUNK_BYTES
-        assert b["threads"] == 2 and b["directory"] == str(tmp_path)
+        assert b["threads"] == 2 and b["write_threads"] == 2 and b["directory"] == str(tmp_path)
         assert list(tmp_path.iterdir()) == []
+
+    def test_more_read_streams_than_files_share_them(self, tmp_path, generator):
+        b = kv.measure_io_baseline(tmp_path, generator, phase_s=0.2, threads=kv.BASELINE_WRITE_STREAMS + 3,
+                                   max_file_bytes=2 * kv.IO_CHUNK_BYTES)
+        assert b["write_threads"] == kv.BASELINE_WRITE_STREAMS
+        assert b["threads"] in (kv.BASELINE_WRITE_STREAMS + 3, kv.BASELINE_WRITE_STREAMS)   # buffered: one per file
+        assert b["bytes_read"] > 0 and list(tmp_path.iterdir()) == []
 
     def test_report_shows_efficiency(self, make_cache):
         cache = make_cache()

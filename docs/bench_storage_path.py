@@ -65,7 +65,7 @@ def main():
 
         def buf():
             if not hasattr(staging, "b"):
-                staging.b = kv.aligned_empty(kv.IO_CHUNK_BYTES)
+                staging.b = kv.aligned_empty(kv.IO_DEPTH * kv.IO_CHUNK_BYTES)   # as the benchmark's workers
             return staging.b
 
         def our_write(k):

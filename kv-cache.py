@@ -1472,13 +1472,13 @@ def preallocate(fd: int, nbytes: int) -> bool:
         return False
     if _FALLOCATE(fd, 0, 0, nbytes) == 0:
         return True
-    err = ctypes_errno()
+    err = _ctypes_errno()
     if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
         return False
     raise OSError(err, os.strerror(err))
 
 
-def ctypes_errno() -> int:
+def _ctypes_errno() -> int:
     import ctypes
     return ctypes.get_errno()
 

@@ -1119,6 +1119,19 @@ class ChunkPipeline:
         while self._pending:
             self._complete_oldest()
 
+    def complete_all(self, issue: Callable[[], None], completed_bytes: Callable[[], int]) -> None:
+        """Run `issue` (which submits the transfers), then wait for every one. On an error, first
+        wait for those still in flight; a stop (IOAborted) then reports `completed_bytes()`."""
+        try:
+            issue()
+            self.drain()
+        except IOAborted:
+            self.abandon()
+            raise IOAborted(completed_bytes()) from None
+        except BaseException:
+            self.abandon()
+            raise
+
     def abandon(self) -> None:
         """After an error or an abort: wait for the transfers still in flight (they use our buffers
         and fd); those that succeeded still complete, so their bytes are counted."""
@@ -1581,7 +1594,6 @@ class NVMeBackend(StorageBackend):
         total = NPY_DATA_OFFSET + nbytes
         buffers = self._chunk_buffers(staging)
         pipe = ChunkPipeline(self.busy["write"], len(buffers))
-        file_off = data_off = 0
         written = [0]                                     # data bytes of completed transfers
         pipe.timed(preallocate, fd, self._io_len(total))
 
@@ -1589,10 +1601,10 @@ class NVMeBackend(StorageBackend):
             def done(_: Any) -> None:
                 written[0] += data_bytes
             return done
-        try:
-            for i in itertools.count():
-                if file_off >= total:
-                    break
+
+        def issue() -> None:
+            file_off = data_off = i = 0
+            while file_off < total:
                 self._check_abort(written[0])
                 pipe.make_room()                          # buffer i % depth is free again
                 buf = buffers[i % len(buffers)]
@@ -1606,13 +1618,8 @@ class NVMeBackend(StorageBackend):
                     data_off += n - head
                 pipe.submit(completed(n - head), _pwrite_all, fd, buf[:self._io_len(n)], file_off)
                 file_off += n
-            pipe.drain()
-        except IOAborted:
-            pipe.abandon()
-            raise IOAborted(written[0]) from None
-        except BaseException:
-            pipe.abandon()
-            raise
+                i += 1
+        pipe.complete_all(issue, lambda: written[0])
 
         def finish() -> None:
             if self.direct_io and total % BLOCK_BYTES:
@@ -1648,24 +1655,18 @@ class NVMeBackend(StorageBackend):
                     consume(buf[:want])
                 done[0] += want
             return check
-        issued = 0
-        try:
-            for i in itertools.count():
-                if issued >= nbytes:
-                    break
+
+        def issue() -> None:
+            issued = i = 0
+            while issued < nbytes:
                 self._check_abort(done[0])
                 pipe.make_room()
                 buf = buffer_for(i, issued, nbytes - issued)
                 want = min(buf.size, nbytes - issued, IO_CHUNK_BYTES)
                 pipe.submit(completed(buf, want), os.preadv, fd, [buf[:self._io_len(want)]], NPY_DATA_OFFSET + issued)
                 issued += want
-            pipe.drain()
-        except IOAborted:
-            pipe.abandon()
-            raise IOAborted(done[0]) from None
-        except BaseException:
-            pipe.abandon()
-            raise
+                i += 1
+        pipe.complete_all(issue, lambda: done[0])
         if not self.direct_io:
             pipe.timed(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_DONTNEED)   # the next read must reach the device too
         return pipe.device_s()

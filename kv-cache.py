@@ -2857,6 +2857,7 @@ class BenchmarkConfig:
     storage_capacity_gb: float = 0.0              # 0: the storage tier is unbounded
     verify: bool = False
     io_baseline: bool = False                     # measure the cache directory's raw bandwidth first
+    requested_cpu_mem_gb: Optional[float] = None  # --cpu-mem-gb as given, before clamping to free RAM
 
 
 @dataclass
@@ -3473,6 +3474,9 @@ def _config_dict(config: BenchmarkConfig) -> Dict[str, Any]:
         "duration_s": config.duration_s,
         "gpu_mem_gb": config.gpu_mem_gb,
         "cpu_mem_gb": config.cpu_mem_gb,
+        "requested_gpu_mem_gb": config.gpu_mem_gb,
+        "requested_cpu_mem_gb": config.requested_cpu_mem_gb if config.requested_cpu_mem_gb is not None
+        else config.cpu_mem_gb,
         "cache_dir": config.cache_dir,
         "generation_mode": config.generation_mode.value,
         "performance_profile": config.performance_profile,
@@ -3686,41 +3690,60 @@ def _arg(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
+def _dig(tree: Any, *path: str) -> Any:
+    """tree[path[0]][path[1]]...; None where any level is missing (an older or interrupted run)."""
+    for key in path:
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(key)
+    return tree
+
+
 def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
-    """One spreadsheet row per run: the original's columns first, then ours (units in the names)."""
-    s, cfg = results["summary"], results.get("config", {})
-    cs = s["cache_stats"]
-    e2e, sio, queue_ms = s["end_to_end_latency_ms"], s["storage_io_latency_ms"], s["queue_wait_latency_ms"]
+    """One spreadsheet row per run: the original's columns first, then ours (units in the names).
+    Works on any results dict: a figure the run did not record is an empty cell."""
+    cfg = results.get("config") or {}
+
+    def s(*path: str) -> Any:
+        return _dig(results, "summary", *path)
+
+    def cs(name: str) -> Any:
+        return s("cache_stats", name)
+
+    def asked(flag: str, key: str) -> Any:         # what the user asked for, not the clamped budget
+        return _arg(args, flag, cfg.get(f"requested_{key}", cfg.get(key)))
     return {
         "Model": _arg(args, "model", cfg.get("model")),
         "Num Users": _arg(args, "num_users", cfg.get("num_users")),
         "Duration (s)": cfg.get("duration_s") if cfg.get("duration_s") is not None else _arg(args, "duration"),
-        "GPU Mem (GB)": cs.get("effective_gpu_mem_gb", _arg(args, "gpu_mem_gb")),
-        "CPU Mem (GB)": cs.get("effective_cpu_mem_gb", _arg(args, "cpu_mem_gb")),
-        "Total Requests": s["total_requests"],
-        "Total Tokens": s["total_tokens"],
-        "Avg Throughput (tok/s)": s["avg_throughput_tokens_per_sec"],
-        "Storage Throughput (tok/s)": s["storage_throughput_tokens_per_sec"],
-        "Cache Hit Rate": cs["cache_hit_rate"],
-        "E2E Latency P95 (ms)": e2e["p95"],
-        "Storage IO P95 (ms)": sio["p95"],
-        "Storage Tier Throughput (tok/s)": s["nvme_throughput"],
-        "Storage Read (GB/s)": cs["nvme_read_gib_per_sec_wall"],
-        "Storage Write (GB/s)": cs["nvme_write_gib_per_sec_wall"],
-        "Storage Read P95 (ms)": cs["nvme_read_p95_ms"],
-        "Storage Write P95 (ms)": cs["nvme_write_p95_ms"],
-        "E2E Latency Mean (ms)": e2e["mean"],
-        "Queue Wait Mean (ms)": queue_ms["mean"],
-        "Multi-turn Hit Rate": s["multi_turn_stats"]["hit_rate"],
-        "GPU Entries": cs["gpu_entries"],
-        "CPU Entries": cs["cpu_entries"],
-        "Storage Entries": cs["nvme_entries"],
-        "Decode Bytes Read (GB)": cs["decode_bytes_read_gb"],
-        "Prefill Bytes Written (GB)": cs["prefill_bytes_written_gb"],
-        "Elapsed (s)": s["elapsed_time"],
+        "GPU Mem (GB)": asked("gpu_mem_gb", "gpu_mem_gb"),
+        "CPU Mem (GB)": asked("cpu_mem_gb", "cpu_mem_gb"),
+        "Total Requests": s("total_requests"),
+        "Total Tokens": s("total_tokens"),
+        "Avg Throughput (tok/s)": s("avg_throughput_tokens_per_sec"),
+        "Storage Throughput (tok/s)": s("storage_throughput_tokens_per_sec"),
+        "Cache Hit Rate": cs("cache_hit_rate"),
+        "E2E Latency P95 (ms)": s("end_to_end_latency_ms", "p95"),
+        "Storage IO P95 (ms)": s("storage_io_latency_ms", "p95"),
+        "Effective GPU Mem (GB)": cs("effective_gpu_mem_gb"),
+        "Effective CPU Mem (GB)": cs("effective_cpu_mem_gb"),
+        "Storage Tier Throughput (tok/s)": s("nvme_throughput"),
+        "Storage Read (GB/s)": cs("nvme_read_gib_per_sec_wall"),
+        "Storage Write (GB/s)": cs("nvme_write_gib_per_sec_wall"),
+        "Storage Read P95 (ms)": cs("nvme_read_p95_ms"),
+        "Storage Write P95 (ms)": cs("nvme_write_p95_ms"),
+        "E2E Latency Mean (ms)": s("end_to_end_latency_ms", "mean"),
+        "Queue Wait Mean (ms)": s("queue_wait_latency_ms", "mean"),
+        "Multi-turn Hit Rate": s("multi_turn_stats", "hit_rate"),
+        "GPU Entries": cs("gpu_entries"),
+        "CPU Entries": cs("cpu_entries"),
+        "Storage Entries": cs("nvme_entries"),
+        "Decode Bytes Read (GB)": cs("decode_bytes_read_gb"),
+        "Prefill Bytes Written (GB)": cs("prefill_bytes_written_gb"),
+        "Elapsed (s)": s("elapsed_time"),
         "Generation Mode": cfg.get("generation_mode"),
-        "Assessment": cs["storage_health"]["overall_status"],
-        "I/O Errors": s.get("io_errors", 0),
+        "Assessment": s("cache_stats", "storage_health", "overall_status"),
+        "I/O Errors": s("io_errors"),
         "Seed": results.get("seed"),
         "Workload Digest": results.get("workload_digest"),
     }
@@ -3730,9 +3753,9 @@ _PERCENT_COLUMNS = ("Cache Hit Rate", "Multi-turn Hit Rate", "SLA Compliance")
 
 
 def _detail_sheets(results: Dict[str, Any], args: Any) -> Dict[str, List[Dict[str, Any]]]:
-    s = results["summary"]
-    cs = s["cache_stats"]
-    params = dict(results.get("config", {}))
+    s = results.get("summary") or {}
+    cs = s.get("cache_stats") or {}
+    params = dict(results.get("config") or {})
     if args is not None:
         params.update({k: v for k, v in (vars(args) if not isinstance(args, dict) else args).items()
                        if isinstance(v, (str, int, float, bool)) or v is None})
@@ -3742,14 +3765,14 @@ def _detail_sheets(results: Dict[str, Any], args: Any) -> Dict[str, List[Dict[st
             if not cs.get(f"{tier}_{op}s"):
                 continue
             tiers.append({"Tier": tier, "Operation": op, "Operations": cs[f"{tier}_{op}s"],
-                          "GB Moved": cs[f"{tier}_bytes_{'read' if op == 'read' else 'written'}_gb"],
-                          "P50 (ms)": cs[f"{tier}_{op}_p50_ms"], "P95 (ms)": cs[f"{tier}_{op}_p95_ms"],
-                          "P99 (ms)": cs[f"{tier}_{op}_p99_ms"],
-                          "Device P95 (ms)": cs[f"{tier}_{op}_device_p95_ms"],
-                          "Host P95 (ms)": cs[f"{tier}_{op}_host_p95_ms"]})
-    qos = [{"QoS": level, "Requests": q["total_requests"], "P95 (ms)": q["latency_ms"]["p95"],
-            "Target P95 (ms)": q["sla"]["target_p95_ms"], "SLA Compliance": q["sla"]["compliance"],
-            "Met": q["sla"]["met"]} for level, q in s["qos_metrics"].items()]
+                          "GB Moved": cs.get(f"{tier}_bytes_{'read' if op == 'read' else 'written'}_gb"),
+                          "P50 (ms)": cs.get(f"{tier}_{op}_p50_ms"), "P95 (ms)": cs.get(f"{tier}_{op}_p95_ms"),
+                          "P99 (ms)": cs.get(f"{tier}_{op}_p99_ms"),
+                          "Device P95 (ms)": cs.get(f"{tier}_{op}_device_p95_ms"),
+                          "Host P95 (ms)": cs.get(f"{tier}_{op}_host_p95_ms")})
+    qos = [{"QoS": level, "Requests": _dig(q, "total_requests"), "P95 (ms)": _dig(q, "latency_ms", "p95"),
+            "Target P95 (ms)": _dig(q, "sla", "target_p95_ms"), "SLA Compliance": _dig(q, "sla", "compliance"),
+            "Met": _dig(q, "sla", "met")} for level, q in (s.get("qos_metrics") or {}).items()]
     sheets = {"Run Parameters": [{"Parameter": k, "Value": str(v)} for k, v in params.items()],
               "Tier Metrics": tiers, "QoS Metrics": qos}
     if results.get("ranks"):                     # an MPI run: the aggregate is the Summary row
@@ -4411,6 +4434,7 @@ def config_from_args(args: argparse.Namespace, notices: Optional[List[str]] = No
         max_conversations=args.max_conversations,
         request_rate=args.request_rate,
         progress=not args.quiet,
+        requested_cpu_mem_gb=args.cpu_mem_gb,
     )
 
 

@@ -1919,6 +1919,13 @@ def _fmt_ms(value: Optional[float]) -> str:
     return f"{value:.2f}ms"
 
 
+def _fmt_s(value_ms: Optional[float]) -> str:
+    """Milliseconds shown in seconds, as the original's summary lines show them."""
+    if value_ms is None:
+        return "n/a"
+    return f"{value_ms / 1000:.2f}s" if value_ms >= 1000 else f"{value_ms / 1000:.4f}s"
+
+
 def _ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator > 0 else 0.0
 
@@ -3550,7 +3557,10 @@ def _report_assessment(add: Callable[[str], None], health: Dict[str, Any]) -> No
     add("")
     add(f"### STORAGE PERFORMANCE ASSESSMENT: {health['overall_status']} ###")
     add(f"  Profile: {health['profile']}")
-    add(f"  Criteria Passed: {health['passed_count']}/{health['total_count']}")
+    # The original's "Criteria Passed: k/4": N/A criteria stay in the denominator, named beside it.
+    na = len(health["not_applicable"])
+    add(f"  Criteria Passed: {health['passed_count']}/{health['total_count'] + na}"
+        + (f" ({na} N/A)" if na else ""))
     for c in health["criteria"]:
         actual = c["actual"]
         if c["unit"] == "ms":
@@ -3610,7 +3620,13 @@ def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
     add(_fmt_latency("Queue Wait (measured)", s["queue_wait_latency_ms"]))
     add(_fmt_latency("Storage I/O", s["storage_io_latency_ms"]))
     add(_fmt_latency("Generation (simulated)", s["generation_latency_ms"]))
-    add(f"  Mean queue wait: {_fmt_ms(s['queue_wait_latency_ms']['mean'])} (measured per request, not approximated)")
+    # Seed 000's summary lines, labels kept for existing parsers; values in seconds as there.
+    e2e, sio = s["end_to_end_latency_ms"], s["storage_io_latency_ms"]
+    add(f"  End-to-end latency: mean {_fmt_s(e2e['mean'])}, P50 {_fmt_s(e2e['p50'])}, P95 {_fmt_s(e2e['p95'])}, "
+        f"P99 {_fmt_s(e2e['p99'])}")
+    add(f"  Approximate mean queue wait: {_fmt_s(s['queue_wait_latency_ms']['mean'])} "
+        f"(measured per request, not approximated)")
+    add(f"  Storage I/O latency: mean {_fmt_s(sio['mean'])}, P95 {_fmt_s(sio['p95'])}, P99 {_fmt_s(sio['p99'])}")
     add("  Potential bottlenecks:")
     for note in s["bottlenecks"]:
         add(f"    - {note}")
@@ -3635,14 +3651,16 @@ def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any]) -> None:
     add(f"  All tiers: read {cs['total_read_gb']:.3f} GB, written {cs['total_write_gb']:.3f} GB, "
         f"read/write ratio {cs['read_write_ratio']:.2f}")
     add("")
-    add("### TIER-SPECIFIC LATENCIES (total; device and host P95) ###")
+    add("### TIER-SPECIFIC LATENCIES ###")
+    add("  (each operation's total time; the device and host shares of it in brackets)")
     for tier in TIER_NAMES:
         for op in ("read", "write"):
             if cs[f"{tier}_{op}_p50_ms"] is None:
                 continue
-            add(f"  {tier.upper()} {op.capitalize()}: P50 {_fmt_ms(cs[f'{tier}_{op}_p50_ms'])}, "
-                f"P95 {_fmt_ms(cs[f'{tier}_{op}_p95_ms'])}, P99 {_fmt_ms(cs[f'{tier}_{op}_p99_ms'])} "
-                f"(device P95 {_fmt_ms(cs[f'{tier}_{op}_device_p95_ms'])}, "
+            # "NVME Read P95: 12390.15 ms" is the original's line; ours follows on the same line.
+            add(f"  {tier.upper()} {op.capitalize()} P95: {cs[f'{tier}_{op}_p95_ms']:.2f} ms "
+                f"(P50 {_fmt_ms(cs[f'{tier}_{op}_p50_ms'])}, P99 {_fmt_ms(cs[f'{tier}_{op}_p99_ms'])}; "
+                f"device P95 {_fmt_ms(cs[f'{tier}_{op}_device_p95_ms'])}, "
                 f"host P95 {_fmt_ms(cs[f'{tier}_{op}_host_p95_ms'])}) "
                 f"[{cs[f'{tier}_{op}s']:,} ops]")
 

@@ -2941,6 +2941,25 @@ class TestReport:
         status = results["summary"]["cache_stats"]["storage_health"]["overall_status"]
         assert f"STORAGE PERFORMANCE ASSESSMENT: {status}" in report
 
+    def test_the_originals_labels_parse_as_before(self, engine_run):
+        """Parsers written for the original's report keep working: its labels, our additions after them."""
+        results = engine_run["results"]
+        report = kv.format_report(results)
+        s, cs = results["summary"], results["summary"]["cache_stats"]
+        assert "### TIER-SPECIFIC LATENCIES ###" in report
+        nvme_read = re.search(r"^\s*NVME Read P95: ([\d.]+) ms", report, re.M)
+        assert nvme_read and float(nvme_read.group(1)) == pytest.approx(cs["nvme_read_p95_ms"], abs=0.01)
+        e2e = re.search(r"End-to-end latency: mean ([\d.]+)s, P50 ([\d.]+)s, P95 ([\d.]+)s", report)
+        assert e2e and float(e2e.group(3)) == pytest.approx(s["end_to_end_latency_ms"]["p95"] / 1000, abs=0.005)
+        assert re.search(r"Approximate mean queue wait: [\d.]+s", report)
+        assert re.search(r"Storage I/O latency: mean [\d.]+s, P95 [\d.]+s", report)
+        assert re.search(r"End-to-End: mean [\d.]+m?s, P50 [\d.]+m?s, P95 [\d.]+m?s", report)
+        health = cs["storage_health"]
+        na = len(health["not_applicable"])
+        passed = re.search(r"Criteria Passed: (\d+)/(\d+)", report)
+        assert (int(passed.group(1)), int(passed.group(2))) == (health["passed_count"], health["total_count"] + na)
+        assert (f"({na} N/A)" in report) == (na > 0)
+
     def test_report_from_the_json_file(self, engine_run, tmp_path):
         path = tmp_path / "r.json"
         kv.write_json(engine_run["results"], str(path))
@@ -2979,6 +2998,33 @@ class TestXLSXExport:
             assert column in frame.columns
         assert frame["Model"][0] == "tiny-1b" and frame["Total Requests"][0] == 40
 
+
+    def test_requested_and_effective_budgets_have_columns_of_their_own(self, engine_run):
+        results = json.loads(json.dumps(engine_run["results"], default=str))
+        results["config"]["requested_cpu_mem_gb"] = 64.0            # what a user asked of a smaller machine
+        results["summary"]["cache_stats"]["effective_cpu_mem_gb"] = 20.5
+        row = kv.summary_row(results)
+        assert (row["CPU Mem (GB)"], row["Effective CPU Mem (GB)"]) == (64.0, 20.5)
+        assert row["GPU Mem (GB)"] == results["config"]["gpu_mem_gb"]
+
+    @pytest.mark.parametrize("missing", ["summary", "cache_stats", "qos_metrics", "config", "all_but_seed"])
+    def test_any_results_dict_exports_with_empty_cells_for_what_it_lacks(self, engine_run, tmp_path, missing):
+        results = json.loads(json.dumps(engine_run["results"], default=str))
+        if missing == "summary":
+            del results["summary"]
+        elif missing in ("cache_stats", "qos_metrics"):
+            del results["summary"][missing]
+        elif missing == "config":
+            del results["config"]
+        else:
+            results = {"seed": 42}
+        row = kv.summary_row(results)
+        assert row["Seed"] == results["seed"] and list(row)[:5] == list(self.SUMMARY_COLUMNS[:5])
+        assert (row["Cache Hit Rate"] is None) == (missing in ("summary", "cache_stats", "all_but_seed"))
+        assert (row["Model"] is None) == (missing in ("config", "all_but_seed"))
+        if kv.PANDAS_AVAILABLE:
+            out = tmp_path / "partial.xlsx"
+            assert kv.export_results_to_xlsx(results, None, str(out)) is not None
 
     SUMMARY_COLUMNS = ("Model", "Num Users", "Duration (s)", "GPU Mem (GB)", "CPU Mem (GB)", "Total Requests",
                        "Total Tokens", "Avg Throughput (tok/s)", "Storage Throughput (tok/s)", "Cache Hit Rate",
@@ -3890,6 +3936,23 @@ def wrapper_run(tmp_path_factory):
     return {"proc": proc, "out": out, "cache": cache}
 
 
+# Seed 001, "MLPerf Submission Guidelines": option -> (model, users, cpu GB, max concurrent allocs, trials).
+SUBMISSION_OPTIONS = {
+    "stress8b": ("llama3.1-8b", "200", "0", "16", 5),
+    "throughput8b": ("llama3.1-8b", "100", "4", "0", 5),
+    "stress70b": ("llama3.1-70b-instruct", "70", "0", "4", 3),
+}
+# Scenarios built to put the KV cache on storage: they get --fio-job (mlperf_submission's trials too).
+STORAGE_WORKLOADS = ("storage-only", "cpu-storage", "gpu-cpu-storage", "storage-saturation", "production",
+                     "autoscale", "capacity-autoscale")
+
+
+def submission_runs(trials):
+    """The submission run names in the wrapper's order: trial 1 of every option, then trial 2, ..."""
+    return [f"mlperf_submission_{option}_trial{n}" for n in range(1, max(trials.values()) + 1)
+            for option in SUBMISSION_OPTIONS if n <= trials[option]]
+
+
 class TestWrapper:
     def test_unknown_workload_exits_2_with_usage(self, tmp_path):
         proc = run_wrapper("-w", "nonsense", cwd=tmp_path)
@@ -3944,7 +4007,7 @@ class TestWrapper:
             words = commands[name]
             assert Path(flag(words, "--output")).name == f"results_{name}.json"
             assert Path(flag(words, "--xlsx-output")).name == f"results_{name}.xlsx"
-            assert flag(words, "--seed") == "42" and flag(words, "--duration") == "180"
+            assert flag(words, "--seed") == "42" and flag(words, "--duration") == "300"
             assert flag(words, "--model") == ("llama3.1-70b-instruct" if "70b" in name else "llama3.1-8b")
         assert list(work.iterdir()) == []                           # no results directory in a dry run
 
@@ -4019,6 +4082,79 @@ class TestWrapper:
         failed, ok = suite_table(proc.stdout)
         assert failed[:4] == ["storage-only", "failed", "(exit", "3)"] and set(failed[4:]) == {"-"}
         assert ok[:2] == ["cpu-only", "ok"] and "-" not in ok[2:7]
+
+    def test_mlperf_submission_defaults_to_300_s_runs_and_5_5_3_trials(self, tmp_path):
+        env = fake_nvidia_smi(tmp_path / "bin", NO_GPU)
+        proc = run_wrapper("-n", "-w", "mlperf_submission", "-o", tmp_path / "out", cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr
+        commands = dry_run_commands(proc.stdout)
+        assert list(commands) == submission_runs({"stress8b": 5, "throughput8b": 5, "stress70b": 3})
+        for name, words in commands.items():
+            model, users, cpu_gb, allocs, _ = SUBMISSION_OPTIONS[name.split("_")[2]]
+            assert (flag(words, "--model"), flag(words, "--num-users"), flag(words, "--cpu-mem-gb"),
+                    flag(words, "--max-concurrent-allocs")) == (model, users, cpu_gb, allocs)
+            assert (flag(words, "--duration"), flag(words, "--gpu-mem-gb"), flag(words, "--seed"),
+                    flag(words, "--generation-mode")) == ("300", "0", "42", "none")
+        assert not (tmp_path / "out").exists()
+
+    def test_usage_states_the_submission_defaults(self, tmp_path):
+        proc = run_wrapper("-h", cwd=tmp_path)
+        assert proc.returncode == 0
+        assert "and of each MLPerf submission run (default: 300)" in proc.stdout
+        assert "(default: 5, 5 and 3 for options 1-3: stress8b throughput8b stress70b)" in proc.stdout
+        assert "-T N" in proc.stdout
+
+    @pytest.mark.parametrize("args,seconds,trials", [
+        (["-s", "7"], "7", {"stress8b": 5, "throughput8b": 5, "stress70b": 3}),
+        (["-T", "2"], "300", {"stress8b": 2, "throughput8b": 2, "stress70b": 2}),
+        (["-s", "7", "-T", "1"], "7", {"stress8b": 1, "throughput8b": 1, "stress70b": 1}),
+        (["-T", "4"], "300", {"stress8b": 4, "throughput8b": 4, "stress70b": 4}),     # more than option 3's 3
+    ], ids=["-s", "-T", "-s and -T", "-T above a default"])
+    def test_s_and_T_override_the_submission_defaults(self, tmp_path, args, seconds, trials):
+        env = fake_nvidia_smi(tmp_path / "bin", NO_GPU)
+        proc = run_wrapper("-n", "-w", "mlperf_submission", *args, cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr
+        commands = dry_run_commands(proc.stdout)
+        assert list(commands) == submission_runs(trials)
+        assert {flag(words, "--duration") for words in commands.values()} == {seconds}
+
+    def test_s_sets_the_saturation_run_too_and_its_default_stays_180(self, tmp_path):
+        env = fake_nvidia_smi(tmp_path / "bin", NO_GPU)
+        default = dry_run_commands(run_wrapper("-n", "-w", "storage-saturation", cwd=tmp_path, env=env).stdout)
+        assert flag(default["storage-saturation"], "--duration") == "180"
+        proc = run_wrapper("-n", "-w", "storage-saturation,mlperf_submission", "-s", "9", "-T", "1",
+                           cwd=tmp_path, env=env)
+        assert {flag(words, "--duration") for words in dry_run_commands(proc.stdout).values()} == {"9"}
+
+    @pytest.mark.parametrize("args,value", [(["-T", "0"], "0"), (["-s", "-3"], "-3")], ids=["zero trials", "negative s"])
+    def test_bad_submission_overrides_exit_2(self, tmp_path, args, value):
+        proc = run_wrapper("-n", *args, cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.splitlines()[0] == f"kv-cache-wrapper.sh: error: a positive integer is needed, got '{value}'"
+
+    def test_fio_job_is_passed_to_storage_scenarios_only(self, tmp_path):
+        env = fake_nvidia_smi(tmp_path / "bin", ONE_H100)        # a GPU, so no scenario is skipped
+        out = tmp_path / "out"
+        proc = run_wrapper("-n", "-m", "tiny-1b", "-T", "1", "-o", out, cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr
+        commands = dry_run_commands(proc.stdout)
+        assert len(commands) == 10 + 3                          # every scenario, one trial of each option
+        for name, words in commands.items():
+            if name in STORAGE_WORKLOADS or name.startswith("mlperf_submission_"):
+                assert flag(words, "--fio-job") == str(out / f"fio_{name}.fio"), name
+                assert Path(flag(words, "--output")).parent == out
+            else:
+                assert name in ("gpu-only", "cpu-only", "gpu-cpu") and "--fio-job" not in words, name
+        assert not out.exists()
+
+    @pytest.mark.slow
+    def test_a_storage_run_keeps_its_fio_job_beside_its_results(self, wrapper_run):
+        proc, out = wrapper_run["proc"], wrapper_run["out"]
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        job = out / "fio_storage-only.fio"
+        assert (out / "results_storage-only.json").exists() and job.exists()
+        assert any(line.startswith("[") for line in job.read_text().splitlines())     # at least one fio job section
+        assert not (out / "fio_cpu-only.fio").exists()
 
 
 # ============================================================================

@@ -5,6 +5,7 @@
 #   ./kv-cache-wrapper.sh                          # all scenarios, defaults
 #   ./kv-cache-wrapper.sh -w storage-only,production -t 60
 #   ./kv-cache-wrapper.sh -m tiny-1b -t 5 -s 5 -r 5 -a 20 -w cpu-only,storage-only,production -o out
+#   ./kv-cache-wrapper.sh -w mlperf_submission     # MLPerf submission: 300 s runs, 5/5/3 trials (~65 min)
 #   ./kv-cache-wrapper.sh -n                       # print the commands, run nothing
 set -euo pipefail
 
@@ -15,10 +16,17 @@ SEED=42
 
 ALL_WORKLOADS="gpu-only cpu-only storage-only gpu-cpu cpu-storage gpu-cpu-storage storage-saturation production autoscale capacity-autoscale mlperf_submission"
 GPU_WORKLOADS=" gpu-only gpu-cpu gpu-cpu-storage "
+# The storage tier is always the cache's last tier, but only these scenarios are built to put
+# the KV cache on it: small or no memory budgets (storage-only, cpu-storage, gpu-cpu-storage,
+# storage-saturation, capacity-autoscale, the MLPerf submission options) or the full three-tier
+# hierarchy under growing or production load (production, autoscale). gpu-only, cpu-only and
+# gpu-cpu compare the memory tiers; storage there is only an overflow the comparison avoids.
+STORAGE_WORKLOADS=" storage-only cpu-storage gpu-cpu-storage storage-saturation production autoscale capacity-autoscale mlperf_submission "
 
 MODEL="llama3.1-8b"
 TIER_S=120
 SATURATION_S=180
+SUBMISSION_S=300        # seed 001, MLPerf Submission Guidelines: --duration 300; -s sets it too
 PRODUCTION_S=180
 AUTOSCALE_S=300
 WORKLOADS=""
@@ -28,7 +36,10 @@ RAG=0
 RAG_DOCS=10
 CACHE_DIR=""
 RESULTS_DIR=""
-TRIALS=1
+# Trials per MLPerf submission option, in run order (seed 001: options 1 and 2 loop over
+# trials 1-5, option 3 over 1-3); -T sets one count for all. Reported as the median.
+SUBMISSION_OPTIONS=(stress8b throughput8b stress70b)
+declare -A SUBMISSION_TRIALS=([stress8b]=5 [throughput8b]=5 [stress70b]=3)
 DRY_RUN=0
 
 usage() {
@@ -36,7 +47,8 @@ usage() {
 Usage: $(basename "$0") [options]
   -m MODEL   model (default: ${MODEL})
   -t SECONDS duration of the tier comparison tests (default: ${TIER_S})
-  -s SECONDS duration of storage saturation and MLPerf submission runs (default: ${SATURATION_S})
+  -s SECONDS duration of the storage saturation test (default: ${SATURATION_S})
+             and of each MLPerf submission run (default: ${SUBMISSION_S})
   -r SECONDS duration of the production test (default: ${PRODUCTION_S})
   -a SECONDS duration of the autoscaling tests (default: ${AUTOSCALE_S})
   -w LIST    comma-separated workloads (default: all):
@@ -47,7 +59,8 @@ Usage: $(basename "$0") [options]
   -D DOCS    RAG documents (default: ${RAG_DOCS})
   -c DIR     cache directory on the storage under test (default: /mnt/nvme, /mnt/ssd, else a temporary directory)
   -o DIR     results directory (default: ./kv_cache_results_<timestamp>)
-  -T N       trials per MLPerf submission option, reported as the median (default: ${TRIALS})
+  -T N       trials of every MLPerf submission option, reported as the median
+             (default: ${SUBMISSION_TRIALS[stress8b]}, ${SUBMISSION_TRIALS[throughput8b]} and ${SUBMISSION_TRIALS[stress70b]} for options 1-3: ${SUBMISSION_OPTIONS[*]})
   -n         dry run: print the commands, run nothing
   -h         this help
 EOF
@@ -61,13 +74,18 @@ die_usage() {
 
 is_positive_int() { [[ "$1" =~ ^[1-9][0-9]*$ ]]; }
 
+set_submission_trials() {   # set_submission_trials N: -T, N trials for every submission option
+    local option
+    for option in "${SUBMISSION_OPTIONS[@]}"; do SUBMISSION_TRIALS[$option]="$1"; done
+}
+
 parse_args() {
     local opt
     while getopts ":m:t:s:r:a:w:u:U:RD:c:o:T:nh" opt; do
         case "$opt" in
             m) MODEL="$OPTARG" ;;
             t) TIER_S="$OPTARG" ;;
-            s) SATURATION_S="$OPTARG" ;;
+            s) SATURATION_S="$OPTARG"; SUBMISSION_S="$OPTARG" ;;
             r) PRODUCTION_S="$OPTARG" ;;
             a) AUTOSCALE_S="$OPTARG" ;;
             w) WORKLOADS="${OPTARG//,/ }" ;;
@@ -77,7 +95,7 @@ parse_args() {
             D) RAG_DOCS="$OPTARG" ;;
             c) CACHE_DIR="$OPTARG" ;;
             o) RESULTS_DIR="$OPTARG" ;;
-            T) TRIALS="$OPTARG" ;;
+            T) set_submission_trials "$OPTARG" ;;
             n) DRY_RUN=1 ;;
             h) usage; exit 0 ;;
             :) die_usage "option -$OPTARG needs a value" ;;
@@ -86,9 +104,9 @@ parse_args() {
     done
     shift $((OPTIND - 1))
     [ $# -eq 0 ] || die_usage "unexpected argument: $1"
-    local name value
-    for name in TIER_S SATURATION_S PRODUCTION_S AUTOSCALE_S TRIALS RAG_DOCS; do
-        value="${!name}"
+    local value
+    for value in "$TIER_S" "$SATURATION_S" "$SUBMISSION_S" "$PRODUCTION_S" "$AUTOSCALE_S" "$RAG_DOCS" \
+                 "${SUBMISSION_TRIALS[@]}"; do
         is_positive_int "$value" || die_usage "a positive integer is needed, got '${value}'"
     done
     for value in "$USERS" "$HIGH_USERS"; do
@@ -144,12 +162,21 @@ detect_hardware() {
 FAILED=()
 declare -A STATUS=()
 
-# run_bench NAME MODEL ARGS...: one kv-cache.py run writing results_NAME.json (and .xlsx)
+# is_storage_run NAME: is run NAME one of STORAGE_WORKLOADS (a submission trial counts as mlperf_submission)?
+is_storage_run() {
+    local workload="$1"
+    [[ "$workload" == mlperf_submission_* ]] && workload=mlperf_submission
+    [[ "$STORAGE_WORKLOADS" == *" ${workload} "* ]]
+}
+
+# run_bench NAME MODEL ARGS...: one kv-cache.py run writing results_NAME.json (and .xlsx);
+# a storage run also keeps fio_NAME.fio, an fio job replaying its storage I/O, beside them.
 run_bench() {
     local name="$1" model="$2"; shift 2
     local cmd=("$PYTHON" "$BENCH" --model "$model" --cache-dir "$CACHE_DIR" --seed "$SEED"
                --output "${RESULTS_DIR}/results_${name}.json" --xlsx-output "${RESULTS_DIR}/results_${name}.xlsx" "$@")
-    (( RAG )) && cmd+=(--enable-rag --rag-num-docs "$RAG_DOCS")
+    if (( RAG )); then cmd+=(--enable-rag --rag-num-docs "$RAG_DOCS"); fi
+    if is_storage_run "$name"; then cmd+=(--fio-job "${RESULTS_DIR}/fio_${name}.fio"); fi
     echo
     echo ">>> ${name}: ${cmd[*]}"
     (( DRY_RUN )) && return 0
@@ -199,16 +226,31 @@ scenario() {
     esac
 }
 
-# MLPerf submission options 1-3 (seed 001, "MLPerf Submission Guidelines"), TRIALS each.
+# submission_args OPTION: the model and the arguments that set MLPerf submission OPTION apart
+# (seed 001, "MLPerf Submission Guidelines": options 1-3).
+submission_args() {
+    case "$1" in
+        stress8b)     echo llama3.1-8b --num-users 200 --cpu-mem-gb 0 --max-concurrent-allocs 16 ;;
+        throughput8b) echo llama3.1-8b --num-users 100 --cpu-mem-gb 4 --max-concurrent-allocs 0 ;;
+        stress70b)    echo llama3.1-70b-instruct --num-users 70 --cpu-mem-gb 0 --max-concurrent-allocs 4 ;;
+    esac
+}
+
+# The submission runs, SUBMISSION_TRIALS of each option. Trials are interleaved (trial 1 of every
+# option, then trial 2, ...) so that slow drift of the drive (heat, SLC cache, fill) spreads over
+# all options instead of weighing on the last one.
 mlperf_submission() {
-    local trial
-    for (( trial = 1; trial <= TRIALS; trial++ )); do
-        run_bench "mlperf_submission_stress8b_trial${trial}" llama3.1-8b --num-users 200 \
-            --duration "$SATURATION_S" --gpu-mem-gb 0 --cpu-mem-gb 0 --max-concurrent-allocs 16 --generation-mode none
-        run_bench "mlperf_submission_throughput8b_trial${trial}" llama3.1-8b --num-users 100 \
-            --duration "$SATURATION_S" --gpu-mem-gb 0 --cpu-mem-gb 4 --max-concurrent-allocs 0 --generation-mode none
-        run_bench "mlperf_submission_stress70b_trial${trial}" llama3.1-70b-instruct --num-users 70 \
-            --duration "$SATURATION_S" --gpu-mem-gb 0 --cpu-mem-gb 0 --max-concurrent-allocs 4 --generation-mode none
+    local trial option most=0
+    for option in "${SUBMISSION_OPTIONS[@]}"; do
+        (( SUBMISSION_TRIALS[$option] > most )) && most="${SUBMISSION_TRIALS[$option]}"
+    done
+    for (( trial = 1; trial <= most; trial++ )); do
+        for option in "${SUBMISSION_OPTIONS[@]}"; do
+            (( trial <= SUBMISSION_TRIALS[$option] )) || continue
+            # shellcheck disable=SC2046  # submission_args prints words meant to be split
+            run_bench "mlperf_submission_${option}_trial${trial}" $(submission_args "$option") \
+                --duration "$SUBMISSION_S" --gpu-mem-gb 0 --generation-mode none
+        done
     done
 }
 

@@ -49,7 +49,9 @@ import os
 import queue
 import random
 import re
+import shutil
 import signal
+import stat as stat_module
 import sys
 import tempfile
 import threading
@@ -59,7 +61,7 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -1072,22 +1074,48 @@ class BusyClock:
         self._inflight = 0
         self._since = 0.0
         self._busy_s = 0.0
+        self._changed = 0.0               # last change of the in-flight count
+        self._inflight_area = 0.0         # integral of the in-flight count over time (request-seconds)
+        self.peak_inflight = 0
+        self.requests = 0                 # transfers timed, and their summed duration
+        self.request_s = 0.0
+
+    def record_request(self, seconds: float) -> None:
+        with self._lock:
+            self.requests += 1
+            self.request_s += seconds
+
+    def _account(self, now: float) -> None:
+        self._inflight_area += self._inflight * (now - self._changed)
+        self._changed = now
 
     def start(self) -> None:
         with self._lock:
+            now = time.perf_counter()
+            self._account(now)
             if self._inflight == 0:
-                self._since = time.perf_counter()
+                self._since = now
             self._inflight += 1
+            self.peak_inflight = max(self.peak_inflight, self._inflight)
 
     def stop(self) -> None:
         with self._lock:
+            now = time.perf_counter()
+            self._account(now)
             self._inflight -= 1
             if self._inflight == 0:
-                self._busy_s += time.perf_counter() - self._since
+                self._busy_s += now - self._since
 
     def busy_s(self) -> float:
         with self._lock:
             return self._busy_s + (time.perf_counter() - self._since if self._inflight else 0.0)
+
+    def mean_inflight(self) -> Optional[float]:
+        """Mean number of transfers in flight while any was (the queue depth we kept); None if never busy."""
+        with self._lock:
+            self._account(time.perf_counter())
+            busy = self._busy_s + (time.perf_counter() - self._since if self._inflight else 0.0)
+            return self._inflight_area / busy if busy > 0 else None
 
 
 _IO_POOL: Any = None
@@ -1134,14 +1162,22 @@ class ChunkPipeline:
         while len(self._pending) >= self.depth:
             self._complete_oldest()
 
+    def _timed_request(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """One chunk transfer: timed like any device work, and counted as a request (fio's view)."""
+        t0 = time.perf_counter()
+        try:
+            return self.timed(fn, *args)
+        finally:
+            self.clock.record_request(time.perf_counter() - t0)
+
     def submit(self, on_done: Optional[Callable[[Any], None]], fn: Callable[..., Any], *args: Any) -> None:
         self.make_room()
         if self.depth == 1:                               # nothing to overlap: no hand-off
-            result = self.timed(fn, *args)
+            result = self._timed_request(fn, *args)
             if on_done is not None:
                 on_done(result)
             return
-        self._pending.append((_io_pool().submit(self.timed, fn, *args), on_done))
+        self._pending.append((_io_pool().submit(self._timed_request, fn, *args), on_done))
 
     def _complete_oldest(self) -> None:
         future, on_done = self._pending.popleft()
@@ -1573,6 +1609,9 @@ class NVMeBackend(StorageBackend):
         self.io_mode = "O_DIRECT" if self.direct_io else f"buffered + fdatasync + fadvise(DONTNEED): {reason}"
         self._staging = threading.local()
         self.busy = {"read": BusyClock(), "write": BusyClock()}
+        # Sizes of the read and write requests issued to the file system ({bytes: count}), for --fio-job.
+        self.request_sizes: Dict[str, Dict[int, int]] = {"read": defaultdict(int), "write": defaultdict(int)}
+        self._file_sizes: List[int] = [0, 0, 0, 0]            # files written: count, bytes, smallest, largest
         self.abort_event: Optional[threading.Event] = None    # set: give up between chunks
         self._trash_ids = itertools.count(1)
 
@@ -1603,6 +1642,11 @@ class NVMeBackend(StorageBackend):
         # O_DIRECT transfers whole blocks; the tail is padded and the file truncated afterwards.
         return -(-n // BLOCK_BYTES) * BLOCK_BYTES if self.direct_io else n
 
+    def _request(self, op: str, nbytes: int) -> int:
+        with self._lock:
+            self.request_sizes[op][nbytes] += 1
+        return nbytes
+
     # --- writing ---
     def write_from(self, key, source, nbytes, shape, dtype, staging=None) -> IOTiming:
         staging = self._thread_staging() if staging is None else staging
@@ -1622,7 +1666,24 @@ class NVMeBackend(StorageBackend):
         os.close(fd)
         with self._lock:
             self.metadata[key] = {"path": path, "size": nbytes, "shape": tuple(shape), "dtype": dtype}
+            sizes = self._file_sizes
+            sizes[2] = min(sizes[2], nbytes) if sizes[0] else nbytes
+            sizes[0], sizes[1], sizes[3] = sizes[0] + 1, sizes[1] + nbytes, max(sizes[3], nbytes)
         return IOTiming.from_device(time.perf_counter() - t0, device_s)
+
+    def request_profile(self) -> Dict[str, Any]:
+        """What the tier asked of the file system: request sizes, depth kept in flight, file sizes
+        (what an fio job needs to replay the run)."""
+        with self._lock:
+            count, total, smallest, largest = self._file_sizes
+            profile: Dict[str, Any] = {f"{op}_sizes": dict(sizes) for op, sizes in self.request_sizes.items()}
+        for op, clock in self.busy.items():
+            profile[f"{op}_mean_inflight"] = clock.mean_inflight()
+            profile[f"{op}_peak_inflight"] = clock.peak_inflight
+            profile[f"{op}_request_mean_ms"] = clock.request_s / clock.requests * 1000 if clock.requests else None
+        profile.update(files_written=count, file_bytes_mean=total / count if count else None,
+                       file_bytes_min=smallest if count else None, file_bytes_max=largest if count else None)
+        return profile
 
     def _write_chunks(self, fd: int, header: bytes, source: ByteSource, nbytes: int, staging: np.ndarray) -> float:
         total = NPY_DATA_OFFSET + nbytes
@@ -1650,7 +1711,8 @@ class NVMeBackend(StorageBackend):
                 if n > head:
                     source(data_off, buf[head:n])
                     data_off += n - head
-                pipe.submit(completed(n - head), _pwrite_all, fd, buf[:self._io_len(n)], file_off)
+                pipe.submit(completed(n - head), _pwrite_all, fd, buf[:self._request("write", self._io_len(n))],
+                            file_off)
                 file_off += n
                 i += 1
         pipe.complete_all(issue, lambda: written[0])
@@ -1697,7 +1759,8 @@ class NVMeBackend(StorageBackend):
                 pipe.make_room()
                 buf = buffer_for(i, issued, nbytes - issued)
                 want = min(buf.size, nbytes - issued, IO_CHUNK_BYTES)
-                pipe.submit(completed(buf, want), os.preadv, fd, [buf[:self._io_len(want)]], NPY_DATA_OFFSET + issued)
+                pipe.submit(completed(buf, want), os.preadv, fd, [buf[:self._request("read", self._io_len(want))]],
+                            NPY_DATA_OFFSET + issued)
                 issued += want
                 i += 1
         pipe.complete_all(issue, lambda: done[0])
@@ -1748,10 +1811,24 @@ class NVMeBackend(StorageBackend):
             meta = self.metadata.pop(key, None)
         if meta is None:
             return None
-        path = Path(meta["path"])
-        trash = path.with_name(f".trash_{next(self._trash_ids)}_{path.name}")
-        os.rename(path, trash)
-        return trash
+        return self._rename_aside(Path(meta["path"]))
+
+    def _rename_aside(self, path: Path) -> Path:
+        """Rename our file to a fresh `.trash_N_` name that no other file has: a hard link fails
+        on an existing name where a rename would replace someone else's file."""
+        while True:
+            trash = path.with_name(f".trash_{next(self._trash_ids)}_{path.name}")
+            try:
+                os.link(path, trash)
+            except FileExistsError:
+                continue
+            except OSError as exc:                        # no hard links here: rename, checked
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK) or trash.exists():
+                    raise
+                os.rename(path, trash)
+                return trash
+            os.unlink(path)
+            return trash
 
     def clear(self) -> None:
         """Remove every file this backend wrote, and its directory if it made it."""
@@ -2567,6 +2644,7 @@ class MultiTierCache:
             "nvme_write_device_busy_s": nvme.busy["write"].busy_s(),
             "storage_direct_io": nvme.direct_io,
             "storage_run_dir": str(self.run_dir),
+            "storage_requests": nvme.request_profile(),
         }
 
     def close(self) -> None:
@@ -2620,13 +2698,665 @@ def saturation_score(read_p95_ms: Optional[float], write_p95_ms: Optional[float]
     return min(1.0, max(latency, queueing))
 
 
+# --- The drive's own view: kernel block-layer statistics -------------------------------
+#
+# The storage tier times its own reads and writes; the kernel counts what reached the
+# device underneath (Documentation/block/stat.rst). Reading both over the same window
+# shows how much of a request's latency is the drive and how many of the benchmark's
+# bytes the drive actually moved (page cache, read-ahead, journal, other processes).
+
+SYS_ROOT = Path("/sys")
+MOUNTINFO_PATH = Path("/proc/self/mountinfo")
+STAT_SECTOR_BYTES = 512                 # /sys/block/<dev>/stat counts 512-byte sectors whatever the block size
+# Field order of /sys/block/<dev>/stat: 11 fields before Linux 4.18, 15 with discards, 17 with flushes (5.5).
+BLOCK_STAT_FIELDS = (
+    "read_ios", "read_merges", "read_sectors", "read_ticks_ms",
+    "write_ios", "write_merges", "write_sectors", "write_ticks_ms",
+    "in_flight", "io_ticks_ms", "time_in_queue_ms",
+    "discard_ios", "discard_merges", "discard_sectors", "discard_ticks_ms",
+    "flush_ios", "flush_ticks_ms",
+)
+BLOCK_STAT_MIN_FIELDS = 11
+DEVICE_SHARE_LOW_PCT = 95.0             # below: bytes the benchmark moved never reached the drive
+DEVICE_SHARE_HIGH_PCT = 105.0           # above: the drive moved bytes the benchmark did not ask for
+
+
+@dataclass(frozen=True)
+class BlockDevice:
+    name: str                           # kernel name of the device holding the files: "nvme0n1p2", "dm-0"
+    disk: str                           # whole disk: "nvme0n1"; the same as name when not a partition
+    stat_path: Path                     # the device's own stat file (partitions have one too)
+    logical_block_bytes: Optional[int]  # from the disk's queue/logical_block_size; None if unreadable
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    device: str                         # "major:minor" as st_dev reports it for files on this mount
+    mount_point: str
+    fstype: str
+    source: str                         # "/dev/nvme0n1p2", "tmpfs", "server:/export", ...
+
+
+def parse_block_stat(text: str) -> Dict[str, int]:
+    """The counters of one /sys/block/<dev>/stat line, named by BLOCK_STAT_FIELDS.
+
+    Older kernels print 11 fields, newer 15 or 17: only the fields present are
+    returned, so callers treat a missing discard or flush counter as "not counted".
+    Raises ValueError on fewer than 11 fields or a non-integer field.
+    """
+    values = text.split()
+    if len(values) < BLOCK_STAT_MIN_FIELDS:
+        raise ValueError(f"block stat has {len(values)} fields, expected at least {BLOCK_STAT_MIN_FIELDS}")
+    return {name: int(value) for name, value in zip(BLOCK_STAT_FIELDS, values)}
+
+
+def _unescape_mount_field(field_text: str) -> str:
+    """mountinfo writes space, tab, newline and backslash in paths as octal escapes (\\040)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field_text)
+
+
+def parse_mountinfo(text: str) -> List[MountEntry]:
+    """The mounts of /proc/self/mountinfo, in mount order (proc(5)); malformed lines are skipped."""
+    mounts = []
+    for line in text.splitlines():
+        fields = line.split()
+        try:
+            separator = fields.index("-", 6)    # optional fields end at the first lone "-"
+        except ValueError:
+            continue
+        if len(fields) < separator + 2:
+            continue
+        source = fields[separator + 2] if len(fields) > separator + 2 else ""
+        mounts.append(MountEntry(device=fields[2], mount_point=_unescape_mount_field(fields[4]),
+                                 fstype=fields[separator + 1], source=_unescape_mount_field(source)))
+    return mounts
+
+
+def mount_of(path: Union[str, os.PathLike], mountinfo_path: Path = MOUNTINFO_PATH) -> Optional[MountEntry]:
+    """The mount that holds `path`: the longest mount point above it, the last one mounted
+    when several share a mount point (it hides the others). None when mountinfo is unreadable."""
+    try:
+        mounts = parse_mountinfo(mountinfo_path.read_text())
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best: Optional[MountEntry] = None
+    for mount in mounts:
+        point = mount.mount_point
+        if point == "/" or real == point or real.startswith(point.rstrip("/") + "/"):
+            if best is None or len(point) >= len(best.mount_point):
+                best = mount
+    return best
+
+
+def _read_int(path: Path) -> Optional[int]:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _source_device_numbers(mount: Optional[MountEntry]) -> Optional[Tuple[int, int]]:
+    """major:minor of the block device a mount names as its source.
+
+    btrfs (and some other file systems) give files an anonymous st_dev (major 0),
+    although the data lives on a real disk; the mount's source still names it.
+    """
+    if mount is None or not mount.source.startswith("/dev/"):
+        return None
+    source = Path(mount.source)
+    try:
+        if not source.is_block_device():
+            return None
+        rdev = source.stat().st_rdev
+    except OSError:
+        return None
+    return os.major(rdev), os.minor(rdev)
+
+
+def _device_from_sysfs(major: int, minor: int, fstype: str,
+                       sys_root: Path) -> Tuple[Optional[BlockDevice], str]:
+    """Follows /sys/dev/block/MAJ:MIN into /sys/devices and checks that its stat file reads."""
+    by_number = sys_root / "dev" / "block"
+    entry = by_number / f"{major}:{minor}"
+    try:
+        real = entry.resolve(strict=True)
+    except (OSError, RuntimeError):
+        if not by_number.is_dir():
+            return None, f"{fstype} on device {major}:{minor}: {by_number} is missing (is /sys mounted?)"
+        return None, f"{fstype} has no block device ({entry} does not exist)"
+    stat_path = real / "stat"
+    try:
+        parse_block_stat(stat_path.read_text())
+    except (OSError, ValueError) as exc:
+        return None, f"{fstype} on {real.name}: cannot read {stat_path}: {exc}"
+    # A partition counts its own requests in its own stat file; the queue belongs to the disk.
+    is_partition = (real / "partition").exists()
+    disk_dir = real.parent if is_partition else real
+    device = BlockDevice(name=real.name, disk=disk_dir.name, stat_path=stat_path,
+                         logical_block_bytes=_read_int(disk_dir / "queue" / "logical_block_size"))
+    where = f" (disk {device.disk})" if is_partition else ""
+    return device, f"{fstype} on {device.name}{where}"
+
+
+def find_block_device(path: Union[str, os.PathLike], sys_root: Path = SYS_ROOT,
+                      mountinfo_path: Path = MOUNTINFO_PATH) -> Tuple[Optional[BlockDevice], str]:
+    """The block device that holds the directory `path`, and one line saying what was found.
+
+    (BlockDevice, "ext4 on nvme0n1p2 (disk nvme0n1)") when the kernel counts the
+    file system's I/O on a device; (None, "tmpfs has no block device") for tmpfs,
+    overlay, NFS, 9p, FUSE, a missing /sys and the like. Never raises: the report
+    says why the drive's view is missing instead of the run failing over it.
+    """
+    try:
+        st_dev = os.stat(path).st_dev
+    except OSError as exc:
+        return None, f"cannot stat {path}: {exc.strerror or exc}"
+    mount = mount_of(path, mountinfo_path)
+    fstype = mount.fstype if mount else "unknown file system"
+    major, minor = os.major(st_dev), os.minor(st_dev)
+    if major == 0:                      # an anonymous device: no block device unless the mount names one
+        numbers = _source_device_numbers(mount)
+        if numbers is None:
+            return None, f"{fstype} has no block device ({path} is on anonymous device 0:{minor})"
+        major, minor = numbers
+    return _device_from_sysfs(major, minor, fstype, sys_root)
+
+
+def _counter_delta(start: Dict[str, int], end: Dict[str, int], name: str) -> Optional[int]:
+    """end - start for one counter; None when either sample lacks it or it wrapped
+    (32-bit kernels keep the tick counters in an unsigned long)."""
+    if name not in start or name not in end:
+        return None
+    delta = end[name] - start[name]
+    return delta if delta >= 0 else None
+
+
+def _per(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    """numerator / denominator, None when either is missing or there is nothing to divide by."""
+    if numerator is None or not denominator or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def device_window_stats(start: Dict[str, int], end: Dict[str, int], wall_s: float) -> Dict[str, Any]:
+    """What the device did between two parse_block_stat samples taken wall_s apart (pure).
+
+    Per-request figures (mean size, await) are None when no request completed, rates
+    are None when wall_s is not positive, and any figure whose counter wrapped is None:
+    a report shows "n/a" rather than a made-up zero.
+    """
+    delta = {name: _counter_delta(start, end, name) for name in BLOCK_STAT_FIELDS}
+    wall_ms = wall_s * 1000.0 if wall_s > 0 else None
+    figures: Dict[str, Any] = {}
+    for op, done, moved in (("read", "reads", "bytes_read"), ("write", "writes", "bytes_written")):
+        requests, sectors = delta[f"{op}_ios"], delta[f"{op}_sectors"]
+        moved_bytes = sectors * STAT_SECTOR_BYTES if sectors is not None else None
+        figures[f"{done}_completed"] = requests
+        figures[f"{done}_merged"] = delta[f"{op}_merges"]
+        figures[moved] = moved_bytes
+        figures[f"{op}_gb"] = _per(moved_bytes, GIB)
+        figures[f"mean_{op}_request_bytes"] = _per(moved_bytes, requests)
+        figures[f"{op}_await_ms"] = _per(delta[f"{op}_ticks_ms"], requests)
+        figures[f"{op}_gib_per_sec"] = _per(figures[f"{op}_gb"], wall_s)
+    figures["flushes_completed"] = delta["flush_ios"]
+    # time_in_queue adds up the time every request spent in flight: divided by wall time it is
+    # the mean number of requests in flight (iostat's aqu-sz).
+    figures["avg_queue_depth"] = _per(delta["time_in_queue_ms"], wall_ms)
+    # Not capped at 1.0: io_ticks is "time with at least one request in flight", so a raw value
+    # a little over 1 shows sampling jitter, and a drive serving requests in parallel can be at
+    # 1.0 without being saturated; the report says so rather than hiding it.
+    figures["utilization"] = _per(delta["io_ticks_ms"], wall_ms)
+    return figures
+
+
+class BlockDeviceMonitor:
+    """Samples the stat file of the device holding the cache directory: interval() for the
+    throughput timeline (monitor thread), start()/finish() for the run's window (main thread)."""
+
+    def __init__(self, directory: Union[str, os.PathLike], sys_root: Path = SYS_ROOT,
+                 mountinfo_path: Path = MOUNTINFO_PATH):
+        self.device, self.description = find_block_device(directory, sys_root, mountinfo_path)
+        self._lock = threading.Lock()
+        self._first: Optional[Tuple[float, Dict[str, int]]] = None
+        self._last: Optional[Tuple[float, Dict[str, int]]] = None
+        self._failure: Optional[str] = None
+
+    @property
+    def available(self) -> bool:
+        return self.device is not None and self._failure is None
+
+    def _read_sample(self) -> Optional[Tuple[float, Dict[str, int]]]:
+        """(perf_counter seconds, counters); None, with the reason kept, if the file stops reading."""
+        assert self.device is not None
+        try:
+            counters = parse_block_stat(self.device.stat_path.read_text())
+        except (OSError, ValueError) as exc:
+            self._failure = f"cannot read {self.device.stat_path}: {exc}"
+            return None
+        return time.perf_counter(), counters
+
+    def start(self) -> None:
+        with self._lock:
+            if self.available:
+                self._first = self._last = self._read_sample()
+
+    def interval(self) -> Dict[str, Optional[float]]:
+        """Device read/write GiB/s since the previous interval() (or start()); {} when unavailable."""
+        with self._lock:
+            if not self.available or self._last is None:
+                return {}
+            sample = self._read_sample()
+            if sample is None:
+                return {}
+            (t0, before), self._last = self._last, sample
+        figures = device_window_stats(before, sample[1], sample[0] - t0)
+        return {"device_read_gib_per_sec": figures["read_gib_per_sec"],
+                "device_write_gib_per_sec": figures["write_gib_per_sec"]}
+
+    def finish(self) -> Dict[str, Any]:
+        """The `device_stats` of the window from start() to now."""
+        with self._lock:
+            if self.available and self._first is None:
+                self._failure = "the device was never sampled (start() not called)"
+            sample = self._read_sample() if self.available else None
+            if sample is None or self._first is None:
+                return {"available": False, "device": None, "reason": self._failure or self.description}
+            t0, first = self._first
+        wall_s = sample[0] - t0
+        assert self.device is not None
+        return {"available": True, "device": self.device.name, "disk": self.device.disk, "reason": None,
+                "logical_block_bytes": self.device.logical_block_bytes, "window_s": wall_s,
+                **device_window_stats(first, sample[1], wall_s)}
+
+
+def _difference(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a - b if a is not None and b is not None else None
+
+
+def compare_app_with_device(app: Dict[str, Any], device: Dict[str, Any]) -> Dict[str, Any]:
+    """The storage tier's figures next to the drive's, over the same window (pure).
+
+    app: read_mean_ms, write_mean_ms, bytes_read, bytes_written of the storage tier.
+    read_software_ms = app mean - device await: time spent above the block layer (file
+    system, page cache, the benchmark's own queueing); the device await already holds
+    the block layer's queueing. It is exact only when one application request is one
+    device request; the kernel splits large requests (max_sectors_kb), so with 8 MiB
+    chunks it is an estimate, and it can be negative when the pieces of one chunk are
+    served in parallel.
+    share_reached_pct: device bytes / benchmark bytes, with a note when outside 95-105 %.
+    """
+    available = bool(device.get("available"))
+    out: Dict[str, Any] = {}
+    for op in ("read", "write"):
+        app_ms = app.get(f"{op}_mean_ms")
+        device_ms = device.get(f"{op}_await_ms") if available else None
+        out[f"{op}_app_mean_ms"] = app_ms
+        out[f"{op}_device_await_ms"] = device_ms
+        out[f"{op}_software_ms"] = _difference(app_ms, device_ms)
+    app_bytes = (app.get("bytes_read") or 0) + (app.get("bytes_written") or 0)
+    device_parts = (device.get("bytes_read"), device.get("bytes_written"))
+    device_bytes = sum(device_parts) if available and None not in device_parts else None
+    share = _per(device_bytes * 100.0 if device_bytes is not None else None, app_bytes)
+    out.update(app_bytes=app_bytes, device_bytes=device_bytes, share_reached_pct=share,
+               share_note=_share_note(share))
+    return out
+
+
+def _share_note(share_pct: Optional[float]) -> Optional[str]:
+    """Why the drive moved fewer or more bytes than the benchmark; None when they agree."""
+    if share_pct is None or DEVICE_SHARE_LOW_PCT <= share_pct <= DEVICE_SHARE_HIGH_PCT:
+        return None
+    if share_pct < DEVICE_SHARE_LOW_PCT:
+        return (f"only {share_pct:.0f} % of the benchmark's storage bytes reached the device: "
+                f"page cache or a compressing device")
+    return (f"the device moved {share_pct:.0f} % of the benchmark's bytes: other processes on the same disk, "
+            f"file-system metadata and journal, or read-ahead")
+
+
+def _fmt_or_na(value: Optional[float], spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _fmt_device_direction(label: str, d: Dict[str, Any], op: str) -> str:
+    mean_bytes = d.get(f"mean_{op}_request_bytes")
+    return (f"  {label}: {_fmt_or_na(d.get(f'{op}_gb'), '.3f', ' GB')}, "
+            f"{_fmt_or_na(d.get(f'{op}_gib_per_sec'), '.3f', ' GB/s')}, "
+            f"{_fmt_or_na(d.get('reads_completed' if op == 'read' else 'writes_completed'), ',')} requests "
+            f"(mean {_fmt_or_na(mean_bytes / 1024 if mean_bytes is not None else None, ',.1f', ' KiB')}), "
+            f"await {_fmt_ms(d.get(f'{op}_await_ms'))}")
+
+
+def format_device_section(device_stats: Dict[str, Any], comparison: Optional[Dict[str, Any]]) -> List[str]:
+    """The DEVICE section of the console report (pure): the drive's view, then the comparison."""
+    if not device_stats.get("available"):
+        return ["### DEVICE (kernel block layer) ###", f"  N/A: {device_stats.get('reason')}"]
+    d = device_stats
+    disk = f" (disk {d['disk']})" if d.get("disk") and d["disk"] != d["device"] else ""
+    lines = [f"### DEVICE (kernel block layer: {d['device']}) ###",
+             f"  {d['device']}{disk}, {d['window_s']:.2f} s window"
+             + (f", {d['logical_block_bytes']}-byte logical blocks" if d.get("logical_block_bytes") else ""),
+             _fmt_device_direction("Read", d, "read"), _fmt_device_direction("Write", d, "write")]
+    depth, busy = d.get("avg_queue_depth"), d.get("utilization")
+    lines.append(f"  Average queue depth: {_fmt_or_na(depth, '.2f')}, device busy: "
+                 f"{_fmt_or_na(busy * 100 if busy is not None else None, '.1f', '%')} of the window "
+                 f"(a drive serving requests in parallel can be busy 100% and not saturated)")
+    if comparison:
+        lines += _fmt_comparison(comparison)
+    return lines
+
+
+def _fmt_comparison(c: Dict[str, Any]) -> List[str]:
+    parts = []
+    for op in ("read", "write"):
+        if c.get(f"{op}_app_mean_ms") is None:
+            continue
+        above = c.get(f"{op}_software_ms")
+        parts.append(f"{op} {_fmt_ms(c[f'{op}_app_mean_ms'])} vs {_fmt_ms(c.get(f'{op}_device_await_ms'))}"
+                     + (f" ({above:.2f}ms above the device)" if above is not None else ""))
+    lines = [f"  Mean latency, benchmark vs device: {'; '.join(parts)}"] if parts else []
+    share = c.get("share_reached_pct")
+    if share is not None:
+        lines.append(f"  Bytes reaching the device: {share:.1f}% of the benchmark's storage bytes "
+                     f"({c['device_bytes'] / GIB:.3f} GB of {c['app_bytes'] / GIB:.3f} GB)")
+    if c.get("share_note"):
+        lines.append(f"  Note: {c['share_note']}")
+    return lines
+
+
+# --- fio: replaying the storage tier's I/O with a standard tool ------------------------
+#
+# A number from one tool is easier to trust when another tool gets close to it. The job
+# reproduces what the storage tier did (request sizes, read/write mix, concurrency,
+# entry sizes, direct or buffered, incompressible data); it does not reproduce which
+# entry is read when, so compare bandwidth and mean latency, not hit patterns.
+
+FIO_BSSPLIT_MAX = 64                    # fio keeps at most 64 block sizes per direction
+FIO_MAX_FILES_PER_JOB = 512             # fio holds every file open; the open-file limit is often 1024
+FIO_JOB_NAME = "kv-cache-replay"
+FIO_MAX_DATASET_BYTES = 4 * GIB         # fio writes its files before it starts: a bounded lay-out
+FIO_LAYOUT_ALLOWANCE_S = 300.0          # --fio-compare: time for that lay-out beyond the job's runtime
+
+
+def _integer_percentages(weights: Sequence[int]) -> List[int]:
+    """Whole percentages summing to exactly 100 (largest remainder).
+
+    fio reads bssplit percentages with atoi, refuses sums over 100, and treats a 0 as
+    "fill in evenly", so callers drop entries that round to 0.
+    """
+    total = sum(weights)
+    exact = [w * 100 / total for w in weights]
+    shares = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: exact[i] - shares[i], reverse=True)
+    for i in by_remainder[:100 - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def _align_up(n_bytes: int) -> int:
+    """n_bytes rounded up to a whole BLOCK_BYTES (at least one): O_DIRECT needs aligned sizes."""
+    return max(BLOCK_BYTES, -(-n_bytes // BLOCK_BYTES) * BLOCK_BYTES)
+
+
+def _aligned_size_counts(sizes: Dict[Any, int]) -> Dict[int, int]:
+    """Request sizes rounded up to BLOCK_BYTES (direct I/O needs it; JSON keys may be
+    strings), at most FIO_BSSPLIT_MAX of them: a rarer size is counted as its nearest kept one."""
+    counts: Dict[int, int] = {}
+    for size, count in sizes.items():
+        if int(count) > 0:
+            aligned = _align_up(int(size))
+            counts[aligned] = counts.get(aligned, 0) + int(count)
+    kept = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:FIO_BSSPLIT_MAX])
+    for size, count in counts.items():
+        if size not in kept:
+            nearest = min(kept, key=lambda k: (abs(k - size), k))
+            kept[nearest] += count
+    return dict(sorted(kept.items()))
+
+
+def fio_bssplit(sizes: Dict[Any, int]) -> str:
+    """One direction's bssplit list, "SIZE/PCT:SIZE/PCT", sizes in bytes, PCT of requests."""
+    counts = _aligned_size_counts(sizes)
+    shares = _integer_percentages(list(counts.values()))
+    return ":".join(f"{size}/{pct}" for size, pct in zip(counts, shares) if pct > 0)
+
+
+def _fio_directory(directory: str) -> str:
+    """fio splits `directory` at ':' (several directories), so a colon in the path is escaped."""
+    if "\n" in directory or "\r" in directory:
+        raise ValueError(f"a directory name with a line break cannot go in an fio job: {directory!r}")
+    return directory.replace(":", "\\:")
+
+
+def _fio_header(run: Dict[str, Any], rw_note: str) -> List[str]:
+    """Comment lines: which run this replays and what to compare fio's figures with."""
+    lines = [f"# fio job replaying the storage tier of a kv-cache.py run ({rw_note})"]
+    for key, value in (run.get("header") or {}).items():
+        lines.append(f"# {key}: {' '.join(str(value).split())}")
+    lines += ["# Compare fio's per-direction bw (GiB/s) and lat mean/P95 (group_reporting: one line each)",
+              "# with the storage tier's read/write bandwidth and mean latency above.",
+              "# Run: fio --output-format=json <this file>"]
+    return lines
+
+
+def _fio_file_lines(run: Dict[str, Any], data_bytes: int, streams: int) -> List[str]:
+    """filesize (one size, or the run's range) and enough files per stream to hold the run's data."""
+    sizes = [int(s) for s in run.get("file_sizes") or [] if int(s) > 0]
+    mean_bytes = int(run.get("file_size_bytes") or 0) or (int(sum(sizes) / len(sizes)) if sizes else 0)
+    if mean_bytes <= 0:
+        raise ValueError("fio replay needs file_size_bytes or file_sizes (the storage tier's entry sizes)")
+    low, high = (_align_up(min(sizes)), _align_up(max(sizes))) if sizes else (_align_up(mean_bytes),) * 2
+    nrfiles = int(run.get("nrfiles") or math.ceil(data_bytes / streams / _align_up(mean_bytes)))
+    nrfiles = min(max(1, nrfiles), FIO_MAX_FILES_PER_JOB)
+    filesize = f"{low}" if low == high else f"{low}-{high}"
+    return [f"filesize={filesize}", f"nrfiles={nrfiles}", f"size={nrfiles * _align_up(mean_bytes)}"]
+
+
+def _fio_rw_lines(read_sizes: Dict[Any, int], write_sizes: Dict[Any, int]) -> Tuple[List[str], str]:
+    """rw, rwmixread and bssplit of the job, and a note on what kind of job it is.
+
+    fio picks each I/O's direction with probability rwmixread % (io_u.c, get_rand_ddir),
+    so rwmixread is the read share of *requests*; with each direction's own bssplit that
+    reproduces the run's share of bytes. A direction under 0.5 % of requests is left out.
+    """
+    reads = sum(_aligned_size_counts(read_sizes).values())
+    writes = sum(_aligned_size_counts(write_sizes).values())
+    if reads + writes == 0:
+        raise ValueError("the run moved no storage-tier requests: nothing for fio to replay")
+    mix = round(reads * 100 / (reads + writes))
+    if mix >= 100 or writes == 0:
+        return ["rw=read", f"bssplit={fio_bssplit(read_sizes)}"], "read-only"
+    if mix <= 0 or reads == 0:
+        return ["rw=write", f"bssplit={fio_bssplit(write_sizes)}"], "write-only"
+    return (["rw=rw", f"rwmixread={mix}", f"bssplit={fio_bssplit(read_sizes)},{fio_bssplit(write_sizes)}"],
+            f"{mix}% of requests are reads")
+
+
+def fio_job_text(run: Dict[str, Any]) -> str:
+    """An fio job file reproducing the storage tier's I/O of a run (pure).
+
+    run keys:
+        directory        where fio writes its files (the run's cache directory)
+        direct           True for O_DIRECT (--io-mode direct), False for buffered
+        read_sizes       {request_bytes: count} of the storage tier's reads (keys may be strings)
+        write_sizes      {request_bytes: count} of its writes
+        bytes_read, bytes_written   bytes the storage tier moved (sizes the data set)
+        streams          concurrent operations (fio numjobs)
+        depth            requests in flight per stream (fio iodepth)
+        file_size_bytes  typical entry size; or file_sizes: [bytes, ...] for a size range
+        nrfiles          optional: files per stream (default: enough for the run's data)
+        runtime_s        how long fio runs (time_based)
+        ioengine         optional: default libaio when depth > 1, else psync
+        header           {name: value} printed as comments: model, users, seed, digest,
+                         and the run's read/write GiB/s and mean latencies to compare with
+    Raises ValueError when the run moved nothing or names no entry size.
+    """
+    read_sizes, write_sizes = run.get("read_sizes") or {}, run.get("write_sizes") or {}
+    streams, depth = max(1, int(run.get("streams") or 1)), max(1, int(run.get("depth") or 1))
+    rw_lines, rw_note = _fio_rw_lines(read_sizes, write_sizes)
+    data_bytes = int(run.get("bytes_written") or 0) or int(run.get("bytes_read") or 0)
+    if data_bytes <= 0:
+        data_bytes = sum(int(s) * int(c) for sizes in (read_sizes, write_sizes) for s, c in sizes.items())
+    # libaio keeps `depth` requests in flight only with O_DIRECT; buffered, it completes each at submit.
+    ioengine = run.get("ioengine") or ("libaio" if depth > 1 else "psync")
+    lines = _fio_header(run, rw_note) + [
+        "", "[global]",
+        f"directory={_fio_directory(str(run['directory']))}",
+        f"direct={1 if run.get('direct') else 0}",
+        f"ioengine={ioengine}", f"iodepth={depth}",
+        f"runtime={max(1, math.ceil(float(run.get('runtime_s') or 1)))}", "time_based=1",
+        "group_reporting=1", "lat_percentiles=1",
+        # Fresh random data in every buffer, like the benchmark's stamped KV entries:
+        # a compressing or deduplicating device gains nothing.
+        "refill_buffers=1", "buffer_compress_percentage=0",
+        "randrepeat=0", "fallocate=native",
+        # Entries are picked across the cache and each one is read or written front to back.
+        "file_service_type=random",
+        *_fio_file_lines(run, data_bytes, streams),
+        "", f"[{FIO_JOB_NAME}]", *rw_lines, f"numjobs={streams}", ""]
+    return "\n".join(lines)
+
+
+def fio_replay_spec(results: Dict[str, Any], directory: str, runtime_s: Optional[float] = None) -> Dict[str, Any]:
+    """fio_job_text's input for a finished run (pure): the storage tier's request sizes, the
+    depth it kept in flight (streams = mean transfers in flight / IO_DEPTH, per direction,
+    added), its file sizes, and the figures fio's should be compared with."""
+    s, cfg = results["summary"], results.get("config") or {}
+    cs = s["cache_stats"]
+    req = cs.get("storage_requests") or {}
+    inflight = sum(v for v in (req.get("read_mean_inflight"), req.get("write_mean_inflight")) if v)
+    sizes = [v for v in (req.get("file_bytes_min"), req.get("file_bytes_max")) if v]
+    return {
+        "directory": directory, "direct": bool(cs.get("storage_direct_io")),
+        "read_sizes": req.get("read_sizes") or {}, "write_sizes": req.get("write_sizes") or {},
+        # The data set fio lays out: what the run wrote, at most FIO_MAX_DATASET_BYTES.
+        "bytes_read": min(int(cs["nvme_bytes_read_gb"] * GIB), FIO_MAX_DATASET_BYTES),
+        "bytes_written": min(int(cs["nvme_bytes_written_gb"] * GIB), FIO_MAX_DATASET_BYTES),
+        "streams": max(1, round(inflight / IO_DEPTH)), "depth": IO_DEPTH,
+        "file_sizes": sizes, "file_size_bytes": req.get("file_bytes_mean"),
+        "runtime_s": runtime_s or s.get("elapsed_time") or cfg.get("duration_s") or 60,
+        "header": {
+            "run": f"model {cfg.get('model')}, {cfg.get('num_users')} users, seed {results.get('seed')}, "
+                   f"workload digest {results.get('workload_digest')}",
+            "storage tier, wall basis": f"read {cs['nvme_read_gib_per_sec_wall']:.3f} GiB/s, "
+                                        f"write {cs['nvme_write_gib_per_sec_wall']:.3f} GiB/s",
+            "storage tier, per request (mean)": f"read {_fmt_ms(req.get('read_request_mean_ms'))}, "
+                                                 f"write {_fmt_ms(req.get('write_request_mean_ms'))}",
+        },
+    }
+
+
+def fio_comparison(results: Dict[str, Any], fio: Dict[str, Any]) -> Dict[str, Any]:
+    """Our storage tier beside fio's replay of it (pure). Bandwidth: bytes per second of wall
+    time, each direction and both together; latency: mean time per request (one chunk
+    transfer for us, one I/O for fio). Ratios are ours / fio: below 1, we left the drive idle."""
+    cs = results["summary"]["cache_stats"]
+    req = cs.get("storage_requests") or {}
+    ours = {"read": cs["nvme_read_gib_per_sec_wall"], "write": cs["nvme_write_gib_per_sec_wall"]}
+    out: Dict[str, Any] = {"fio": fio}
+    for op in ("read", "write"):
+        out[f"{op}_gib_per_sec_ours"], out[f"{op}_gib_per_sec_fio"] = ours[op], fio[f"{op}_gib_per_sec"]
+        out[f"{op}_bandwidth_ratio"] = ours[op] / fio[f"{op}_gib_per_sec"] if fio[f"{op}_gib_per_sec"] else None
+        ours_ms, fio_ms = req.get(f"{op}_request_mean_ms"), fio.get(f"{op}_mean_ms")
+        out[f"{op}_request_mean_ms_ours"], out[f"{op}_request_mean_ms_fio"] = ours_ms, fio_ms
+        out[f"{op}_latency_ratio"] = ours_ms / fio_ms if ours_ms is not None and fio_ms else None
+    total_fio = fio["read_gib_per_sec"] + fio["write_gib_per_sec"]
+    out["total_gib_per_sec_ours"], out["total_gib_per_sec_fio"] = ours["read"] + ours["write"], total_fio
+    out["bandwidth_ratio"] = (ours["read"] + ours["write"]) / total_fio if total_fio else None
+    return out
+
+
+def _json_object_in(text: str) -> Dict[str, Any]:
+    """The first JSON object in fio's output: fio may print warnings ("fio: ...") before it."""
+    start = text.find("{")
+    if start < 0:
+        raise ValueError("no JSON object in fio's output")
+    obj, _ = json.JSONDecoder().raw_decode(text[start:])
+    return obj
+
+
+def _fio_direction(jobs: List[Dict[str, Any]], op: str) -> Dict[str, Optional[float]]:
+    """One direction summed over fio's jobs: bandwidth and I/O add up, the mean latency is
+    weighted by requests, P95 is the largest job's P95 (an upper bound of the pooled P95;
+    exact with group_reporting, which prints one job)."""
+    parts = [job.get(op) or {} for job in jobs]
+    bw = sum(float(p.get("bw_bytes") or 0) for p in parts)
+    requests = sum(int(p.get("total_ios") or 0) for p in parts)
+    weighted_ns, p95_ns, source = 0.0, None, None
+    for p in parts:
+        source = "lat_ns" if (p.get("lat_ns") or {}).get("N") else "clat_ns"
+        lat, clat = p.get(source) or {}, p.get("clat_ns") or {}
+        weighted_ns += float(lat.get("mean") or 0) * int(p.get("total_ios") or 0)
+        # lat_ns has percentiles only with lat_percentiles=1 (our jobs set it); else clat's
+        pct = (lat.get("percentile") or clat.get("percentile") or {}).get("95.000000")
+        if pct is not None:
+            p95_ns = max(p95_ns or 0.0, float(pct))
+    return {f"{op}_bytes_per_sec": bw, f"{op}_gib_per_sec": bw / GIB,
+            f"{op}_iops": sum(float(p.get("iops") or 0) for p in parts),
+            f"{op}_io_bytes": sum(int(p.get("io_bytes") or 0) for p in parts),
+            f"{op}_requests": requests,
+            f"{op}_mean_ms": weighted_ns / requests / 1e6 if requests else None,
+            f"{op}_p95_ms": p95_ns / 1e6 if p95_ns is not None and requests else None,
+            f"{op}_latency_source": source if requests else None}
+
+
+def parse_fio_json(text: str) -> Dict[str, Any]:
+    """Read and write figures from `fio --output-format=json` output (pure).
+
+    Latency is fio's lat_ns (submission + completion: what an application sees) when the
+    job recorded it, else clat_ns. Raises ValueError when there is no JSON or no jobs.
+    """
+    result = _json_object_in(text)
+    jobs = result.get("jobs") or []
+    if not jobs:
+        raise ValueError("fio's JSON output has no jobs")
+    out: Dict[str, Any] = {"fio_version": result.get("fio version"), "jobs": len(jobs),
+                           "errors": sum(1 for job in jobs if job.get("error"))}
+    for op in ("read", "write"):
+        out.update(_fio_direction(jobs, op))
+    return out
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def run_fio(job_path: Path, runtime_s: float, timeout_s: float) -> Dict[str, Any]:
+    """Runs an fio job file and returns parse_fio_json of its output.
+
+    timeout_s must leave time beyond runtime_s: fio first lays out (writes) its files.
+    Raises RuntimeError, with fio's last line of stderr, when fio is missing or fails.
+    """
+    import shutil
+    import subprocess
+    if shutil.which("fio") is None:
+        raise RuntimeError("fio is not installed (or not on PATH): install it, e.g. apt-get install fio")
+    if timeout_s <= runtime_s:
+        raise ValueError(f"timeout_s ({timeout_s}) must exceed the job's runtime_s ({runtime_s})")
+    try:
+        done = subprocess.run(["fio", "--output-format=json", str(job_path)], capture_output=True,
+                              text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"fio ran past {timeout_s:g} s on {job_path}") from None
+    except OSError as exc:
+        raise RuntimeError(f"fio could not start: {exc}") from None
+    if done.returncode != 0:
+        raise RuntimeError(f"fio failed (exit {done.returncode}): {_last_line(done.stderr or done.stdout)}")
+    try:
+        return parse_fio_json(done.stdout)
+    except ValueError as exc:
+        raise RuntimeError(f"fio's output could not be read: {exc}; {_last_line(done.stderr)}") from None
+
+
 class StorageMonitor:
     """Samples the run every monitor interval: KPIs over the last window, the saturation
     score, and a `throughput_timeline` point."""
 
     def __init__(self, cache: MultiTierCache, recorder: "RunRecorder", request_queue: "queue.Queue",
-                 active_users: Callable[[], int]):
+                 active_users: Callable[[], int], device: Optional[BlockDeviceMonitor] = None):
         self._cache = cache
+        self._device = device
         self._recorder = recorder
         self._queue = request_queue
         self._active_users = active_users
@@ -2668,6 +3398,8 @@ class StorageMonitor:
             "saturation": saturation_score(read_p95, write_p95, queue_ms, service_ms),
             "tier_usage_gb": {t: self._cache._get_tier_usage(t) / GIB for t in self._cache._get_tier_order()},
         }
+        if self._device is not None:                     # the drive's own read/write GB/s beside ours
+            point.update(self._device.interval())
         self._last_elapsed, self._last_counters = elapsed_s, counters
         self.timeline.append(point)
         return point
@@ -3066,8 +3798,10 @@ class IntegratedBenchmark:
         self.raw: Dict[str, Any] = {}
         self.scheduler = ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop,
                                           config.max_requests, config.request_rate)
+        self.device_monitor = BlockDeviceMonitor(self.cache.run_dir)
+        self.device_stats: Optional[Dict[str, Any]] = None
         self.monitor = StorageMonitor(self.cache, self.recorder, self.request_queue,
-                                      lambda: self.scheduler.active_users)
+                                      lambda: self.scheduler.active_users, self.device_monitor)
         self.autoscaler = (WorkloadAutoscaler(config.autoscaler_mode, config.target_saturation, config.num_users)
                            if config.autoscaler_mode else None)
 
@@ -3101,6 +3835,7 @@ class IntegratedBenchmark:
         cfg = self.config
         slots = max(1, min(cfg.worker_slots, cfg.num_users))
         t0 = time.perf_counter()
+        self.device_monitor.start()
         housekeeping = [self._spawn(self._monitor, "monitor", t0), self._spawn(self._reaper, "storage-reaper")]
         if cfg.progress:
             progress_monitor = StorageMonitor(self.cache, self.recorder, self.request_queue,
@@ -3126,6 +3861,7 @@ class IntegratedBenchmark:
         for thread in threads:
             thread.join()
         elapsed = time.perf_counter() - t0         # the workload's end: before housekeeping winds down
+        self.device_stats = self.device_monitor.finish()
         for thread in housekeeping:
             thread.join()
         if elapsed - self.monitor.last_elapsed_s >= 0.5 * cfg.monitor_interval_s:
@@ -3297,7 +4033,7 @@ class IntegratedBenchmark:
             autoscaling=(self.autoscaler.history, self.autoscaler.summary(self.scheduler.active_users))
             if self.autoscaler else None,
             rag_stats=self.rag.stats() if self.rag else None,
-            dataset_stats=self.dataset.stats() if self.dataset else None)
+            dataset_stats=self.dataset.stats() if self.dataset else None, device_stats=self.device_stats)
 
 
 # ============================================================================
@@ -3388,7 +4124,8 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
                      process_cpu_s: float = 0.0,
                      autoscaling: Optional[Tuple[List[Dict[str, Any]], Dict[str, Any]]] = None,
                      rag_stats: Optional[Dict[str, Any]] = None,
-                     dataset_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                     dataset_stats: Optional[Dict[str, Any]] = None,
+                     device_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The one place the results dict (and so the JSON) is put together."""
     e2e = [r.end_to_end_s for r in records]
     storage = [r.storage_s for r in records]
@@ -3438,6 +4175,9 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
                                                                          + cache_stats["nvme_bytes_written_gb"]) else None,
         "io_baseline": io_baseline,
         "storage_efficiency": storage_efficiency(cache_stats, io_baseline, elapsed_s),
+        "device_stats": device_stats or {"available": False, "device": None, "reason": "not sampled"},
+        "device_comparison": compare_app_with_device(_storage_app_figures(cache_stats), device_stats)
+        if device_stats else None,
     }
     return {
         "benchmark": "kv-cache",
@@ -3463,6 +4203,14 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "multi_turn_cache_misses": multi_misses,
         "summary": summary,
     }
+
+
+def _storage_app_figures(cs: Dict[str, Any]) -> Dict[str, Any]:
+    """The storage tier's own figures for compare_app_with_device: mean latency per request
+    (one chunk transfer, what the device's await is comparable with) and bytes moved."""
+    req = cs.get("storage_requests") or {}
+    return {"read_mean_ms": req.get("read_request_mean_ms"), "write_mean_ms": req.get("write_request_mean_ms"),
+            "bytes_read": cs["nvme_bytes_read_gb"] * GIB, "bytes_written": cs["nvme_bytes_written_gb"] * GIB}
 
 
 def _rag_summary(rag_stats: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -3536,6 +4284,11 @@ def format_report(results: Dict[str, Any]) -> str:
     _report_overall(add, s, cs)
     _report_latency(add, s)
     _report_tiers(add, cs)
+    add("")
+    for line in format_device_section(s.get("device_stats") or {}, s.get("device_comparison")):
+        add(line)
+    if s.get("fio_comparison"):
+        _report_fio(add, s["fio_comparison"])
     _report_cache_types(add, s, cs)
     _report_qos(add, s["qos_metrics"])
     if s.get("dataset_stats"):
@@ -3663,6 +4416,23 @@ def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any]) -> None:
                 f"device P95 {_fmt_ms(cs[f'{tier}_{op}_device_p95_ms'])}, "
                 f"host P95 {_fmt_ms(cs[f'{tier}_{op}_host_p95_ms'])}) "
                 f"[{cs[f'{tier}_{op}s']:,} ops]")
+
+
+def _report_fio(add: Callable[[str], None], c: Dict[str, Any]) -> None:
+    add("")
+    add("### FIO COMPARISON (the same I/O replayed by fio, right after the run; ratio = ours / fio) ###")
+    if "error" in c:
+        add(f"  fio failed: {c['error']}")
+        return
+    for op in ("read", "write"):
+        ratio, lat = c[f"{op}_bandwidth_ratio"], c[f"{op}_latency_ratio"]
+        add(f"  {op.capitalize()}: ours {c[f'{op}_gib_per_sec_ours']:.3f} GB/s, fio {c[f'{op}_gib_per_sec_fio']:.3f} GB/s"
+            + (f" (ratio {ratio:.2f})" if ratio is not None else "")
+            + f"; mean per request ours {_fmt_ms(c[f'{op}_request_mean_ms_ours'])}, "
+              f"fio {_fmt_ms(c[f'{op}_request_mean_ms_fio'])}" + (f" (ratio {lat:.2f})" if lat is not None else ""))
+    if c["bandwidth_ratio"] is not None:
+        add(f"  Both directions: ours {c['total_gib_per_sec_ours']:.3f} GB/s, fio {c['total_gib_per_sec_fio']:.3f} GB/s "
+            f"(ratio {c['bandwidth_ratio']:.2f})")
 
 
 def _report_cache_types(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str, Any]) -> None:
@@ -4096,18 +4866,65 @@ def plot_suite(rows: List[Dict[str, Any]], path: Path) -> Optional[Path]:
 
 
 def write_json(results: Dict[str, Any], path: str) -> str:
-    """Write the results whole or not at all: a temporary file beside `path`, then a rename."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
+    """Write the results whole or not at all (see _write_text_file)."""
+    return _write_text_file(path, json.dumps(results, indent=2, default=_json_default) + "\n")
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where the kernel tells (Linux 4.7+)."""
     try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _write_text_file(path: str, text: str) -> str:
+    """Write an output file without replacing anything that is not ours to replace.
+
+    A symbolic link is followed to the file it names. Anything that is not a regular file
+    (/dev/null, /dev/stdout, a FIFO) is written through, never replaced. A regular file is
+    written whole or not at all (a temporary file beside it, then a rename) and keeps the
+    mode it had; a new file gets the permissions the umask gives.
+    """
+    target = Path(os.path.realpath(Path(path).expanduser()))
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat_module.S_ISREG(st.st_mode):
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(text)
+        return str(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        os.fchmod(fd, stat_module.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2, default=_json_default)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return str(target)
+    return str(path)
+
+
+def default_output_path(directory: str = ".") -> str:
+    """benchmark_results_<timestamp>.json, made unique by creating it (O_EXCL): two runs started in
+    the same second never share it (the second gets a _2 suffix)."""
+    stem = f"benchmark_results_{time.strftime('%Y%m%d_%H%M%S')}"
+    for n in itertools.count(1):
+        name = Path(directory) / (f"{stem}.json" if n == 1 else f"{stem}_{n}.json")
+        try:
+            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return str(name)
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 def _json_default(value: Any) -> Any:
@@ -4256,6 +5073,7 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 SYSTEM_PATHS = ("/", "/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "/boot", "/lib", "/lib64")
 SYSTEM_TREES = tuple(p for p in SYSTEM_PATHS if p != "/")     # nothing inside these either
+USER_TREES_IN_SYSTEM = ("/dev/shm",)    # shared memory: a tier users measure (tmpfs), not a system file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -4318,6 +5136,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--quiet", action="store_true",
                    help="only warnings, errors and the final report: no progress, no INFO lines")
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts of the run into DIR (needs matplotlib)")
+    o.add_argument("--fio-job", default=None, metavar="FILE",
+                   help="write an fio job file that replays the storage tier's I/O of this run")
+    o.add_argument("--fio-compare", action="store_true",
+                   help="right after the run, replay its storage I/O with fio in --cache-dir for as long as the "
+                        "run took and report ours / fio (needs fio on the PATH)")
     return p
 
 
@@ -4349,6 +5172,9 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_cache_dir(args.cache_dir)
     _check_output_path("--output", args.output)
     _check_output_path("--xlsx-output", args.xlsx_output)
+    _check_output_path("--fio-job", args.fio_job)
+    if args.fio_compare and shutil.which("fio") is None:
+        raise UsageError("--fio-compare needs fio on the PATH (install it, e.g. apt-get install fio)")
     if args.plot is not None and Path(args.plot).expanduser().exists() and not Path(args.plot).expanduser().is_dir():
         raise UsageError(f"--plot {args.plot} exists and is not a directory")
 
@@ -4359,6 +5185,8 @@ def _check_cache_dir(cache_dir: Optional[str]) -> None:
     path = Path(cache_dir).expanduser()
     # Both the path as given and where its symbolic links lead (/bin -> /usr/bin on merged-/usr systems).
     for candidate in {os.path.abspath(path), str(path.resolve())}:
+        if any(candidate == tree or candidate.startswith(tree + "/") for tree in USER_TREES_IN_SYSTEM):
+            continue
         if candidate in SYSTEM_PATHS or any(candidate.startswith(tree + "/") for tree in SYSTEM_TREES):
             raise UsageError(f"--cache-dir {cache_dir} is a system path; give a directory on the storage under test")
     if path.exists() and not path.is_dir():
@@ -4519,7 +5347,7 @@ def _write_outputs(args: argparse.Namespace, results: Dict[str, Any], bench: Int
     print(format_report(results))
     if results.get("ranks"):
         print(format_rank_table(results))
-    output = args.output or f"benchmark_results_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    output = args.output or default_output_path()
     writers = [("results", output, lambda: write_json(results, output))]
     if args.plot:
         writers.append(("charts", args.plot, lambda: make_plots(results, bench.latency_samples, args.plot)))
@@ -4536,13 +5364,48 @@ def _write_outputs(args: argparse.Namespace, results: Dict[str, Any], bench: Int
     return ok
 
 
+def _fio_steps(args: argparse.Namespace, config: BenchmarkConfig, results: Dict[str, Any]) -> None:
+    """--fio-job: the replay job next to the results; --fio-compare: fio runs it right away, in a
+    directory of its own inside --cache-dir (removed afterwards), for as long as the run took."""
+    if not (args.fio_job or args.fio_compare):
+        return
+    summary = results["summary"]
+    cache_dir = config.cache_dir or tempfile.gettempdir()
+    if args.fio_job:
+        try:
+            _write_text_file(args.fio_job, fio_job_text(fio_replay_spec(results, cache_dir)))
+            summary["fio_job"] = args.fio_job
+            logger.info("fio job written to %s", args.fio_job)
+        except (OSError, ValueError) as exc:
+            summary["fio_job_error"] = str(exc)
+            logger.error("could not write the fio job to %s: %s", args.fio_job, exc)
+    if args.fio_compare and not results.get("interrupted"):
+        summary["fio_comparison"] = _run_fio_comparison(results, cache_dir)
+
+
+def _run_fio_comparison(results: Dict[str, Any], cache_dir: str) -> Dict[str, Any]:
+    runtime_s = max(1.0, results["summary"]["elapsed_time"])
+    workdir = Path(tempfile.mkdtemp(prefix="kvcache_fio_", dir=cache_dir))
+    try:
+        job = workdir / "replay.fio"
+        job.write_text(fio_job_text(fio_replay_spec(results, str(workdir), runtime_s)))
+        logger.info("--fio-compare: replaying the storage I/O with fio for %.0f s...", runtime_s)
+        return fio_comparison(results, run_fio(job, runtime_s, timeout_s=runtime_s + FIO_LAYOUT_ALLOWANCE_S))
+    except (OSError, ValueError, RuntimeError) as exc:
+        logger.error("--fio-compare failed: %s", exc)
+        return {"error": str(exc)}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)      # our directory: fio's files and the job
+
+
 def _exit_status(bench: IntegratedBenchmark, results: Dict[str, Any], outputs_written: bool) -> int:
     if bench.stop_reason in EXIT_SIGNAL:
         return EXIT_SIGNAL[bench.stop_reason]
     summary = results["summary"]
     baseline_failed = bool(summary["io_baseline"] and "error" in summary["io_baseline"])
+    fio_failed = "error" in (summary.get("fio_comparison") or {}) or "fio_job_error" in summary
     degraded = (summary["io_errors"] or summary["thread_errors"] or summary["verify_mismatches"]
-                or baseline_failed or not outputs_written)
+                or baseline_failed or fio_failed or not outputs_written)
     return EXIT_DEGRADED if degraded else EXIT_OK
 
 
@@ -4625,12 +5488,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             comm.Abort(1)
         _remove_created_dirs(created_dirs)
         raise
-    _remove_created_dirs(created_dirs, comm)
-    if comm is not None:
-        merged = _gather_to_rank0(bench, results, world_config, rank)
-        if merged is None:
-            return _exit_status(bench, results, True)
+    merged = _gather_to_rank0(bench, results, world_config, rank) if comm is not None else results
+    if merged is not None:                           # rank 0 (or no MPI): fio runs while --cache-dir exists
         results = merged
+        _fio_steps(args, config, results)
+    _remove_created_dirs(created_dirs, comm)
+    if merged is None:
+        return _exit_status(bench, results, True)
     return _exit_status(bench, results, _write_outputs(args, results, bench))
 
 

@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -50,6 +51,7 @@ def load_kv_cache():
 kv = load_kv_cache()
 
 GIB = 1024 ** 3
+MIB = 1024 ** 2
 TINY = kv.MODEL_CONFIGS["tiny-1b"]
 TOKEN_BYTES = TINY.kv_cache_size_per_token          # 24,576
 TOKENS = 100                                        # entry size used by the cache tests
@@ -2734,6 +2736,508 @@ class TestTimeline:
             assert s["elapsed_time"] - last["elapsed_s"] < 0.5 * 0.5
 
 
+# --- The drive's own view (block-layer statistics) and the fio replay ---
+
+# Recorded from real kernels (sda on 4.15, nvme0n1 on 5.4, vda on 6.x).
+STAT_11 = "  181553    11264  8894426   101236   327806   337446 17693944  1133048        0   384432  1234284\n"
+STAT_15 = ("    9876      120   456789     4321    65432     2100  9876543    87654        2    54321   92000"
+           "        7        0    16384       12\n")
+STAT_17 = ("   14493     4206 28716162   372275     6531    16607 11960280   175068       29    21752   563255"
+           "     3758       81 10148432    10047      547     5864\n")
+
+
+def _sample(**fields):
+    """A parse_block_stat-shaped dict: every counter 0 unless given."""
+    base = {name: 0 for name in kv.BLOCK_STAT_FIELDS}
+    base.update(fields)
+    return base
+
+
+def _stat_line(sample):
+    return " ".join(str(sample[name]) for name in kv.BLOCK_STAT_FIELDS) + "\n"
+
+
+def _mount_fstype(path: str):
+    mount = kv.mount_of(path)
+    return mount.fstype if mount else None
+
+
+class TestParseBlockStat:
+    def test_eleven_fields_from_an_old_kernel(self):
+        s = kv.parse_block_stat(STAT_11)
+        assert len(s) == 11
+        assert s["read_ios"] == 181553 and s["read_sectors"] == 8894426 and s["read_ticks_ms"] == 101236
+        assert s["write_ios"] == 327806 and s["write_sectors"] == 17693944
+        assert s["in_flight"] == 0 and s["io_ticks_ms"] == 384432 and s["time_in_queue_ms"] == 1234284
+        assert "discard_ios" not in s and "flush_ios" not in s
+
+    def test_fifteen_fields_add_discards(self):
+        s = kv.parse_block_stat(STAT_15)
+        assert len(s) == 15
+        assert (s["discard_ios"], s["discard_merges"], s["discard_sectors"], s["discard_ticks_ms"]) == (7, 0, 16384, 12)
+        assert "flush_ios" not in s
+
+    def test_seventeen_fields_add_flushes(self):
+        s = kv.parse_block_stat(STAT_17)
+        assert len(s) == 17
+        assert s["write_merges"] == 16607 and s["in_flight"] == 29
+        assert s["flush_ios"] == 547 and s["flush_ticks_ms"] == 5864
+
+    def test_fields_beyond_seventeen_are_ignored(self):
+        assert len(kv.parse_block_stat(STAT_17.strip() + " 1 2 3")) == 17
+
+    @pytest.mark.parametrize("text", ["", "1 2 3 4 5 6 7 8 9 10", "1 2 3 4 5 6 7 8 9 10 x"])
+    def test_short_or_garbled_text_raises_value_error(self, text):
+        with pytest.raises(ValueError):
+            kv.parse_block_stat(text)
+
+
+class TestDeviceWindowStats:
+    START = _sample(read_ios=1000, read_sectors=80_000, read_ticks_ms=5_000, write_ios=200,
+                    write_sectors=40_000, write_ticks_ms=3_000, io_ticks_ms=10_000, time_in_queue_ms=20_000,
+                    read_merges=5, write_merges=7, flush_ios=3)
+    # +100 reads of 128 KiB (256 sectors each), +50 writes of 1 MiB (2048 sectors), over 2 s
+    END = _sample(read_ios=1100, read_sectors=80_000 + 100 * 256, read_ticks_ms=5_000 + 250,
+                  write_ios=250, write_sectors=40_000 + 50 * 2048, write_ticks_ms=3_000 + 400,
+                  io_ticks_ms=11_500, time_in_queue_ms=26_000, read_merges=9, write_merges=17, flush_ios=5)
+
+    def test_counts_bytes_and_means_are_exact(self):
+        f = kv.device_window_stats(self.START, self.END, 2.0)
+        assert f["reads_completed"] == 100 and f["writes_completed"] == 50
+        assert f["reads_merged"] == 4 and f["writes_merged"] == 10 and f["flushes_completed"] == 2
+        assert f["bytes_read"] == 100 * 128 * 1024 and f["bytes_written"] == 50 * MIB
+        assert f["mean_read_request_bytes"] == 128 * 1024 and f["mean_write_request_bytes"] == MIB
+        assert f["read_gb"] == 100 * 128 * 1024 / GIB and f["write_gb"] == 50 * MIB / GIB
+
+    def test_await_queue_depth_utilisation_and_rates(self):
+        f = kv.device_window_stats(self.START, self.END, 2.0)
+        assert f["read_await_ms"] == 2.5 and f["write_await_ms"] == 8.0
+        assert f["avg_queue_depth"] == 3.0           # 6000 ms in queue / 2000 ms
+        assert f["utilization"] == 0.75              # 1500 ms busy / 2000 ms
+        assert f["read_gib_per_sec"] == pytest.approx(100 * 128 * 1024 / GIB / 2.0)
+        assert f["write_gib_per_sec"] == pytest.approx(50 * MIB / GIB / 2.0)
+
+    def test_sectors_are_512_bytes_whatever_the_block_size(self):
+        f = kv.device_window_stats(_sample(), _sample(write_ios=1, write_sectors=8), 1.0)
+        assert f["bytes_written"] == 4096
+
+    def test_no_requests_gives_none_not_zero(self):
+        same = dict(self.START)
+        f = kv.device_window_stats(self.START, same, 1.0)
+        assert f["reads_completed"] == 0 and f["bytes_read"] == 0
+        assert f["mean_read_request_bytes"] is None and f["read_await_ms"] is None
+        assert f["mean_write_request_bytes"] is None and f["write_await_ms"] is None
+        assert f["read_gib_per_sec"] == 0.0 and f["utilization"] == 0.0
+
+    def test_a_wrapped_counter_gives_none_for_its_figures_only(self):
+        end = dict(self.END, read_ticks_ms=10)       # 32-bit tick counter wrapped
+        f = kv.device_window_stats(self.START, end, 2.0)
+        assert f["read_await_ms"] is None
+        assert f["reads_completed"] == 100 and f["write_await_ms"] == 8.0
+
+    def test_zero_wall_time_gives_no_rates(self):
+        f = kv.device_window_stats(self.START, self.END, 0.0)
+        assert f["read_gib_per_sec"] is None and f["avg_queue_depth"] is None and f["utilization"] is None
+        assert f["bytes_read"] == 100 * 128 * 1024
+
+    def test_eleven_field_samples_have_no_flush_count(self):
+        start = kv.parse_block_stat(STAT_11)
+        f = kv.device_window_stats(start, start, 1.0)
+        assert f["flushes_completed"] is None and f["reads_completed"] == 0
+
+
+class TestFindBlockDevice:
+    def test_this_machines_disk_counts_our_fsynced_writes(self, tmp_path):
+        device, why = kv.find_block_device(tmp_path)
+        if device is None:
+            pytest.skip(f"tmp_path has no block device here: {why}")
+        assert device.stat_path.is_file() and device.name in why
+        monitor = kv.BlockDeviceMonitor(tmp_path)
+        monitor.start()
+        with open(tmp_path / "data.bin", "wb") as f:
+            f.write(os.urandom(8 * MIB))
+            f.flush()
+            os.fsync(f.fileno())
+        stats = monitor.finish()
+        assert stats["available"] and stats["device"] == device.name
+        assert stats["writes_completed"] >= 1
+        assert stats["bytes_written"] >= 8 * MIB       # other writers can only add to it
+
+    def test_tmpfs_has_no_block_device(self):
+        shm = "/dev/shm"
+        if not os.path.isdir(shm) or _mount_fstype(shm) != "tmpfs":
+            pytest.skip("no tmpfs mounted at /dev/shm on this machine")
+        device, why = kv.find_block_device(shm)
+        assert device is None and "tmpfs" in why
+
+    def test_missing_path_is_a_reason_not_an_exception(self, tmp_path):
+        device, why = kv.find_block_device(tmp_path / "absent")
+        assert device is None and "cannot stat" in why
+
+
+def _fake_sys(root: Path, path: Path, name: str, disk: str = None, stat_text: str = STAT_17) -> Path:
+    """A /sys with /sys/dev/block/MAJ:MIN of `path`'s st_dev pointing at a fake device
+    (a partition of `disk` when disk is given)."""
+    st_dev = os.stat(path).st_dev
+    base = root / "devices" / "virtual" / "block"
+    disk_dir = base / (disk or name)
+    device_dir = disk_dir / name if disk else disk_dir
+    device_dir.mkdir(parents=True)
+    (device_dir / "stat").write_text(stat_text)
+    (disk_dir / "queue").mkdir()
+    (disk_dir / "queue" / "logical_block_size").write_text("4096\n")
+    if disk:
+        (device_dir / "partition").write_text("2\n")
+    (root / "dev" / "block").mkdir(parents=True)
+    (root / "dev" / "block" / f"{os.major(st_dev)}:{os.minor(st_dev)}").symlink_to(device_dir)
+    return device_dir
+
+
+def _fake_mountinfo(tmp_path: Path, fstype: str = "ext4") -> Path:
+    mi = tmp_path / "mountinfo"
+    mi.write_text(f"27 1 254:0 / / rw,relatime shared:1 - {fstype} /dev/fake rw\n")
+    return mi
+
+
+class TestFakeSysfs:
+    """The device-mapper, partition and no-/sys paths, on a made-up /sys tree."""
+
+    @pytest.fixture
+    def data_dir(self, tmp_path):
+        device, why = kv.find_block_device(tmp_path)
+        if os.major(os.stat(tmp_path).st_dev) == 0:
+            pytest.skip(f"tmp_path is on an anonymous device here ({why})")
+        (tmp_path / "data").mkdir()
+        return tmp_path / "data"
+
+    def test_a_partition_reads_its_own_stat_and_names_its_disk(self, tmp_path, data_dir):
+        device_dir = _fake_sys(tmp_path / "sys", data_dir, "nvme0n1p2", disk="nvme0n1")
+        device, why = kv.find_block_device(data_dir, tmp_path / "sys", _fake_mountinfo(tmp_path))
+        assert device.name == "nvme0n1p2" and device.disk == "nvme0n1"
+        assert device.stat_path == device_dir.resolve() / "stat"
+        assert device.logical_block_bytes == 4096
+        assert why == "ext4 on nvme0n1p2 (disk nvme0n1)"
+
+    def test_a_device_mapper_volume_uses_its_own_stat(self, tmp_path, data_dir):
+        _fake_sys(tmp_path / "sys", data_dir, "dm-0")
+        device, why = kv.find_block_device(data_dir, tmp_path / "sys", _fake_mountinfo(tmp_path, "xfs"))
+        assert (device.name, device.disk) == ("dm-0", "dm-0") and why == "xfs on dm-0"
+
+    def test_no_sysfs_entry_names_the_file_system(self, tmp_path, data_dir):
+        (tmp_path / "sys" / "dev" / "block").mkdir(parents=True)
+        device, why = kv.find_block_device(data_dir, tmp_path / "sys", _fake_mountinfo(tmp_path, "zfs"))
+        assert device is None and why.startswith("zfs has no block device")
+
+    def test_sys_not_mounted(self, tmp_path, data_dir):
+        device, why = kv.find_block_device(data_dir, tmp_path / "nosys", _fake_mountinfo(tmp_path))
+        assert device is None and "is /sys mounted?" in why
+
+    def test_unreadable_stat_is_a_reason(self, tmp_path, data_dir):
+        _fake_sys(tmp_path / "sys", data_dir, "sdz", stat_text="garbage\n")
+        device, why = kv.find_block_device(data_dir, tmp_path / "sys", _fake_mountinfo(tmp_path))
+        assert device is None and "cannot read" in why
+
+    def test_monitor_figures_from_changing_stat_file(self, tmp_path, data_dir):
+        device_dir = _fake_sys(tmp_path / "sys", data_dir, "sdz", stat_text=_stat_line(_sample()))
+        monitor = kv.BlockDeviceMonitor(data_dir, tmp_path / "sys", _fake_mountinfo(tmp_path))
+        monitor.start()
+        (device_dir / "stat").write_text(_stat_line(_sample(read_ios=4, read_sectors=4 * 2048)))
+        first = monitor.interval()
+        (device_dir / "stat").write_text(_stat_line(_sample(read_ios=4, read_sectors=4 * 2048,
+                                                            write_ios=2, write_sectors=2 * 2048)))
+        second = monitor.interval()
+        assert first["device_read_gib_per_sec"] > 0 and first["device_write_gib_per_sec"] == 0
+        assert second["device_read_gib_per_sec"] == 0 and second["device_write_gib_per_sec"] > 0
+        stats = monitor.finish()
+        assert stats["bytes_read"] == 4 * MIB and stats["bytes_written"] == 2 * MIB
+        assert stats["mean_read_request_bytes"] == MIB and stats["window_s"] > 0
+
+    def test_a_vanished_stat_file_makes_the_monitor_unavailable(self, tmp_path, data_dir):
+        device_dir = _fake_sys(tmp_path / "sys", data_dir, "sdz")
+        monitor = kv.BlockDeviceMonitor(data_dir, tmp_path / "sys", _fake_mountinfo(tmp_path))
+        monitor.start()
+        (device_dir / "stat").unlink()
+        assert monitor.interval() == {}
+        stats = monitor.finish()
+        assert stats["available"] is False and "cannot read" in stats["reason"]
+
+
+class TestMountinfo:
+    def test_longest_mount_point_wins_and_later_mounts_hide_earlier(self, tmp_path):
+        mi = tmp_path / "mountinfo"
+        mi.write_text("1 0 254:0 / / rw - ext4 /dev/vda rw\n"
+                      "2 1 0:23 / /dev/shm rw - tmpfs tmpfs rw\n"
+                      "3 1 0:27 / /dev/shm rw shared:5 master:1 - tmpfs shm2 rw\n"
+                      "4 1 0:30 / /mnt/my\\040disk rw - nfs server:/x rw\n"
+                      "bad line\n")
+        assert kv.mount_of("/dev/shm/x", mi).source == "shm2"
+        assert kv.mount_of("/mnt/my disk/a", mi).fstype == "nfs"
+        assert kv.mount_of("/mnt/my", mi).fstype == "ext4"
+        assert kv.mount_of("/x", tmp_path / "absent") is None
+
+
+class TestBlockDeviceMonitorUnavailable:
+    def test_no_device_gives_reason_and_empty_intervals(self, tmp_path):
+        monitor = kv.BlockDeviceMonitor(tmp_path, tmp_path / "nosys")
+        monitor.start()
+        assert monitor.available is False and monitor.interval() == {}
+        stats = monitor.finish()
+        assert stats == {"available": False, "device": None, "reason": stats["reason"]}
+        assert "/sys" in stats["reason"] or "no block device" in stats["reason"]
+
+    def test_finish_without_start_is_unavailable(self, tmp_path):
+        monitor = kv.BlockDeviceMonitor(tmp_path)
+        if not monitor.available:
+            pytest.skip(monitor.description)
+        stats = monitor.finish()
+        assert stats["available"] is False and "start()" in stats["reason"]
+
+    def test_interval_and_finish_from_two_threads(self, tmp_path):
+        monitor = kv.BlockDeviceMonitor(tmp_path)
+        if not monitor.available:
+            pytest.skip(monitor.description)
+        monitor.start()
+        points = []
+        workers = [threading.Thread(target=lambda: points.extend(monitor.interval() for _ in range(50)))
+                   for _ in range(2)]
+        for w in workers:
+            w.start()
+        stats = monitor.finish()
+        for w in workers:
+            w.join()
+        assert stats["available"] and len(points) == 100
+        assert all(set(p) <= {"device_read_gib_per_sec", "device_write_gib_per_sec"} for p in points)
+
+
+def _device(bytes_read, bytes_written, read_await_ms=0.5, write_await_ms=1.0):
+    return {"available": True, "device": "vda", "bytes_read": bytes_read, "bytes_written": bytes_written,
+            "read_await_ms": read_await_ms, "write_await_ms": write_await_ms}
+
+
+class TestCompareAppWithDevice:
+    APP = {"read_mean_ms": 5.5, "write_mean_ms": 9.0, "bytes_read": 600 * MIB, "bytes_written": 400 * MIB}
+
+    def test_latencies_side_by_side(self):
+        c = kv.compare_app_with_device(self.APP, _device(600 * MIB, 400 * MIB))
+        assert (c["read_app_mean_ms"], c["read_device_await_ms"], c["read_software_ms"]) == (5.5, 0.5, 5.0)
+        assert (c["write_app_mean_ms"], c["write_device_await_ms"], c["write_software_ms"]) == (9.0, 1.0, 8.0)
+
+    @pytest.mark.parametrize("pct, note_start", [
+        (94, "only 94 % of the benchmark's storage bytes reached the device"),
+        (100, None),
+        (106, "the device moved 106 % of the benchmark's bytes"),
+    ])
+    def test_share_reached_and_its_note(self, pct, note_start):
+        moved = 1000 * MIB * pct // 100
+        c = kv.compare_app_with_device(self.APP, _device(moved * 6 // 10, moved * 4 // 10))
+        assert c["share_reached_pct"] == pytest.approx(pct)
+        if note_start is None:
+            assert c["share_note"] is None
+        else:
+            assert c["share_note"].startswith(note_start)
+
+    def test_low_and_high_notes_name_their_causes(self):
+        low = kv.compare_app_with_device(self.APP, _device(500 * MIB, 0))["share_note"]
+        high = kv.compare_app_with_device(self.APP, _device(800 * MIB, 400 * MIB))["share_note"]
+        assert "page cache" in low and "compressing" in low
+        assert "other processes" in high and "journal" in high and "read-ahead" in high
+
+    def test_app_moved_nothing_gives_no_share(self):
+        c = kv.compare_app_with_device({"read_mean_ms": None, "write_mean_ms": None, "bytes_read": 0,
+                                        "bytes_written": 0}, _device(MIB, MIB))
+        assert c["share_reached_pct"] is None and c["share_note"] is None and c["read_software_ms"] is None
+
+    def test_unavailable_device_gives_none(self):
+        c = kv.compare_app_with_device(self.APP, {"available": False, "device": None, "reason": "tmpfs"})
+        assert c["read_device_await_ms"] is None and c["read_software_ms"] is None
+        assert c["device_bytes"] is None and c["share_reached_pct"] is None
+
+
+class TestFormatDeviceSection:
+    def test_available_device(self):
+        start = _sample()
+        end = _sample(read_ios=10, read_sectors=10 * 256, read_ticks_ms=5, io_ticks_ms=500, time_in_queue_ms=1000)
+        stats = dict(available=True, device="nvme0n1p2", disk="nvme0n1", reason=None, window_s=1.0,
+                     logical_block_bytes=512, **kv.device_window_stats(start, end, 1.0))
+        comparison = kv.compare_app_with_device({"read_mean_ms": 2.0, "write_mean_ms": None,
+                                                 "bytes_read": 10 * 128 * 1024 * 2, "bytes_written": 0}, stats)
+        lines = kv.format_device_section(stats, comparison)
+        assert lines[0] == "### DEVICE (kernel block layer: nvme0n1p2) ###"
+        text = "\n".join(lines)
+        assert "disk nvme0n1" in text and "10 requests" in text and "await 0.50ms" in text
+        assert "queue depth: 1.00" in text and "50.0%" in text
+        assert "read 2.00ms vs 0.50ms (1.50ms above the device)" in text
+        assert "50.0% of the benchmark's storage bytes" in text and "Note: only 50 %" in text
+
+    def test_unavailable_device(self):
+        lines = kv.format_device_section({"available": False, "device": None,
+                                          "reason": "tmpfs has no block device"}, None)
+        assert lines == ["### DEVICE (kernel block layer) ###", "  N/A: tmpfs has no block device"]
+
+
+def _run(tmp_path, **overrides):
+    run = {"directory": str(tmp_path), "direct": False,
+           "read_sizes": {8 * MIB: 900, str(MIB): 100, 12288: 2}, "write_sizes": {8 * MIB: 300, 5000: 10},
+           "bytes_read": 900 * 8 * MIB, "bytes_written": 300 * 8 * MIB, "streams": 4, "depth": 4,
+           "file_size_bytes": 40 * MIB, "runtime_s": 3,
+           "header": {"model": "llama3.1-8b", "users": 8, "seed": 42, "workload_digest": "ab12",
+                      "read_gib_per_sec": 1.25, "write_gib_per_sec": 0.5,
+                      "read_mean_ms": 5.1, "write_mean_ms": 9.9}}
+    run.update(overrides)
+    return run
+
+
+def _options(text):
+    """{section: {key: value}} of an fio job file."""
+    sections, current = {}, None
+    for line in text.splitlines():
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+        elif "=" in line and current is not None:
+            key, value = line.split("=", 1)
+            current[key] = value
+    return sections
+
+
+def _bssplit(spec):
+    return [(int(s), int(p)) for s, p in (item.split("/") for item in spec.split(":"))]
+
+
+def _fio_or_skip():
+    if shutil.which("fio") is None:
+        pytest.skip("fio is not installed (apt-get install fio)")
+
+
+class TestFioJobText:
+    def test_global_section(self, tmp_path):
+        g = _options(kv.fio_job_text(_run(tmp_path)))["global"]
+        assert g["directory"] == str(tmp_path) and g["direct"] == "0"
+        assert g["ioengine"] == "libaio" and g["iodepth"] == "4"
+        assert g["runtime"] == "3" and g["time_based"] == "1" and g["group_reporting"] == "1"
+        assert g["refill_buffers"] == "1" and g["buffer_compress_percentage"] == "0"
+        assert g["randrepeat"] == "0" and g["fallocate"] == "native"
+        assert g["filesize"] == str(40 * MIB)
+        assert g["nrfiles"] == str(300 * 8 // 40 // 4)   # written data / streams / entry size
+
+    def test_mixed_job_shares_and_bssplit(self, tmp_path):
+        job = _options(kv.fio_job_text(_run(tmp_path)))[kv.FIO_JOB_NAME]
+        assert job["rw"] == "rw" and job["numjobs"] == "4"
+        assert job["rwmixread"] == str(round(1002 * 100 / 1312))   # share of requests
+        reads, writes = (_bssplit(part) for part in job["bssplit"].split(","))
+        assert reads == [(MIB, 10), (8 * MIB, 90)]      # 12 KiB reads are 0.2 %: dropped
+        assert writes == [(8192, 3), (8 * MIB, 97)]     # 5000 bytes rounded up to 4 KiB blocks
+
+    def test_header_is_comments_naming_the_run(self, tmp_path):
+        text = kv.fio_job_text(_run(tmp_path))
+        head = text.split("[global]")[0].strip().splitlines()
+        assert all(line.startswith("#") for line in head)
+        assert "# model: llama3.1-8b" in head and "# workload_digest: ab12" in head
+        assert "# read_gib_per_sec: 1.25" in head and any("Compare" in line for line in head)
+
+    def test_read_only_and_write_only(self, tmp_path):
+        read_job = _options(kv.fio_job_text(_run(tmp_path, write_sizes={}, bytes_written=0)))[kv.FIO_JOB_NAME]
+        write_job = _options(kv.fio_job_text(_run(tmp_path, read_sizes={}, bytes_read=0, depth=1)))
+        assert read_job["rw"] == "read" and "rwmixread" not in read_job and "," not in read_job["bssplit"]
+        assert write_job[kv.FIO_JOB_NAME]["rw"] == "write" and write_job["global"]["ioengine"] == "psync"
+
+    def test_file_size_range_and_direct(self, tmp_path):
+        g = _options(kv.fio_job_text(_run(tmp_path, direct=True, file_sizes=[3 * MIB, 20 * MIB, 5000])))["global"]
+        assert g["direct"] == "1" and g["filesize"] == f"8192-{20 * MIB}"
+
+    def test_bssplit_keeps_at_most_64_sizes_summing_to_100(self):
+        sizes = {4096 * (i + 1): 1000 - i for i in range(200)}
+        items = _bssplit(kv.fio_bssplit(sizes))
+        assert len(items) <= 64 and sum(p for _, p in items) == 100 and all(p > 0 for _, p in items)
+        assert all(size % 4096 == 0 for size, _ in items)
+
+    def test_nothing_moved_raises(self, tmp_path):
+        with pytest.raises(ValueError):
+            kv.fio_job_text(_run(tmp_path, read_sizes={}, write_sizes={}))
+
+    def test_colon_in_directory_is_escaped(self, tmp_path):
+        g = _options(kv.fio_job_text(_run(tmp_path, directory="/mnt/a:b")))["global"]
+        assert g["directory"] == "/mnt/a\\:b"
+
+    def test_fio_parses_the_job(self, tmp_path):
+        _fio_or_skip()
+        import subprocess
+        for overrides in ({}, {"write_sizes": {}}, {"read_sizes": {}}, {"direct": True, "file_sizes": [MIB, 9 * MIB]}):
+            job = tmp_path / "replay.fio"
+            job.write_text(kv.fio_job_text(_run(tmp_path, **overrides)))
+            done = subprocess.run(["fio", "--parse-only", str(job)], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+
+    @pytest.mark.slow
+    def test_a_short_fio_run_is_read_back(self, tmp_path):
+        _fio_or_skip()
+        run = _run(tmp_path, read_sizes={256 * 1024: 60, 64 * 1024: 40}, write_sizes={256 * 1024: 50},
+                   file_size_bytes=4 * MIB, bytes_written=16 * MIB, streams=2, depth=2)
+        job = tmp_path / "replay.fio"
+        job.write_text(kv.fio_job_text(run))
+        result = kv.run_fio(job, runtime_s=3, timeout_s=120)
+        assert result["jobs"] == 1 and result["errors"] == 0          # group_reporting
+        assert result["read_bytes_per_sec"] > 0 and result["write_bytes_per_sec"] > 0
+        assert result["read_io_bytes"] > 0 and result["read_requests"] > 0
+        assert result["read_p95_ms"] >= 0 and result["read_mean_ms"] > 0
+
+
+FIO_JSON = {
+    "fio version": "fio-3.33",
+    "jobs": [
+        {"jobname": "a", "error": 0,
+         "read": {"io_bytes": 1000, "bw_bytes": 2 * GIB, "iops": 100.0, "total_ios": 100,
+                  "clat_ns": {"N": 100, "mean": 1_500_000.0, "percentile": {"95.000000": 3_000_000}},
+                  "lat_ns": {"N": 100, "mean": 2_000_000.0, "percentile": {"95.000000": 4_000_000}}},
+         "write": {"io_bytes": 0, "bw_bytes": 0, "iops": 0.0, "total_ios": 0,
+                   "clat_ns": {"N": 0, "mean": 0.0}, "lat_ns": {"N": 0, "mean": 0.0}}},
+        {"jobname": "b", "error": 0,
+         "read": {"io_bytes": 3000, "bw_bytes": GIB, "iops": 300.0, "total_ios": 300,
+                  "clat_ns": {"N": 300, "mean": 500_000.0, "percentile": {"95.000000": 6_000_000}},
+                  "lat_ns": {"N": 300, "mean": 1_000_000.0}},
+         "write": {"io_bytes": 0, "bw_bytes": 0, "iops": 0.0, "total_ios": 0,
+                   "clat_ns": {"N": 0, "mean": 0.0}, "lat_ns": {"N": 0, "mean": 0.0}}},
+    ],
+}
+
+
+class TestParseFioJson:
+    def test_sums_jobs_and_weights_the_mean(self):
+        r = kv.parse_fio_json(json.dumps(FIO_JSON))
+        assert r["jobs"] == 2 and r["fio_version"] == "fio-3.33"
+        assert r["read_bytes_per_sec"] == 3 * GIB and r["read_gib_per_sec"] == 3.0
+        assert r["read_io_bytes"] == 4000 and r["read_iops"] == 400.0 and r["read_requests"] == 400
+        assert r["read_mean_ms"] == pytest.approx((100 * 2.0 + 300 * 1.0) / 400)   # lat_ns
+        assert r["read_p95_ms"] == 6.0               # the largest job's P95 (clat when lat has none)
+        assert r["read_latency_source"] == "lat_ns"
+
+    def test_a_direction_without_requests_has_no_latency(self):
+        r = kv.parse_fio_json(json.dumps(FIO_JSON))
+        assert r["write_bytes_per_sec"] == 0 and r["write_mean_ms"] is None and r["write_p95_ms"] is None
+
+    def test_warnings_before_the_json_are_skipped(self):
+        text = "fio: this platform does not support process shared mutexes\nnote: both iodepth >= 1\n"
+        assert kv.parse_fio_json(text + json.dumps(FIO_JSON) + "\n")["jobs"] == 2
+
+    @pytest.mark.parametrize("text", ["", "fio: error", json.dumps({"jobs": []})])
+    def test_no_json_or_no_jobs_raises(self, text):
+        with pytest.raises(ValueError):
+            kv.parse_fio_json(text)
+
+
+class TestRunFio:
+    def test_missing_fio_is_a_runtime_error(self, tmp_path, monkeypatch):
+        monkeypatch.setenv("PATH", str(tmp_path))
+        with pytest.raises(RuntimeError, match="fio is not installed"):
+            kv.run_fio(tmp_path / "job.fio", 1, 10)
+
+    def test_a_failing_job_reports_fios_last_line(self, tmp_path):
+        _fio_or_skip()
+        job = tmp_path / "bad.fio"
+        job.write_text("[bad]\nno_such_option=1\n")
+        with pytest.raises(RuntimeError, match="fio failed"):
+            kv.run_fio(job, 1, 30)
+
+
 # ============================================================================
 # BENCHMARK ENGINE
 # ============================================================================
@@ -3320,6 +3824,98 @@ def seeded_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+class TestDriveViewEndToEnd:
+    """The DEVICE section, --fio-job and --fio-compare through the command line."""
+
+    @staticmethod
+    def proc_io():
+        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+    def test_a_storage_run_reports_what_reached_the_device(self, tmp_path):
+        cache = tmp_path / "cache"
+        cache.mkdir()
+        device, reason = kv.find_block_device(cache)
+        if device is None:
+            pytest.skip(f"no block device under {tmp_path}: {reason}")
+        read0, write0 = self.proc_io()
+        status, out, _ = main_in_process([*SMALL_RUN, "--num-users", "6", "--max-requests", "30", "--seed", "7",
+                                          "--cpu-mem-gb", "0", "--cache-dir", cache, "--output",
+                                          tmp_path / "r.json", "--quiet"])
+        read1, write1 = self.proc_io()
+        assert status == 0
+        r = json.loads((tmp_path / "r.json").read_text())
+        cs, d = r["summary"]["cache_stats"], r["summary"]["device_stats"]
+        ours = (cs["nvme_bytes_read_gb"] + cs["nvme_bytes_written_gb"]) * GIB
+        kernel = (read1 - read0) + (write1 - write0)       # what the kernel counted for this process
+        assert ours > 0 and abs(kernel - ours) / ours < 0.05
+        assert d["available"] and d["device"] == device.name
+        device_bytes = d["bytes_read"] + d["bytes_written"]
+        assert device_bytes >= 0.95 * kernel               # other processes may add to the device, never take
+        assert r["summary"]["device_comparison"]["share_reached_pct"] >= 95
+        assert f"### DEVICE (kernel block layer: {device.name}) ###" in out
+        assert "Bytes reaching the device:" in out
+        assert any("device_read_gib_per_sec" in p for p in r["timeline"])
+
+    def test_tmpfs_cache_dir_is_accepted_and_its_device_section_says_why_not(self, tmp_path):
+        shm = Path("/dev/shm")
+        if kv.find_block_device(shm)[0] is not None or not os.access(shm, os.W_OK):
+            pytest.skip("no writable tmpfs at /dev/shm here")
+        cache = Path(tempfile.mkdtemp(prefix="kvtest_", dir=shm))
+        try:
+            status, out, err = main_in_process([*SMALL_RUN, "--num-users", "2", "--max-requests", "4",
+                                                "--cpu-mem-gb", "0", "--cache-dir", cache, "--seed", "1",
+                                                "--output", tmp_path / "r.json", "--quiet"])
+            assert status == 0, err
+            assert "### DEVICE (kernel block layer) ###" in out and "N/A: tmpfs has no block device" in out
+            assert list(cache.iterdir()) == []
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+
+    def test_the_fio_job_parses_and_runs(self, tmp_path):
+        if shutil.which("fio") is None:
+            pytest.skip("fio is not installed (.ci/run installs it)")
+        cache = tmp_path / "cache"
+        cache.mkdir()
+        job = tmp_path / "replay.fio"
+        status, _, err = main_in_process([*SMALL_RUN, "--num-users", "4", "--max-requests", "12", "--seed", "3",
+                                          "--cpu-mem-gb", "0", "--cache-dir", cache, "--fio-job", job,
+                                          "--output", tmp_path / "r.json", "--quiet"])
+        assert status == 0, err
+        text = job.read_text()
+        assert "# run: model tiny-1b, 4 users, seed 3, workload digest" in text
+        assert f"directory={cache}" in text and "[kv-cache-replay]" in text
+        parsed = subprocess.run(["fio", "--parse-only", str(job)], capture_output=True, text=True)
+        assert parsed.returncode == 0, parsed.stderr
+        short = tmp_path / "short.fio"
+        short.write_text(re.sub(r"^runtime=\d+$", "runtime=3", text, flags=re.M))
+        result = kv.run_fio(short, runtime_s=3, timeout_s=120)
+        assert result["errors"] == 0 and result["read_bytes_per_sec"] + result["write_bytes_per_sec"] > 0
+
+    def test_fio_compare_reports_ours_over_fio_and_leaves_nothing(self, tmp_path):
+        if shutil.which("fio") is None:
+            pytest.skip("fio is not installed (.ci/run installs it)")
+        cache = tmp_path / "cache"
+        cache.mkdir()
+        status, out, err = main_in_process([*SMALL_RUN, "--num-users", "4", "--duration", "2", "--seed", "3",
+                                            "--cpu-mem-gb", "0", "--cache-dir", cache, "--fio-compare",
+                                            "--output", tmp_path / "r.json", "--quiet"])
+        assert status == 0, err
+        c = json.loads((tmp_path / "r.json").read_text())["summary"]["fio_comparison"]
+        assert "error" not in c and c["bandwidth_ratio"] > 0
+        assert c["total_gib_per_sec_fio"] > 0 and c["fio"]["jobs"] == 1
+        assert "### FIO COMPARISON" in out
+        assert list(cache.iterdir()) == []
+
+    def test_fio_compare_without_fio_is_a_usage_error(self, tmp_path):
+        env = {**os.environ, "PATH": str(Path(sys.executable).parent)}      # python, and no fio
+        proc = run_cli(*SMALL_RUN, "--duration", "1", "--cache-dir", tmp_path / "c", "--fio-compare",
+                       cwd=tmp_path, env=env)
+        assert proc.returncode == 2
+        assert proc.stderr.strip().count("\n") == 0 and "--fio-compare needs fio" in proc.stderr
+        assert list(tmp_path.iterdir()) == []
+
+
 class TestEndToEnd:
     def test_storage_run_spills_to_storage_and_cleans_up(self, tmp_path):
         proc, r = run_benchmark(tmp_path, "--num-users", "8", "--duration", "4", "--cpu-mem-gb", "0.05",

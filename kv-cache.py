@@ -57,6 +57,7 @@ import tempfile
 import threading
 import time
 import collections
+import contextlib
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -111,11 +112,12 @@ MAX_TURNS_PER_CONVERSATION = 8          # planned turns per synthetic conversati
 # --- Storage I/O ---
 IO_CHUNK_BYTES = 8 * 1024 * 1024        # one pread/pwrite; chosen by measurement (docs/performance.md)
 IO_DEPTH = 4                            # chunks of one entry in flight at once (docs/performance.md)
-IO_POOL_THREADS = 64                    # threads issuing chunk transfers: 16 slots x IO_DEPTH
+IO_POOL_THREADS = 64                    # threads issuing chunk transfers: STAGING_AREAS x IO_DEPTH
+STAGING_AREAS = 16                      # staging areas for storage transfers in flight: bounds RAM (StagingPool)
 NPY_DATA_OFFSET = 4096                  # .npy header padded so the array starts block-aligned
 
 # --- Engine ---
-DEFAULT_WORKER_SLOTS = 16               # concurrent inference slots ("the GPU's batch"), worker threads
+MAX_IN_FLIGHT_REQUESTS = 500            # the original's min(users, 500) requests processed at once
 DEFAULT_MONITOR_INTERVAL_S = 10.0
 
 # --- Limits for command-line values ---
@@ -665,7 +667,8 @@ class RAGDocumentManager:
                                               for i, t in enumerate(d.chunk_tokens)]
         self._lock = threading.Lock()
         self.ingest: Dict[str, Any] = {"documents_ingested": 0, "chunks_ingested": 0, "bytes_ingested": 0,
-                                       "ingest_seconds": 0.0, "ingest_failures": 0}
+                                       "ingest_seconds": 0.0, "ingest_failures": 0, "ingestion_interrupted": False,
+                                       "documents_not_ingested": len(self.documents)}
         self.queries = 0
         self.chunk_reads = 0
         self.hits_by_tier: Dict[str, int] = defaultdict(int)
@@ -678,8 +681,9 @@ class RAGDocumentManager:
         for doc in self.documents:
             ok = True
             for i, tokens in enumerate(doc.chunk_tokens):
-                if should_stop():
+                if should_stop():                   # the run's stop (its deadline, too) ends ingestion
                     ok = False
+                    self.ingest["ingestion_interrupted"] = True
                     break
                 result = cache.write_entry(doc.chunk_key(i), tokens, InferencePhase.PREFILL)
                 if result.success:
@@ -689,6 +693,9 @@ class RAGDocumentManager:
                     ok = False
                     self.ingest["ingest_failures"] += 1
             self.ingest["documents_ingested"] += ok
+            if self.ingest["ingestion_interrupted"]:
+                break
+        self.ingest["documents_not_ingested"] = len(self.documents) - self.ingest["documents_ingested"]
         self.ingest["ingest_seconds"] = time.perf_counter() - t0
         return dict(self.ingest)
 
@@ -1223,6 +1230,52 @@ class ChunkPipeline:
         return total
 
 
+class StagingPool:
+    """A bounded set of page-aligned staging areas (IO_DEPTH chunks each) shared by every request.
+
+    A server has a fixed amount of bounce-buffer memory however many users it serves: a
+    transfer beyond it waits here for an area, and that wait is part of the operation's
+    storage time, as it would be there. Areas are made on first need (small runs stay small);
+    `on_create` may prepare each new one (the GPU tier pins them).
+    """
+
+    def __init__(self, count: int, nbytes: int, abort: Optional[threading.Event] = None):
+        self.count, self.nbytes = count, nbytes
+        self.on_create: Optional[Callable[[np.ndarray], None]] = None
+        self._abort = abort
+        self._free: List[np.ndarray] = []
+        self._made = 0
+        self._cond = threading.Condition()
+        self.waits = 0                    # leases that had to wait for an area
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[np.ndarray]:
+        """An area for one operation; IOAborted when the run stops while waiting for one."""
+        area = self._acquire()
+        try:
+            yield area
+        finally:
+            with self._cond:
+                self._free.append(area)
+                self._cond.notify()
+
+    def _acquire(self) -> np.ndarray:
+        with self._cond:
+            if not self._free and self._made >= self.count:
+                self.waits += 1
+            while not self._free and self._made >= self.count:
+                if self._abort is not None and self._abort.is_set():
+                    raise IOAborted(0)
+                self._cond.wait(0.05)
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+        area = aligned_empty(self.nbytes)                 # outside the lock: a fresh mapping takes a moment
+        if self.on_create is not None:
+            self.on_create(area)
+        return area
+
+
 # A source of entry bytes: fill(entry_offset, out) writes bytes [offset, offset+out.size).
 ByteSource = Callable[[int, np.ndarray], None]
 
@@ -1304,11 +1357,18 @@ class CPUMemoryBackend(StorageBackend):
 
     def __init__(self) -> None:
         self.cache: Dict[str, np.ndarray] = {}
+        self.abort_event: Optional[threading.Event] = None    # set: a copy gives up at its next chunk
+
+    def _check_abort(self, nbytes_done: int) -> None:
+        if self.abort_event is not None and self.abort_event.is_set():
+            raise IOAborted(nbytes_done)
 
     def write_from(self, key, source, nbytes, shape, dtype, staging=None) -> IOTiming:
         t0 = time.perf_counter()
         data = np.empty(nbytes, dtype=np.uint8)
-        source(0, data)
+        for offset in range(0, nbytes, IO_CHUNK_BYTES):   # in chunks, so that a stop is obeyed mid-entry
+            self._check_abort(offset)
+            source(offset, data[offset:offset + IO_CHUNK_BYTES])
         self.cache[key] = data.view(np.dtype(dtype)).reshape(shape)
         total = time.perf_counter() - t0
         return IOTiming.from_device(total, total)
@@ -1329,6 +1389,7 @@ class CPUMemoryBackend(StorageBackend):
         copy_s = 0.0
         t0 = time.perf_counter()
         for start in range(0, flat.size, staging.size):
+            self._check_abort(start)
             part = flat[start:start + staging.size]
             t = time.perf_counter()
             np.copyto(staging[:part.size], part)
@@ -2267,6 +2328,9 @@ class MultiTierCache:
         self.backends["nvme"] = NVMeBackend(self.run_dir)
         self._abort = threading.Event()
         self.backends["nvme"].abort_event = self._abort
+        self.staging_pool = StagingPool(STAGING_AREAS, IO_DEPTH * IO_CHUNK_BYTES, self._abort)
+        for backend in self.backends.values():
+            backend.abort_event = self._abort
         self._retired: set = set()
         self._trash: List[Path] = []
         self._limits["nvme"] = storage_capacity_gb * GIB if storage_capacity_gb else float("inf")
@@ -2317,11 +2381,15 @@ class MultiTierCache:
                     counts[entry.tier] += 1
             return counts
 
-    def _staging(self) -> np.ndarray:
-        buf = getattr(self._tls, "staging", None)
-        if buf is None:
-            buf = self._tls.staging = aligned_empty(IO_DEPTH * IO_CHUNK_BYTES)
-        return buf
+    @contextlib.contextmanager
+    def _staged(self, tier: str, op: str) -> Iterator[Optional[np.ndarray]]:
+        """A staging area from the shared pool for a transfer that needs one (storage I/O, reads
+        copied out of memory); None for writes into memory, which need none."""
+        if tier != "nvme" and op == "write":
+            yield None
+            return
+        with self.staging_pool.lease() as area:
+            yield area
 
     # --- writes ---
     def allocate_cache(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
@@ -2371,7 +2439,8 @@ class MultiTierCache:
         if self.verify:
             source, crc = _checksummed(source)
         try:
-            timing = self.backends[tier].write_from(key, source, size, entry.shape, entry.dtype, self._staging())
+            with self._staged(tier, "write") as staging:
+                timing = self.backends[tier].write_from(key, source, size, entry.shape, entry.dtype, staging)
         except (OSError, IOAborted) as exc:
             self._drop(entry, reserved_tier=tier)
             self._record_failure(tier, "write", exc)
@@ -2450,8 +2519,9 @@ class MultiTierCache:
         if isinstance(backend, (CPUMemoryBackend, GPUMemoryBackend)):
             timing = backend.store(entry.key, data)
         else:
-            timing = backend.write_from(entry.key, array_source(data), entry.size_bytes,
-                                        entry.shape, entry.dtype, self._staging())
+            with self._staged(dest, "write") as staging:
+                timing = backend.write_from(entry.key, array_source(data), entry.size_bytes,
+                                            entry.shape, entry.dtype, staging)
         return IOTiming.from_device(time.perf_counter() - t0, fetch_s + timing.device)
 
     def _forget(self, entry: CacheEntry) -> None:
@@ -2517,7 +2587,8 @@ class MultiTierCache:
             crc = [0] if entry.checksum is not None else None
             consume = (lambda chunk: crc.__setitem__(0, zlib.crc32(chunk, crc[0]))) if crc is not None else None
             try:
-                timing = self.backends[tier].read_through(key, self._staging(), consume)
+                with self._staged(tier, "read") as staging:
+                    timing = self.backends[tier].read_through(key, staging, consume)
             except KeyError:
                 continue
             except IOAborted as exc:                   # the run is stopping: neither hit nor miss
@@ -3392,6 +3463,7 @@ class StorageMonitor:
             "storage_write_gib_per_sec": delta.get("nvme_bytes_written", 0) / GIB / span,
             "storage_read_p95_ms": read_p95,
             "storage_write_p95_ms": write_p95,
+            "window_requests": len(records),
             "queue_depth": self._queue.qsize(),
             "queue_wait_mean_ms": queue_ms,
             "service_mean_ms": service_ms,
@@ -3464,8 +3536,6 @@ QOS_SCALE_UP = 1.25                     # +25 % users (at least one) while below
 QOS_SCALE_DOWN = 0.80                   # -20 % users (at least one) when above it
 QOS_TOLERANCE = 0.05                    # hold within the target +/- this
 QOS_COOLDOWN_INTERVALS = 2              # intervals without scaling up after a scale-down
-CAPACITY_MIN_GAIN = 0.05                # a stage must beat the best throughput by 5 %
-CAPACITY_STALL_STAGES = 2               # stages without a gain before concluding
 
 
 def qos_decision(saturation: float, target: float, users: int, cooldown_left: int,
@@ -3488,34 +3558,40 @@ def qos_decision(saturation: float, target: float, users: int, cooldown_left: in
 
 
 class CapacitySearch:
-    """Capacity mode: grow the load in stages (double, then x1.5) while throughput rises;
-    conclude after CAPACITY_STALL_STAGES stages without a gain (pure state machine)."""
+    """Capacity mode as seed 000 describes it: double the users, then grow them 1.5x per stage
+    while throughput rises; stop at the first stage whose throughput falls below the best so
+    far. The peak is the highest throughput measured before that drop (pure state machine).
+
+    A window in which no request completed is no measurement (ramp-up, a stall): the stage is
+    held and measured again; it never counts as a drop, and no peak at 0 tok/s or 0 users is
+    ever declared.
+    """
 
     def __init__(self) -> None:
         self.best_throughput = 0.0
         self.best_users = 0
-        self.stalled = 0
         self.stages = 0
         self.done = False
 
-    def step(self, throughput: float, users: int, max_users: int = MAX_USERS) -> ScalingDecision:
+    def step(self, throughput: float, users: int, completed: int = 1, max_users: int = MAX_USERS) -> ScalingDecision:
         if self.done:
             return ScalingDecision("hold", users, "peak capacity already found")
-        if throughput > self.best_throughput * (1 + CAPACITY_MIN_GAIN):
-            self.best_throughput, self.best_users, self.stalled = throughput, users, 0
-            gained = True
-        else:
-            self.stalled += 1
-            gained = False
-        if self.stalled >= CAPACITY_STALL_STAGES or users >= max_users:
+        if completed <= 0 or throughput <= 0:
+            return ScalingDecision("hold", users, f"no request completed at {users} users: not a measurement, "
+                                                  f"measuring this stage again")
+        if self.best_users and throughput < self.best_throughput:
             self.done = True
-            return ScalingDecision("hold", users, f"Peak capacity found: {self.best_throughput:,.1f} tok/s "
-                                                  f"at {self.best_users} users")
+            return ScalingDecision("hold", users, f"Peak capacity found: {self.best_throughput:,.1f} tok/s at "
+                                                  f"{self.best_users} users (fell to {throughput:,.1f} at {users})")
+        self.best_throughput, self.best_users = throughput, users
+        if users >= max_users:
+            self.done = True
+            return ScalingDecision("hold", users, f"Peak capacity found: {throughput:,.1f} tok/s at {users} "
+                                                  f"users (the maximum user count)")
         factor = 2.0 if self.stages == 0 else 1.5
         self.stages += 1
         after = min(max_users, max(users + 1, int(math.ceil(users * factor))))
-        reason = "throughput rose" if gained else f"no gain ({self.stalled} of {CAPACITY_STALL_STAGES})"
-        return ScalingDecision("up", after, f"{reason}: {throughput:,.1f} tok/s at {users} users")
+        return ScalingDecision("up", after, f"throughput rose: {throughput:,.1f} tok/s at {users} users")
 
 
 class WorkloadAutoscaler:
@@ -3535,7 +3611,7 @@ class WorkloadAutoscaler:
 
     def evaluate(self, point: Dict[str, Any], users: int) -> ScalingDecision:
         if self.mode == "capacity":
-            decision = self.capacity.step(point["io_tokens_per_sec"], users)
+            decision = self.capacity.step(point["io_tokens_per_sec"], users, point.get("window_requests", 1))
         else:
             decision = qos_decision(point["saturation"], self.target, users, self.cooldown_left)
             self.cooldown_left = QOS_COOLDOWN_INTERVALS if decision.action == "down" else max(0, self.cooldown_left - 1)
@@ -3547,15 +3623,22 @@ class WorkloadAutoscaler:
             "storage_read_p95_ms": point["storage_read_p95_ms"],
             "storage_write_p95_ms": point["storage_write_p95_ms"],
             "queue_wait_mean_ms": point["queue_wait_mean_ms"],
+            "window_requests": point.get("window_requests"),
+            **({"peak_throughput": self.capacity.best_throughput, "peak_users": self.capacity.best_users}
+               if self.mode == "capacity" else {}),
         })
         return decision
 
     def summary(self, final_users: int) -> Dict[str, Any]:
+        # Settled: the count that ran through the last whole interval judged (not one set just before the end).
+        settled = self.history[-1]["users_before"] if self.history else self.initial_users
         out = {"mode": self.mode, "initial_users": self.initial_users, "final_users": final_users,
-               "evaluations": len(self.history),
+               "settled_users": settled, "evaluations": len(self.history),
                "reason": self.history[-1]["reason"] if self.history else "no monitor interval completed"}
         if self.mode == "capacity":
-            out.update({"peak_throughput": self.capacity.best_throughput, "peak_users": self.capacity.best_users,
+            found = self.capacity.best_users > 0
+            out.update({"peak_throughput": self.capacity.best_throughput if found else None,
+                        "peak_users": self.capacity.best_users if found else None,
                         "peak_found": self.capacity.done, "throughput_metric": "io_tokens_per_sec"})
         else:
             out.update({"target_saturation": self.target,
@@ -3583,7 +3666,7 @@ class BenchmarkConfig:
     seed: Optional[int] = None
     max_requests: int = 0
     max_concurrent_allocs: int = 0
-    worker_slots: int = DEFAULT_WORKER_SLOTS
+    worker_slots: int = 0                         # requests processed at once; 0: min(users, MAX_IN_FLIGHT_REQUESTS)
     monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
     autoscaler_mode: Optional[str] = None         # None, 'qos' or 'capacity'
     target_saturation: float = 0.8
@@ -3643,10 +3726,29 @@ class RunRecorder:
         self.records: List[RequestRecord] = []
         self.tokens_generated = 0
         self.abandoned = 0
+        self.in_flight = 0                # requests being processed now, and the most at once
+        self._closed = False              # the run stopped: later completions fall outside the window
+        self.peak_in_flight = 0
         self.reached_max_requests = threading.Event()
+
+    def begin(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def end(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
 
     def complete(self, record: RequestRecord) -> None:
         with self._lock:
+            if self._closed:              # finished during the shutdown tail: not in the measured window
+                self.abandoned += 1
+                return
             self.records.append(record)
             self.tokens_generated += record.generate_tokens
             if self._max_requests and len(self.records) >= self._max_requests:
@@ -3760,6 +3862,45 @@ class ArrivalScheduler:
             self._queue.put((-request.priority, next(self._queue_seq), request))
 
 
+class WorkerPool:
+    """The threads that process requests, one per request in flight as in the original
+    (min(users, 500) by default), resized when the autoscaler adds or retires users.
+
+    A thread whose index is at or beyond the target finishes its request and exits; growing
+    the target starts threads for the missing indices. Memory does not grow with the thread
+    count: storage transfers take their buffers from the cache's bounded StagingPool.
+    """
+
+    def __init__(self, spawn: Callable[..., threading.Thread], serve_one: Callable[[], None],
+                 stop: threading.Event):
+        self._spawn, self._serve_one, self._stop = spawn, serve_one, stop
+        self._lock = threading.Lock()
+        self._target = 0
+        self._running: set = set()
+        self.threads: List[threading.Thread] = []
+        self.peak_threads = 0
+
+    def resize(self, count: int) -> None:
+        with self._lock:
+            self._target = count
+            start = [i for i in range(count) if i not in self._running]
+            self._running.update(start)
+            self.peak_threads = max(self.peak_threads, len(self._running))
+        self.threads += [self._spawn(self._run, f"worker-{i}", i) for i in start]
+
+    def _run(self, index: int) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                if index >= self._target:
+                    self._running.discard(index)
+                    return
+            self._serve_one()
+
+    def join(self) -> None:
+        for thread in list(self.threads):
+            thread.join()
+
+
 class IntegratedBenchmark:
     """Drives the workload through the cache: scheduler -> priority queue -> worker slots.
 
@@ -3794,6 +3935,7 @@ class IntegratedBenchmark:
         self.thread_errors: List[str] = []
         self.io_baseline: Optional[Dict[str, Any]] = None
         self.process_cpu_s = 0.0
+        self.shutdown_tail_s = 0.0
         self.latency_samples: Dict[str, List[float]] = {}     # per tier and operation, seconds (for --plot)
         self.raw: Dict[str, Any] = {}
         self.scheduler = ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop,
@@ -3804,6 +3946,7 @@ class IntegratedBenchmark:
                                       lambda: self.scheduler.active_users, self.device_monitor)
         self.autoscaler = (WorkloadAutoscaler(config.autoscaler_mode, config.target_saturation, config.num_users)
                            if config.autoscaler_mode else None)
+        self.workers = WorkerPool(self._spawn, self._serve_one, self._stop)
 
     # --- control ---
     def request_stop(self, reason: str) -> None:
@@ -3832,11 +3975,14 @@ class IntegratedBenchmark:
             logger.info("Removed the run's cache files from %s in %.1fs", self.cache.run_dir, time.perf_counter() - t0)
 
     def _drive(self) -> float:
+        """Run the workload; returns the measured window (start to stop) in seconds. The shutdown
+        tail (in-flight work giving up) is kept apart in `shutdown_tail_s`."""
         cfg = self.config
-        slots = max(1, min(cfg.worker_slots, cfg.num_users))
         t0 = time.perf_counter()
         self.device_monitor.start()
-        housekeeping = [self._spawn(self._monitor, "monitor", t0), self._spawn(self._reaper, "storage-reaper")]
+        deadline = t0 + cfg.duration_s if cfg.duration_s else None
+        housekeeping = [self._spawn(self._monitor, "monitor", t0), self._spawn(self._reaper, "storage-reaper"),
+                        self._spawn(self._watch_stop, "stop-watch", deadline)]
         if cfg.progress:
             progress_monitor = StorageMonitor(self.cache, self.recorder, self.request_queue,
                                               lambda: self.scheduler.active_users)
@@ -3847,20 +3993,18 @@ class IntegratedBenchmark:
             ingest = self.rag.ingest_all(self.cache, self._stop.is_set)
             logger.info("RAG: ingested %d chunks (%.2f GB) in %.1fs", ingest["chunks_ingested"],
                         ingest["bytes_ingested"] / GIB, ingest["ingest_seconds"])
-        self.scheduler.seed(time.perf_counter())
-        threads = [self._spawn(self.scheduler.run, "arrival-scheduler")]
-        threads += [self._spawn(self._worker, f"worker-{i}") for i in range(slots)]
-        deadline = t0 + cfg.duration_s if cfg.duration_s else None
-        while not self._stop.is_set():
-            if self.recorder.reached_max_requests.wait(0.05):
-                self.request_stop("max_requests")
-            elif deadline is not None and time.perf_counter() >= deadline:
-                self.request_stop("duration")
-        # Generation sleeps end at once; storage I/O in flight gives up at its next chunk.
-        self.cache.abort_io()
+        threads = []
+        if not self._stop.is_set():
+            self.scheduler.seed(time.perf_counter())
+            threads.append(self._spawn(self.scheduler.run, "arrival-scheduler"))
+            self.workers.resize(self._worker_count(self.scheduler.active_users))
+        while not self._stop.is_set():             # polled, never waited on: the signal handler sets it, and
+            time.sleep(0.02)                       # Event.set inside a wait on the same event can deadlock
+        elapsed = time.perf_counter() - t0         # the measured window ends at the stop
         for thread in threads:
             thread.join()
-        elapsed = time.perf_counter() - t0         # the workload's end: before housekeeping winds down
+        self.workers.join()
+        self.shutdown_tail_s = time.perf_counter() - t0 - elapsed
         self.device_stats = self.device_monitor.finish()
         for thread in housekeeping:
             thread.join()
@@ -3871,6 +4015,17 @@ class IntegratedBenchmark:
                 logger.exception("final monitor sample failed")
                 self.thread_errors.append(f"monitor (final sample): {type(exc).__name__}: {exc}")
         return elapsed
+
+    def _watch_stop(self, deadline: Optional[float]) -> None:
+        """Stop at the deadline or the last request, in any phase (RAG ingestion too); then every
+        transfer in flight gives up at its next chunk and generation sleeps end at once."""
+        while not self._stop.is_set():
+            if self.recorder.reached_max_requests.wait(0.02):
+                self.request_stop("max_requests")
+            elif deadline is not None and time.perf_counter() >= deadline:
+                self.request_stop("duration")
+        self.recorder.close()
+        self.cache.abort_io()
 
     def _spawn(self, target: Callable, name: str, *args: Any) -> threading.Thread:
         def guarded() -> None:
@@ -3906,6 +4061,7 @@ class IntegratedBenchmark:
             logger.info("autoscaler: %s %d -> %d users (%s)", decision.action, users, decision.users_after,
                         decision.reason)
             self.scheduler.set_active_users(decision.users_after)
+            self.workers.resize(self._worker_count(decision.users_after))
         if self.autoscaler.finished:
             logger.info("%s", decision.reason)
             self.request_stop("peak_capacity_found")
@@ -3952,16 +4108,23 @@ class IntegratedBenchmark:
             rag_chunks=rag_chunks,
         )
 
-    def _worker(self) -> None:
-        while not self._stop.is_set():
-            try:
-                _, _, request = self.request_queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
+    def _worker_count(self, users: int) -> int:
+        return self.config.worker_slots or max(1, min(users, MAX_IN_FLIGHT_REQUESTS))
+
+    def _serve_one(self) -> None:
+        """One worker step: take the most urgent request (waiting at most 50 ms) and process it."""
+        try:
+            _, _, request = self.request_queue.get(timeout=0.05)
+        except queue.Empty:
+            return
+        self.recorder.begin()
+        try:
             record = self._process(request)
-            if record is not None:
-                self.recorder.complete(record)
-                self.scheduler.release(request.user_index)
+        finally:
+            self.recorder.end()
+        if record is not None:
+            self.recorder.complete(record)
+            self.scheduler.release(request.user_index)
 
     def _process(self, req: InferenceRequest) -> Optional[RequestRecord]:
         req.start_time = time.perf_counter()
@@ -4029,7 +4192,7 @@ class IntegratedBenchmark:
             timeline=self.monitor.timeline, elapsed_s=elapsed_s, workload_digest=self.workload_digest,
             admitted=self.scheduler.admitted, stop_reason=self.stop_reason, thread_errors=self.thread_errors,
             conversations_evicted=self.conversations.evicted_conversations, io_baseline=self.io_baseline,
-            process_cpu_s=self.process_cpu_s,
+            process_cpu_s=self.process_cpu_s, shutdown_tail_s=self.shutdown_tail_s,
             autoscaling=(self.autoscaler.history, self.autoscaler.summary(self.scheduler.active_users))
             if self.autoscaler else None,
             rag_stats=self.rag.stats() if self.rag else None,
@@ -4125,7 +4288,8 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
                      autoscaling: Optional[Tuple[List[Dict[str, Any]], Dict[str, Any]]] = None,
                      rag_stats: Optional[Dict[str, Any]] = None,
                      dataset_stats: Optional[Dict[str, Any]] = None,
-                     device_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                     device_stats: Optional[Dict[str, Any]] = None,
+                     shutdown_tail_s: float = 0.0) -> Dict[str, Any]:
     """The one place the results dict (and so the JSON) is put together."""
     e2e = [r.end_to_end_s for r in records]
     storage = [r.storage_s for r in records]
@@ -4140,6 +4304,7 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "total_requests": len(records),
         "total_tokens": tokens_generated,
         "elapsed_time": elapsed_s,
+        "shutdown_tail_s": shutdown_tail_s,
         "avg_throughput_tokens_per_sec": _ratio(tokens_generated, elapsed_s),
         "total_tokens_per_sec": _ratio(tokens_generated, elapsed_s),
         "storage_throughput_tokens_per_sec": _ratio(sum(r.tokens_moved for r in records), sum(storage)),
@@ -4164,6 +4329,7 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "workload_digest": workload_digest,
         "requests_admitted": admitted,
         "requests_abandoned": recorder.abandoned,
+        "peak_in_flight": recorder.peak_in_flight,
         "conversations_evicted": conversations_evicted,
         "stop_reason": stop_reason,
         "thread_errors": list(thread_errors),
@@ -4259,6 +4425,25 @@ def _fmt_latency(name: str, s: Dict[str, Any]) -> str:
             f"P95 {_fmt_ms(s['p95'])}, P99 {_fmt_ms(s['p99'])}")
 
 
+def headline_not_measured(results: Dict[str, Any]) -> Optional[str]:
+    """Why the run's headline figure was not measured (pure); None when it was. Such a run is
+    not a result: it exits 1."""
+    s = results["summary"]
+    if not results["requests_completed"]:
+        rag = s.get("rag_stats") or {}
+        if rag.get("ingestion_interrupted"):
+            why = "RAG ingestion took the whole run (a longer --duration or fewer --rag-num-docs)"
+        elif s.get("requests_abandoned"):
+            why = f"{s['requests_abandoned']} requests were still in flight at the stop (a longer --duration)"
+        else:
+            why = "no request was admitted"
+        return f"no request completed in the measured window: {why}"
+    scaling = s.get("autoscaling_summary") or {}
+    if scaling.get("mode") == "capacity" and scaling.get("peak_throughput") is None:
+        return "capacity autoscaling measured no throughput (no monitor window in which a request completed)"
+    return None
+
+
 def format_report(results: Dict[str, Any]) -> str:
     """The console report, as one string (no printing here)."""
     s, cfg = results["summary"], results["config"]
@@ -4280,6 +4465,9 @@ def format_report(results: Dict[str, Any]) -> str:
         f"CPU {cs['effective_cpu_mem_gb']:.2f} GB | storage {cap}")
     add(f"Storage I/O: {cs['storage_io_mode']} in {cs['storage_run_dir']}")
     add(f"Workload digest: {results['workload_digest']}")
+    missing = headline_not_measured(results)
+    if missing:
+        add(f"NOT A RESULT: {missing}")
     _report_assessment(add, cs["storage_health"])
     _report_overall(add, s, cs)
     _report_latency(add, s)
@@ -4345,6 +4533,8 @@ def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str,
         f"write {cs['nvme_write_gib_per_sec_wall']:.3f} GB/s (wall); device-busy basis: "
         f"read {cs['nvme_read_gib_per_sec_busy']:.3f} GB/s, write {cs['nvme_write_gib_per_sec_busy']:.3f} GB/s")
     add(f"  Requests/sec: {s['requests_per_second']:,.2f}")
+    if s.get("peak_in_flight") is not None:
+        add(f"  Peak requests in flight: {s['peak_in_flight']:,} (processed at once; the rest waited in the queue)")
     per_gb = s["cpu_seconds_per_storage_gb"]
     add(f"  Process CPU: {s['process_cpu_seconds']:.2f} s"
         + (f", {per_gb:.3f} s per GB moved through the storage tier" if per_gb is not None else ""))
@@ -4700,6 +4890,9 @@ def _report_rag(add: Callable[[str], None], r: Dict[str, Any]) -> None:
     add(f"  Ingested {r['documents_ingested']}/{r['documents']} documents, {r['chunks_ingested']:,}/{r['chunks']:,} "
         f"chunks, {r['bytes_ingested'] / GIB:.3f} GB in {r['ingest_seconds']:.2f}s"
         + (f" ({r['ingest_failures']} chunk writes failed)" if r["ingest_failures"] else ""))
+    if r.get("ingestion_interrupted"):
+        add(f"  Ingestion was cut short by the run's stop: {r['documents_not_ingested']} of {r['documents']} "
+            f"documents not ingested (a longer --duration or fewer --rag-num-docs)")
     hits = ", ".join(f"{t} {n:,}" for t, n in sorted(r["hits_by_tier"].items())) or "none"
     add(f"  Queries: {r['rag_queries']:,}, chunk reads: {r['chunk_reads']:,} (hits by tier: {hits}; "
         f"misses {r['misses']:,})")
@@ -4709,11 +4902,14 @@ def _report_rag(add: Callable[[str], None], r: Dict[str, Any]) -> None:
 def _report_autoscaling(add: Callable[[str], None], summary: Dict[str, Any], stats: List[Dict[str, Any]]) -> None:
     add("")
     add(f"### AUTOSCALING ({summary['mode']} mode) ###")
-    if summary["mode"] == "capacity":
+    if summary["mode"] == "capacity" and summary["peak_throughput"] is None:
+        add("  Peak throughput: not measured (no monitor window in which a request completed)")
+    elif summary["mode"] == "capacity":
         add(f"  Peak throughput: {summary['peak_throughput']:,.1f} I/O tok/s at {summary['peak_users']} users"
             + ("" if summary["peak_found"] else " (the run ended before the peak was confirmed)"))
     else:
-        add(f"  Target saturation {summary['target_saturation']:.2f}: settled at {summary['final_users']} users")
+        add(f"  Target saturation {summary['target_saturation']:.2f}: settled at {summary['settled_users']} users "
+            f"(the count that ran through the last interval judged)")
     add(f"  Users: {summary['initial_users']} at the start, {summary['final_users']} at the end; "
         f"{summary['evaluations']} evaluations; last: {summary['reason']}")
     for h in stats:
@@ -5094,8 +5290,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--disable-prefix-caching", action="store_true", help="no shared system-prompt caching")
     w.add_argument("--seed", type=int, default=None, help="seed for an identical workload on every run (MLPerf: 42)")
     w.add_argument("--max-requests", type=int, default=0, help="stop after N completed requests (0: no limit)")
-    w.add_argument("--num-workers", type=int, default=DEFAULT_WORKER_SLOTS,
-                   help="concurrent inference slots (worker threads) (default: %(default)s)")
+    w.add_argument("--num-workers", type=int, default=None,
+                   help=f"requests processed at once, a worker thread each (default: as the original, "
+                        f"min(users, {MAX_IN_FLIGHT_REQUESTS}), following the autoscaler's user count)")
 
     m = p.add_argument_group("memory tiers")
     m.add_argument("--gpu-mem-gb", type=float, default=16.0, help="GPU tier budget in GiB, 0 disables (default: %(default)s)")
@@ -5162,7 +5359,8 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_range("--max-requests", args.max_requests, 0, 10 ** 12, "0 (no limit) or a positive count")
     _check_range("--max-concurrent-allocs", args.max_concurrent_allocs, 0, 100_000, "0 (unlimited) or a positive count")
     _check_range("--rag-num-docs", args.rag_num_docs, 0, 1_000_000, "between 0 and 1,000,000")
-    _check_range("--num-workers", args.num_workers, 1, 1024, "between 1 and 1024")
+    if args.num_workers is not None:
+        _check_range("--num-workers", args.num_workers, 1, 1024, "between 1 and 1024")
     _check_range("--monitor-interval", args.monitor_interval, 0.1, 3600, "between 0.1 and 3600 seconds")
     _check_range("--storage-capacity-gb", args.storage_capacity_gb, 0, MAX_MEMORY_GB * 1024,
                  "0 (unbounded) or a positive size in GiB")
@@ -5267,7 +5465,7 @@ def config_from_args(args: argparse.Namespace, notices: Optional[List[str]] = No
         seed=args.seed,
         max_requests=args.max_requests,
         max_concurrent_allocs=args.max_concurrent_allocs,
-        worker_slots=args.num_workers,
+        worker_slots=args.num_workers or 0,
         monitor_interval_s=args.monitor_interval,
         storage_capacity_gb=args.storage_capacity_gb,
         verify=args.verify,
@@ -5402,10 +5600,13 @@ def _exit_status(bench: IntegratedBenchmark, results: Dict[str, Any], outputs_wr
     if bench.stop_reason in EXIT_SIGNAL:
         return EXIT_SIGNAL[bench.stop_reason]
     summary = results["summary"]
+    missing = headline_not_measured(results)
+    if missing:
+        logger.error("%s; exit status 1", missing)
     baseline_failed = bool(summary["io_baseline"] and "error" in summary["io_baseline"])
     fio_failed = "error" in (summary.get("fio_comparison") or {}) or "fio_job_error" in summary
     degraded = (summary["io_errors"] or summary["thread_errors"] or summary["verify_mismatches"]
-                or baseline_failed or fio_failed or not outputs_written)
+                or baseline_failed or fio_failed or missing or not outputs_written)
     return EXIT_DEGRADED if degraded else EXIT_OK
 
 

@@ -34,6 +34,7 @@ Sections, in the order data flows through the program:
     COMMAND LINE
 """
 import argparse
+import bisect
 import dataclasses
 import errno
 import zlib
@@ -56,13 +57,14 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import collections
 import contextlib
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -220,6 +222,10 @@ QOS_PROFILES: Dict[QoSLevel, QoSSLA] = {
     QoSLevel.RESPONSIVE: QoSSLA(QoSLevel.RESPONSIVE, 100.0, 200.0, 2),
     QoSLevel.BATCH: QoSSLA(QoSLevel.BATCH, 1000.0, 5000.0, 1),
 }
+
+
+class Interrupted(Exception):
+    """A signal stopped the run before its workload began: nothing to report."""
 
 
 def derive_seed(*parts: Any) -> int:
@@ -602,7 +608,8 @@ class WorkloadPlan:
     """
 
     def __init__(self, model_name: str, num_users: int, seed: int,
-                 dataset: Optional[Sequence["DatasetConversation"]] = None):
+                 dataset: Optional[Sequence["DatasetConversation"]] = None,
+                 should_stop: Callable[[], bool] = lambda: False):
         self.model_name = model_name
         self.seed = seed
         self.num_users = num_users
@@ -610,11 +617,14 @@ class WorkloadPlan:
         self.matcher = PrefixMatcher()
         self.users: List[UserProfile] = []
         self.plans: List[Any] = []             # UserPlan, or DatasetUserPlan when replaying a dataset
-        self.ensure_users(num_users)
+        self.ensure_users(num_users, should_stop)
 
-    def ensure_users(self, count: int) -> None:
+    def ensure_users(self, count: int, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Plan users up to `count` (100,000 take seconds: a stop asked for meanwhile is Interrupted)."""
         while len(self.users) < count:
             i = len(self.users)
+            if i % 1024 == 0 and should_stop():
+                raise Interrupted()
             r = random.Random(derive_seed(self.seed, "user", i))
             user_type, qos = _weighted_choice(r, PERSONA_MIX), _weighted_choice(r, QOS_MIX)
             user = UserSimulator.generate_user(f"user_{i}", user_type, QOS_PROFILES[qos].priority, qos, r)
@@ -624,11 +634,13 @@ class WorkloadPlan:
                 self.plans.append(UserPlan(user, self.seed, i, self.matcher))
             self.users.append(user)
 
-    def digest(self) -> str:
+    def digest(self, should_stop: Callable[[], bool] = lambda: False) -> str:
         """Hash of each user's profile and first PLAN_DIGEST_REQUESTS planned requests."""
         h = hashlib.sha256()
         h.update(f"{self.model_name}|{self.num_users}|{self.seed}".encode())
-        for user, plan in zip(self.users[:self.num_users], self.plans):
+        for i, (user, plan) in enumerate(zip(self.users[:self.num_users], self.plans)):
+            if i % 1024 == 0 and should_stop():
+                raise Interrupted()
             h.update(f"|{user.user_id}:{user.user_type}:{user.qos_level.value}".encode())
             for planned in plan.peek(PLAN_DIGEST_REQUESTS):
                 h.update(repr(planned.digest_fields()).encode())
@@ -792,8 +804,11 @@ def _conversation_messages(item: Any) -> Optional[List[Tuple[str, str]]]:
     return messages
 
 
+DATASET_MAX_DEPTH = 64                  # JSON nesting accepted in a dataset (ShareGPT needs 4)
+
+
 def _json_errors() -> Tuple[type, ...]:
-    errors: Tuple[type, ...] = (ValueError, UnicodeDecodeError)
+    errors: Tuple[type, ...] = (ValueError, UnicodeDecodeError, RecursionError)
     try:
         import ijson
         errors += (ijson.JSONError,)
@@ -835,17 +850,39 @@ class ShareGPTDatasetLoader:
         try:
             import ijson                           # streaming parser: memory independent of file size
         except ImportError:
-            data = json.load(f)
+            data = json.load(f)                    # memory a small multiple of the file's size
             if not isinstance(data, list):
                 raise DatasetError(f"--dataset-path {self.path}: expected a JSON list of conversations")
             yield from data
             return
-        start = 3 if f.read(3) == b"\xef\xbb\xbf" else 0        # a UTF-8 byte-order mark
-        f.seek(start)
-        if f.read(4096).lstrip()[:1] not in (b"[",):
+        if f.read(3) != b"\xef\xbb\xbf":          # a UTF-8 byte-order mark
+            f.seek(0)
+        yield from self._stream_items(ijson, f)
+
+    def _stream_items(self, ijson: Any, f: Any) -> Iterator[Any]:
+        """The top-level list's items, built one at a time from parser events. A structure nested
+        deeper than DATASET_MAX_DEPTH is refused as it is met, before it can take the memory a
+        file of a few MB of brackets would otherwise cost."""
+        events = ijson.basic_parse(f)
+        first = next(events, None)
+        if first is None or first[0] != "start_array":
             raise DatasetError(f"--dataset-path {self.path}: expected a JSON list of conversations")
-        f.seek(start)
-        yield from ijson.items(f, "item")
+        depth, builder = 1, None
+        for event, value in events:
+            if event in ("start_map", "start_array"):
+                depth += 1
+                if depth > DATASET_MAX_DEPTH:
+                    raise DatasetError(f"--dataset-path {self.path}: JSON nested deeper than {DATASET_MAX_DEPTH} "
+                                       f"levels; a ShareGPT conversation needs 4")
+            elif event in ("end_map", "end_array"):
+                depth -= 1
+                if depth == 0:
+                    return                         # the end of the list
+            builder = builder or ijson.ObjectBuilder()
+            builder.event(event, value)
+            if depth == 1:                         # an item is complete
+                yield builder.value
+                builder = None
 
     def _sample(self) -> List[Tuple[str, List[Tuple[str, str]]]]:
         rng = random.Random(derive_seed(self.seed, "dataset-sample"))
@@ -1239,9 +1276,11 @@ class StagingPool:
     `on_create` may prepare each new one (the GPU tier pins them).
     """
 
-    def __init__(self, count: int, nbytes: int, abort: Optional[threading.Event] = None):
+    def __init__(self, count: int, nbytes: int, abort: Optional[threading.Event] = None,
+                 factory: Callable[[int], Any] = aligned_empty):
         self.count, self.nbytes = count, nbytes
         self.on_create: Optional[Callable[[np.ndarray], None]] = None
+        self._factory = factory
         self._abort = abort
         self._free: List[np.ndarray] = []
         self._made = 0
@@ -1249,8 +1288,12 @@ class StagingPool:
         self.waits = 0                    # leases that had to wait for an area
 
     @contextlib.contextmanager
-    def lease(self) -> Iterator[np.ndarray]:
-        """An area for one operation; IOAborted when the run stops while waiting for one."""
+    def lease(self, needed: bool = True) -> Iterator[Optional[np.ndarray]]:
+        """An area for one operation (None when not `needed`); IOAborted when the run stops
+        while waiting for one."""
+        if not needed:
+            yield None
+            return
         area = self._acquire()
         try:
             yield area
@@ -1270,7 +1313,7 @@ class StagingPool:
             if self._free:
                 return self._free.pop()
             self._made += 1
-        area = aligned_empty(self.nbytes)                 # outside the lock: a fresh mapping takes a moment
+        area = self._factory(self.nbytes)                 # outside the lock: a fresh mapping takes a moment
         if self.on_create is not None:
             self.on_create(area)
         return area
@@ -1289,21 +1332,34 @@ def array_source(data: np.ndarray) -> ByteSource:
 
 
 def _checksummed(source: ByteSource) -> Tuple[ByteSource, List[int]]:
-    """Wrap a source so that the CRC-32 of what it produced accumulates in the returned cell."""
+    """Wrap a source so that the CRC-32 of what it produced accumulates in the returned cell.
+    It keeps the source's `layout` (a GPU tier fills the entry on the device and then runs
+    this source on the host, untimed, for the checksum: `observes_bytes`)."""
     crc = [0]
 
     def fill(offset: int, out: np.ndarray) -> None:
         source(offset, out)
         crc[0] = zlib.crc32(out, crc[0])
+    fill.layout = getattr(source, "layout", None)           # type: ignore[attr-defined]
+    fill.observes_bytes = True                               # type: ignore[attr-defined]
     return fill, crc
 
 
 def generator_source(generator: KVCacheGenerator, key: str) -> ByteSource:
+    """The key's KV bytes; `.layout` lets a GPU tier make the same bytes on the device."""
     layout = generator.layout(key)
 
     def fill(offset: int, out: np.ndarray) -> None:
         generator.fill(layout, offset, out)
+    fill.layout = layout                                     # type: ignore[attr-defined]
     return fill
+
+
+def run_source(source: ByteSource, nbytes: int) -> None:
+    """Produce every byte of a source once, in chunks, and drop them (for a checksum it observes)."""
+    scratch = np.empty(min(nbytes, IO_CHUNK_BYTES), dtype=np.uint8)
+    for offset in range(0, nbytes, scratch.size):
+        source(offset, scratch[:min(scratch.size, nbytes - offset)])
 
 
 @dataclass
@@ -1350,31 +1406,768 @@ class StorageBackend:
         raise NotImplementedError
 
 
+# --- Host memory: one arena, carved into entries ------------------------------------------
+
+class HostArena:
+    """Entries carved out of one big host buffer (pinned or pageable) with a free list.
+
+    Page-locked memory is slow to allocate and PyTorch's pinned allocator rounds every
+    request up to a power of two, so the CPU tier allocates its whole budget once and
+    carves entries out of it here (as LMCache does). Allocations are aligned to `align`
+    bytes (absolute addresses) and rounded up to a multiple of it; free extents are kept
+    sorted by offset, first fit, neighbours coalesced on free. Entries number in the
+    thousands at most, so a sorted list is fast enough. Thread-safe (one lock).
+    """
+
+    def __init__(self, buffer: np.ndarray, align: int = BLOCK_BYTES):
+        if buffer.dtype != np.uint8 or buffer.ndim != 1 or not buffer.flags.c_contiguous:
+            raise ValueError("HostArena needs a contiguous 1-D uint8 buffer")
+        self._buf = buffer
+        self._align = align
+        self._base: int = buffer.__array_interface__["data"][0]
+        start = (-self._base) % align                 # first aligned byte
+        usable = max(0, buffer.size - start) // align * align
+        self.capacity_bytes = usable
+        self._starts: List[int] = [start] if usable else []     # free extents, sorted
+        self._free: Dict[int, int] = {start: usable} if usable else {}
+        self._used: Dict[int, int] = {}                          # offset -> rounded size
+        self._used_bytes = 0
+        self._lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> Optional[np.ndarray]:
+        """A view of `nbytes` bytes, or None when no free extent is large enough."""
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        size = max(1, -(-nbytes // self._align)) * self._align  # a 0-byte entry still owns a slot
+        with self._lock:
+            for i, start in enumerate(self._starts):
+                length = self._free[start]
+                if length >= size:
+                    break
+            else:
+                return None
+            del self._free[start]
+            if length > size:
+                self._starts[i] = start + size
+                self._free[start + size] = length - size
+            else:
+                self._starts.pop(i)
+            self._used[start] = size
+            self._used_bytes += size
+        return self._buf[start:start + nbytes]
+
+    def free(self, view: np.ndarray) -> None:
+        """Give back a view returned by `alloc` (identified by its offset into the arena)."""
+        offset = view.__array_interface__["data"][0] - self._base
+        with self._lock:
+            size = self._used.pop(offset, None)
+            if size is None:
+                raise ValueError("not an allocation of this arena (or freed twice)")
+            self._used_bytes -= size
+            i = bisect.bisect_left(self._starts, offset)
+            if i < len(self._starts) and self._starts[i] == offset + size:    # merge the next
+                size += self._free.pop(self._starts.pop(i))
+            prev = self._starts[i - 1] if i else None
+            if prev is not None and prev + self._free[prev] == offset:         # merge the previous
+                self._free[prev] += size
+            else:
+                self._starts.insert(i, offset)
+                self._free[offset] = size
+
+    def owns(self, view: np.ndarray) -> bool:
+        """True when `view` is a live allocation of this arena."""
+        offset = view.__array_interface__["data"][0] - self._base
+        with self._lock:
+            return offset in self._used
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used_bytes
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return self.capacity_bytes - self._used_bytes
+
+    def largest_free_bytes(self) -> int:
+        with self._lock:
+            return max(self._free.values(), default=0)
+
+
+# --- KV born on the device ----------------------------------------------------------------
+# fill_on_device is written once over an "array ops" object, so that numpy (the host
+# reference, in the tests) and the GPU libraries run the very same steps. The ops are:
+#   nbytes(buf) -> int                    size of a uint8 buffer in bytes
+#   view(buf, start, stop)                1-D slice, no copy
+#   rows(buf, count, width)               a contiguous 1-D buffer seen as (count, width)
+#   d2d(dst, src)                         copy, enqueued on the calling thread's stream
+#   stamp_bytes(first_value, count)       (count, 8) uint8: the little-endian bytes of
+#                                         finite_stamps(first_value + i), i < count
+
+# finite_stamps spreads a number's low 60 bits over four float16 lanes of 15 bits each.
+_LANE_SHIFTS_IN = (0, 15, 30, 45)       # where each lane's 15 bits sit in the number
+_LANE_SHIFTS_OUT = (0, 16, 32, 48)      # where each lane sits in the stamp
+
+
+def lane_stamps(numbers: Any, shifts_in: Any, shifts_out: Any) -> Any:
+    """finite_stamps(numbers) for a 1-D integer array, all four lanes at once.
+
+    Same values as finite_stamps, in 8 array operations instead of its loop's 33: on a GPU
+    each is a kernel launch, which a small fill would feel. Operators and .sum(1) only, so
+    numpy, CuPy and PyTorch arrays all run it; `shifts_in`/`shifts_out` are _LANE_SHIFTS_IN /
+    _LANE_SHIFTS_OUT as arrays of the numbers' dtype and device (made once: no upload per call).
+    """
+    chunk = (numbers[:, None] >> shifts_in[None, :]) & 0x7FFF
+    lanes = (chunk & 0x3FFF) | ((chunk & 0x4000) << 1)       # bit 14 -> 15: the exponent stays finite
+    return (lanes << shifts_out[None, :]).sum(1)              # disjoint bits: the sum is the OR
+
+
+def fill_on_device(ops: Any, pool_dev: Any, layout: Any, entry_offset: int, out_dev: Any) -> None:
+    """Write bytes [entry_offset, entry_offset + size of out_dev) of the entry at `layout`
+    into `out_dev`: exactly KVCacheGenerator.fill's bytes, made where `pool_dev` lives."""
+    if entry_offset % BLOCK_BYTES:
+        raise ValueError("entry_offset must be a multiple of BLOCK_BYTES")
+    pool_size, n = ops.nbytes(pool_dev), ops.nbytes(out_dev)
+    pos = (layout.pool_offset + entry_offset) % pool_size
+    done = 0
+    while done < n:                                   # the pool, wrapping around its end
+        take = min(n - done, pool_size - pos)
+        ops.d2d(ops.view(out_dev, done, done + take), ops.view(pool_dev, pos, pos + take))
+        done += take
+        pos = 0
+    first_block = entry_offset // BLOCK_BYTES
+    full = n // BLOCK_BYTES
+    if full:                                          # one strided copy stamps every block
+        heads = ops.rows(ops.view(out_dev, 0, full * BLOCK_BYTES), full, BLOCK_BYTES)[:, :STAMP_BYTES]
+        ops.d2d(heads, ops.stamp_bytes(layout.stamp_base + first_block, full))
+    tail_at = full * BLOCK_BYTES
+    if n - tail_at >= STAMP_BYTES:                    # a partial last block gets the next stamp
+        tail = ops.rows(ops.view(out_dev, tail_at, tail_at + STAMP_BYTES), 1, STAMP_BYTES)
+        ops.d2d(tail, ops.stamp_bytes(layout.stamp_base + first_block + full, 1))
+
+
+def _same_nbytes(dst_nbytes: int, src_nbytes: int) -> int:
+    # Library copies broadcast or convert silently; a size mismatch here is always a bug.
+    if dst_nbytes != src_nbytes:
+        raise ValueError(f"copy of {src_nbytes} bytes into {dst_nbytes}")
+    return dst_nbytes
+
+
+def _host_bytes(host: np.ndarray) -> np.ndarray:
+    """`host` as a flat uint8 view (copies are of bytes, never of values)."""
+    if not host.flags.c_contiguous:
+        raise ValueError("host buffers must be C-contiguous")
+    return host.reshape(-1).view(np.uint8)
+
+
+class _FillOps(NamedTuple):
+    """fill_on_device's ops as plain functions (a device whose public copies each enter the
+    stream context passes bare ones here: fill enters it once)."""
+    nbytes: Callable[[Any], int]
+    view: Callable[[Any, int, int], Any]
+    rows: Callable[[Any, int, int], Any]
+    d2d: Callable[[Any, Any], None]
+    stamp_bytes: Callable[[int, int], Any]
+
+
+class _NumpyOps:
+    """fill_on_device's ops over host numpy arrays: the reference the GPU ops must match."""
+
+    SHIFTS_IN = np.array(_LANE_SHIFTS_IN, dtype=np.uint64)
+    SHIFTS_OUT = np.array(_LANE_SHIFTS_OUT, dtype=np.uint64)
+
+    @staticmethod
+    def nbytes(buf: np.ndarray) -> int:
+        return buf.nbytes
+
+    @staticmethod
+    def view(buf: np.ndarray, start: int, stop: int) -> np.ndarray:
+        return buf[start:stop]
+
+    @staticmethod
+    def rows(buf: np.ndarray, count: int, width: int) -> np.ndarray:
+        return buf.reshape(count, width)
+
+    @staticmethod
+    def d2d(dst: np.ndarray, src: np.ndarray) -> None:
+        _same_nbytes(dst.nbytes, src.nbytes)
+        np.copyto(dst, src)
+
+    @classmethod
+    def stamp_bytes(cls, first_value: int, count: int) -> np.ndarray:
+        numbers = np.arange(count, dtype=np.uint64) + np.uint64(first_value)
+        stamps = lane_stamps(numbers, cls.SHIFTS_IN, cls.SHIFTS_OUT)
+        return stamps.astype("<u8", copy=False).view(np.uint8).reshape(count, STAMP_BYTES)
+
+
+# --- Pinning helpers ----------------------------------------------------------------------
+
+_HOST_REGISTER_PORTABLE = 1       # cudaHostRegisterPortable / cudaHostAllocPortable: pinned for every context
+_MEMCPY_H2D, _MEMCPY_D2H, _MEMCPY_D2D = 1, 2, 3     # cudaMemcpyKind (CUDA runtime ABI)
+
+
+def _run_in_fresh_thread(fn: Callable[[], Any]) -> Any:
+    """Run `fn` in a short-lived thread; return its result or raise its exception.
+
+    CUDA keeps a "last error" per host thread. A refused cudaHostRegister/cudaHostAlloc
+    leaves one behind, which a later, unrelated launch check (cudaGetLastError) in a worker
+    thread would report as its own failure; a thread of its own takes the error with it."""
+    box: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:      # handed to the caller below
+            box["error"] = exc
+    thread = threading.Thread(target=run, name="kv-pin")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+_PINNING_REFUSALS_LOGGED: set = set()
+_PINNING_LOG_LOCK = threading.Lock()
+
+
+def _log_pinning_refused_once(reason: str) -> None:
+    with _PINNING_LOG_LOCK:
+        first = not _PINNING_REFUSALS_LOGGED
+        _PINNING_REFUSALS_LOGGED.add(reason)
+    if first:
+        logger.warning("page-locked host memory refused (%s): using pageable memory, "
+                       "host<->GPU copies will be slower", reason)
+
+
+def host_buffer(dev: Optional[Any], nbytes: int) -> Tuple[np.ndarray, str]:
+    """A page-aligned host buffer for data that crosses PCIe, allocated once by the caller:
+    page-locked when a GPU device is open and allows it, else pageable (logged once). The
+    second value is for the report: "pinned" or "pageable: <why>"."""
+    if dev is None:
+        return aligned_empty(nbytes), "pageable: no GPU tier"
+    try:
+        return dev.pinned_empty(nbytes), "pinned"
+    except RuntimeError as exc:
+        _log_pinning_refused_once(str(exc))
+        return aligned_empty(nbytes), f"pageable: {exc}"
+
+
+def pin_host_buffer(dev: Optional[Any], host: np.ndarray) -> bool:
+    """Pin an existing buffer (e.g. a storage staging area) by registration; False (logged
+    once) when there is no device or the driver refuses."""
+    if dev is None:
+        return False
+    if dev.register(host):
+        return True
+    _log_pinning_refused_once(dev.pin_refusal or "cudaHostRegister failed")
+    return False
+
+
+# --- GPU devices ----------------------------------------------------------------------------
+# _TorchDevice and _CupyDevice have one interface. Device buffers are flat uint8 arrays of
+# the library (torch.Tensor / cupy.ndarray); host buffers are numpy arrays (copied as bytes).
+# Every copy is enqueued on the CALLING THREAD's own non-default stream and returns at once;
+# `sync()` / `timed()` wait for that stream only (never a device-wide synchronize).
+#
+#   library: str              "torch 2.11.0+cu130" / "cupy 14.2.0"
+#   name: str                 GPU name;   device_index: int
+#   pin_refusal: Optional[str]  why the last pinning was refused (None: never refused)
+#   free_bytes() -> int       free device memory
+#   empty(nbytes) -> buf      device uint8 buffer (allocated on the thread's stream)
+#   nbytes(buf) -> int;  view(buf, start, stop) -> buf;  rows(buf, count, width) -> buf
+#   pinned_empty(nbytes) -> np.ndarray   page-locked host memory; RuntimeError if refused
+#   register(host: np.ndarray) -> bool   pin an existing (page-aligned) buffer; unpinned in close()
+#   stream() -> stream        the calling thread's stream (created on first use)
+#   h2d(dst_dev, src_host), d2h(dst_host, src_dev), d2d(dst_dev, src_dev) -> None   (async)
+#   sync() -> None            wait for the calling thread's stream
+#   timed(fn) -> float        run fn on the thread's stream; seconds from enqueue to completion
+#   load_pool(pool_bytes: np.ndarray) -> None   upload KVCacheGenerator's pool once
+#   fill(layout, entry_offset, out_dev) -> None  KV made on the device (async, like a copy)
+#   stamp_bytes(first_value, count) -> buf       fill_on_device's op (see above)
+#   close() -> None           unpin registered buffers, drop the pool (after all ops completed)
+#
+# Buffers must outlive the copies that use them: callers complete each operation (sync or
+# timed) before freeing or reusing its buffers, which also keeps the libraries' caching
+# allocators from handing a block to another stream while a copy into it is pending.
+
+class _TorchDevice:
+    """GPU operations through PyTorch: per-thread streams, pinned host memory, KV filled on the GPU."""
+
+    def __init__(self, device_index: int):
+        import torch                      # heavy: imported only when the GPU tier starts
+        if not torch.cuda.is_available():
+            raise RuntimeError("PyTorch is installed but no CUDA device is usable")
+        if not 0 <= device_index < torch.cuda.device_count():
+            raise RuntimeError(f"PyTorch sees no CUDA device {device_index}")
+        self._torch = torch
+        self.device_index = device_index
+        self.device = torch.device("cuda", device_index)
+        self.library = f"torch {torch.__version__}"
+        self.name = torch.cuda.get_device_name(self.device)
+        self.pin_refusal: Optional[str] = None
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._registered: Dict[int, np.ndarray] = {}     # pointer -> buffer (kept alive)
+        self._pool: Any = None                           # KVCacheGenerator's pool, on the device
+        self._shifts: Tuple[Any, Any] = ()               # lane_stamps' constants, on the device
+
+    # --- memory ---
+    def free_bytes(self) -> int:
+        return int(self._torch.cuda.mem_get_info(self.device)[0])
+
+    def empty(self, nbytes: int) -> Any:
+        # Allocated under the thread's stream: the caching allocator ties the block to it.
+        with self._torch.cuda.stream(self.stream()):
+            return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
+
+    @staticmethod
+    def nbytes(buf: Any) -> int:
+        return buf.numel() * buf.element_size()
+
+    @staticmethod
+    def view(buf: Any, start: int, stop: int) -> Any:
+        return buf[start:stop]
+
+    @staticmethod
+    def rows(buf: Any, count: int, width: int) -> Any:
+        return buf.view(count, width)
+
+    def pinned_empty(self, nbytes: int) -> np.ndarray:
+        # Not torch.empty(pin_memory=True): its caching host allocator rounds the size up to
+        # a power of two (a 40 GiB arena would pin 64 GiB). PyTorch exposes no cudaHostAlloc,
+        # so: page-aligned anonymous memory, registered (same DMA speed).
+        host = aligned_empty(nbytes)
+        if not self.register(host):
+            raise RuntimeError(f"page-locked memory refused: {self.pin_refusal}")
+        return host
+
+    def register(self, host: np.ndarray) -> bool:
+        flat = _host_bytes(host)
+        ptr, size = flat.ctypes.data, flat.nbytes
+        torch = self._torch
+
+        def pin() -> int:
+            torch.cuda.set_device(self.device)       # the fresh thread's context is our device's
+            return int(torch.cuda.cudart().cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE))
+        err = _run_in_fresh_thread(pin)
+        if err:
+            self.pin_refusal = f"cudaHostRegister of {size} bytes failed with CUDA error {err}"
+            return False
+        with self._lock:
+            self._registered[ptr] = host
+        return True
+
+    # --- streams and copies ---
+    def stream(self) -> Any:
+        stream = getattr(self._local, "stream", None)
+        if stream is None:                # from PyTorch's pool: created cudaStreamNonBlocking
+            stream = self._local.stream = self._torch.cuda.Stream(device=self.device)
+        return stream
+
+    def _host_tensor(self, host: np.ndarray) -> Any:
+        flat = _host_bytes(host)
+        if flat.flags.writeable:
+            return self._torch.from_numpy(flat)       # shares the memory: no copy
+        with warnings.catch_warnings():               # from_numpy warns on read-only arrays
+            warnings.simplefilter("ignore")
+            return self._torch.from_numpy(flat)
+
+    def h2d(self, dst_dev: Any, src_host: np.ndarray) -> None:
+        src = self._host_tensor(src_host)
+        _same_nbytes(self.nbytes(dst_dev), src.numel())
+        with self._torch.cuda.stream(self.stream()):
+            dst_dev.copy_(src, non_blocking=True)     # cudaMemcpyAsync on our stream
+
+    def d2h(self, dst_host: np.ndarray, src_dev: Any) -> None:
+        dst = self._host_tensor(dst_host)
+        _same_nbytes(dst.numel(), self.nbytes(src_dev))
+        with self._torch.cuda.stream(self.stream()):
+            dst.copy_(src_dev, non_blocking=True)
+
+    def d2d(self, dst_dev: Any, src_dev: Any) -> None:
+        _same_nbytes(self.nbytes(dst_dev), self.nbytes(src_dev))
+        with self._torch.cuda.stream(self.stream()):
+            dst_dev.copy_(src_dev, non_blocking=True)
+
+    def sync(self) -> None:
+        self.stream().synchronize()                   # this thread's stream only
+
+    def timed(self, fn: Callable[[], Any]) -> float:
+        """Run `fn` (which enqueues work) on the thread's stream; seconds from before the
+        enqueue until the stream has completed it."""
+        stream = self.stream()
+        done = getattr(self._local, "done", None)
+        if done is None:
+            done = self._local.done = self._torch.cuda.Event()   # no timing: cheaper to record
+        t0 = time.perf_counter()
+        with self._torch.cuda.stream(stream):
+            fn()
+        done.record(stream)
+        done.synchronize()                            # releases the GIL while it waits
+        return time.perf_counter() - t0
+
+    # --- KV born on the device ---
+    def load_pool(self, pool_bytes: np.ndarray) -> None:
+        torch = self._torch
+        pool = self.empty(pool_bytes.nbytes)
+        self.h2d(pool, pool_bytes)                    # once, at start-up: pageable is fine
+        with torch.cuda.stream(self.stream()):
+            self._shifts = tuple(torch.tensor(s, dtype=torch.int64).to(self.device)
+                                 for s in (_LANE_SHIFTS_IN, _LANE_SHIFTS_OUT))
+        self.sync()
+        self._pool = pool
+
+    def stamp_bytes(self, first_value: int, count: int) -> Any:
+        # int64, not uint64: uint64 arithmetic is missing on CUDA in older PyTorch. The numbers
+        # are < 2**61 and PyTorch shifts left as unsigned, so the stamps' bytes are the same.
+        torch = self._torch
+        numbers = torch.arange(first_value, first_value + count, dtype=torch.int64, device=self.device)
+        stamps = lane_stamps(numbers, *self._shifts)
+        return stamps.view(torch.uint8).view(count, STAMP_BYTES)
+
+    def _bare_d2d(self, dst_dev: Any, src_dev: Any) -> None:
+        _same_nbytes(self.nbytes(dst_dev), self.nbytes(src_dev))
+        dst_dev.copy_(src_dev, non_blocking=True)     # on the current stream: fill made it ours
+
+    def fill(self, layout: Any, entry_offset: int, out_dev: Any) -> None:
+        if self._pool is None:
+            raise RuntimeError("load_pool() first")
+        # One stream context for the whole fill: entering it costs ~5 us, a copy's launch less.
+        ops = _FillOps(self.nbytes, self.view, self.rows, self._bare_d2d, self.stamp_bytes)
+        with self._torch.cuda.stream(self.stream()):
+            fill_on_device(ops, self._pool, layout, entry_offset, out_dev)
+
+    def close(self) -> None:
+        with self._lock:
+            pointers = list(self._registered)
+            self._registered.clear()
+        torch = self._torch
+
+        def unpin() -> None:              # errors are returned, not raised: nothing to undo
+            torch.cuda.set_device(self.device)
+            for ptr in pointers:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+        if pointers:
+            _run_in_fresh_thread(unpin)
+        self._pool = None
+
+
+class _CupyDevice:
+    """GPU operations through CuPy: per-thread streams, pinned host memory, KV filled on the GPU."""
+
+    def __init__(self, device_index: int):
+        import cupy                       # heavy: imported only when the GPU tier starts
+        count = cupy.cuda.runtime.getDeviceCount()
+        if not 0 <= device_index < count:
+            raise RuntimeError(f"CuPy sees {count} CUDA device(s), not device {device_index}")
+        self._cp = cupy
+        self._rt = cupy.cuda.runtime
+        self.device_index = device_index
+        self._device = cupy.cuda.Device(device_index)
+        self.library = f"cupy {cupy.__version__}"
+        name = self._rt.getDeviceProperties(device_index)["name"]
+        self.name = name.decode() if isinstance(name, bytes) else str(name)
+        self.pin_refusal: Optional[str] = None
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._registered: Dict[int, np.ndarray] = {}
+        self._pinned: List[Any] = []                   # PinnedMemory owners, kept alive
+        self._pool: Any = None                           # KVCacheGenerator's pool, on the device
+        self._shifts: Tuple[Any, Any] = ()               # lane_stamps' constants, on the device
+
+    # --- memory ---
+    def free_bytes(self) -> int:
+        with self._device:
+            return int(self._rt.memGetInfo()[0])
+
+    def empty(self, nbytes: int) -> Any:
+        with self._device, self.stream():             # CuPy's pool keeps blocks per stream
+            return self._cp.empty(nbytes, dtype=self._cp.uint8)
+
+    @staticmethod
+    def nbytes(buf: Any) -> int:
+        return int(buf.nbytes)
+
+    @staticmethod
+    def view(buf: Any, start: int, stop: int) -> Any:
+        return buf[start:stop]
+
+    @staticmethod
+    def rows(buf: Any, count: int, width: int) -> Any:
+        return buf.reshape(count, width)
+
+    def pinned_empty(self, nbytes: int) -> np.ndarray:
+        # PinnedMemory is cudaHostAlloc itself, freed with its owner; not the pinned pool,
+        # which would keep a freed arena cached for ever.
+        cp = self._cp
+
+        def alloc() -> Any:
+            with self._device:
+                return cp.cuda.PinnedMemory(nbytes, _HOST_REGISTER_PORTABLE)
+        try:
+            mem = _run_in_fresh_thread(alloc)
+        except self._rt.CUDARuntimeError as exc:
+            self.pin_refusal = f"cudaHostAlloc of {nbytes} bytes: {exc}"
+            raise RuntimeError(f"page-locked memory refused: {self.pin_refusal}") from None
+        with self._lock:
+            self._pinned.append(mem)
+        # The numpy array's base holds the pointer, which holds `mem`: the memory lives as
+        # long as any view of it.
+        return np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), dtype=np.uint8, count=nbytes)
+
+    def register(self, host: np.ndarray) -> bool:
+        flat = _host_bytes(host)
+        ptr, size = flat.ctypes.data, flat.nbytes
+
+        def pin() -> None:
+            with self._device:
+                self._rt.hostRegister(ptr, size, _HOST_REGISTER_PORTABLE)
+        try:
+            _run_in_fresh_thread(pin)
+        except self._rt.CUDARuntimeError as exc:
+            self.pin_refusal = f"cudaHostRegister of {size} bytes: {exc}"
+            return False
+        with self._lock:
+            self._registered[ptr] = host
+        return True
+
+    # --- streams and copies ---
+    def stream(self) -> Any:
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            with self._device:            # a stream belongs to the device current at creation
+                stream = self._local.stream = self._cp.cuda.Stream(non_blocking=True)
+        return stream
+
+    def _memcpy(self, dst_ptr: int, src_ptr: int, nbytes: int, kind: int) -> None:
+        with self._device:                # releases the GIL while it enqueues
+            self._rt.memcpyAsync(dst_ptr, src_ptr, nbytes, kind, self.stream().ptr)
+
+    @staticmethod
+    def _contiguous_ptr(buf: Any) -> int:
+        if not buf.flags.c_contiguous:
+            raise ValueError("device buffers of h2d/d2h must be contiguous")
+        return buf.data.ptr
+
+    def h2d(self, dst_dev: Any, src_host: np.ndarray) -> None:
+        src = _host_bytes(src_host)
+        n = _same_nbytes(self.nbytes(dst_dev), src.nbytes)
+        self._memcpy(self._contiguous_ptr(dst_dev), src.ctypes.data, n, _MEMCPY_H2D)
+
+    def d2h(self, dst_host: np.ndarray, src_dev: Any) -> None:
+        dst = _host_bytes(dst_host)
+        n = _same_nbytes(dst.nbytes, self.nbytes(src_dev))
+        self._memcpy(dst.ctypes.data, self._contiguous_ptr(src_dev), n, _MEMCPY_D2H)
+
+    def d2d(self, dst_dev: Any, src_dev: Any) -> None:
+        n = _same_nbytes(self.nbytes(dst_dev), self.nbytes(src_dev))
+        if dst_dev.flags.c_contiguous and src_dev.flags.c_contiguous:
+            self._memcpy(dst_dev.data.ptr, src_dev.data.ptr, n, _MEMCPY_D2D)
+        else:                                         # strided (the stamps): a copy kernel
+            with self._device, self.stream():
+                dst_dev[...] = src_dev
+
+    def sync(self) -> None:
+        self.stream().synchronize()                   # this thread's stream only
+
+    def timed(self, fn: Callable[[], Any]) -> float:
+        """Run `fn` (which enqueues work) on the thread's stream; seconds from before the
+        enqueue until the stream has completed it."""
+        stream = self.stream()
+        done = getattr(self._local, "done", None)
+        if done is None:
+            with self._device:
+                done = self._local.done = self._cp.cuda.Event(disable_timing=True)
+        t0 = time.perf_counter()
+        with self._device, stream:
+            fn()
+        done.record(stream)
+        done.synchronize()                            # cudaEventSynchronize, GIL released
+        return time.perf_counter() - t0
+
+    # --- KV born on the device ---
+    def load_pool(self, pool_bytes: np.ndarray) -> None:
+        cp = self._cp
+        pool = self.empty(pool_bytes.nbytes)
+        self.h2d(pool, pool_bytes)                    # once, at start-up: pageable is fine
+        with self._device, self.stream():
+            self._shifts = tuple(cp.asarray(np.array(s, dtype=np.uint64))
+                                 for s in (_LANE_SHIFTS_IN, _LANE_SHIFTS_OUT))
+        self.sync()
+        self._pool = pool
+
+    def stamp_bytes(self, first_value: int, count: int) -> Any:
+        cp = self._cp                     # runs on the current stream: fill() enters ours
+        numbers = cp.arange(count, dtype=cp.uint64) + np.uint64(first_value)
+        stamps = lane_stamps(numbers, *self._shifts)
+        return stamps.view(cp.uint8).reshape(count, STAMP_BYTES)
+
+    def fill(self, layout: Any, entry_offset: int, out_dev: Any) -> None:
+        if self._pool is None:
+            raise RuntimeError("load_pool() first")
+        with self._device, self.stream():
+            fill_on_device(self, self._pool, layout, entry_offset, out_dev)
+
+    def close(self) -> None:
+        with self._lock:
+            pointers = list(self._registered)
+            self._registered.clear()
+            self._pinned.clear()          # freed once no view of them is left
+
+        def unpin() -> None:
+            with self._device:
+                for ptr in pointers:
+                    try:
+                        self._rt.hostUnregister(ptr)
+                    except self._rt.CUDARuntimeError:
+                        pass              # shutting down: an unpin that fails leaves nothing to undo
+        if pointers:
+            _run_in_fresh_thread(unpin)
+        self._pool = None
+
+
+def open_gpu_device(device_index: int = 0, library: str = "auto"):
+    """The first usable GPU library ('auto': PyTorch, then CuPy; 'torch' or 'cupy' forces
+    one); RuntimeError with every reason when none works."""
+    if library not in ("auto", "torch", "cupy"):
+        raise ValueError(f"unknown GPU library {library!r} (auto, torch or cupy)")
+    candidates = []
+    if library in ("auto", "torch") and TORCH_AVAILABLE:
+        candidates.append(_TorchDevice)
+    if library in ("auto", "cupy") and CUPY_AVAILABLE:
+        candidates.append(_CupyDevice)
+    if not candidates:
+        wanted = {"auto": "neither PyTorch nor CuPy is", "torch": "PyTorch is not", "cupy": "CuPy is not"}
+        raise RuntimeError(f"{wanted[library]} installed (see requirements-gpu.txt)")
+    reasons = []
+    for make in candidates:
+        try:
+            return make(device_index)
+        except Exception as exc:          # a broken CUDA install raises many kinds of errors
+            reasons.append(f"{make.__name__.strip('_')}: {exc}")
+    raise RuntimeError("; ".join(reasons))
+
+
+# --- Delivery to the GPU ---------------------------------------------------------------------
+
+GPU_SCRATCH_BYTES = 256 * MIB           # device working memory a hit is delivered into, per transfer in flight
+
+
+class GPUDelivery:
+    """Where reads go when attention runs on the GPU: every hit ends in GPU memory.
+
+    A CPU-tier hit is host-to-device copies from its (pinned) entry; a storage hit is read
+    into pinned staging and each chunk copied to the device as it completes, while the next
+    chunks' reads are in flight; a GPU hit is device-to-device copies. They land in device
+    scratch areas from a bounded pool (as staging areas do on the host), and each operation
+    waits for its own stream only.
+    """
+
+    def __init__(self, dev: Any, abort: Optional[threading.Event] = None):
+        self.dev = dev
+        self._scratch = StagingPool(STAGING_AREAS, GPU_SCRATCH_BYTES, abort, factory=dev.empty)
+
+    def _copy_in(self, copy: Callable[[Any, Any], None], src: Any, nbytes: int, view: Callable[[Any, int, int], Any]) -> float:
+        with self._scratch.lease() as scratch:
+            def enqueue() -> None:
+                for offset in range(0, nbytes, GPU_SCRATCH_BYTES):
+                    n = min(GPU_SCRATCH_BYTES, nbytes - offset)
+                    copy(self.dev.view(scratch, 0, n), view(src, offset, offset + n))
+            return self.dev.timed(enqueue)
+
+    def from_host(self, host: np.ndarray) -> float:
+        """Seconds until a host entry is in GPU memory (enqueue to completion on our stream)."""
+        flat = host.reshape(-1).view(np.uint8)
+        return self._copy_in(self.dev.h2d, flat, flat.size, lambda a, i, j: a[i:j])
+
+    def from_device(self, buf: Any, nbytes: int) -> float:
+        return self._copy_in(self.dev.d2d, buf, nbytes, self.dev.view)
+
+    @contextlib.contextmanager
+    def chunk_sink(self) -> Iterator[Callable[[np.ndarray], None]]:
+        """A consumer that copies each chunk of a storage read to the device as it arrives. It
+        waits for each copy, so the staging chunk is free for the read after next."""
+        with self._scratch.lease() as scratch:
+            offset = [0]
+
+            def deliver(chunk: np.ndarray) -> None:
+                n = chunk.size
+                start = offset[0] if offset[0] + n <= GPU_SCRATCH_BYTES else 0
+                self.dev.h2d(self.dev.view(scratch, start, start + n), chunk)
+                self.dev.sync()
+                offset[0] = start + n
+            yield deliver
+
+
+def _chain(*consumers: Optional[Callable[[np.ndarray], None]]) -> Optional[Callable[[np.ndarray], None]]:
+    present = [c for c in consumers if c is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+
+    def both(chunk: np.ndarray) -> None:
+        for consume in present:
+            consume(chunk)
+    return both
+
+
 class CPUMemoryBackend(StorageBackend):
-    """Tier 2: numpy arrays in process memory. A write or read costs one memory copy."""
+    """Tier 2: entries in process memory. A write or read costs one memory copy.
+
+    With a GPU tier, entries live in one page-locked arena allocated at start-up (`arena`),
+    so that copies to and from the GPU run at the bus's speed, and reads are delivered to
+    the GPU (`delivery`). An entry the arena cannot place (fragmentation) falls back to
+    ordinary memory and is counted (`arena_fallbacks`).
+    """
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, arena: Optional[HostArena] = None, delivery: Optional[GPUDelivery] = None) -> None:
         self.cache: Dict[str, np.ndarray] = {}
         self.abort_event: Optional[threading.Event] = None    # set: a copy gives up at its next chunk
+        self.arena, self.delivery = arena, delivery
+        self.arena_fallbacks = 0
+        self._in_arena: Dict[str, np.ndarray] = {}            # key -> its arena allocation (to free)
+        self._lock = threading.Lock()
 
     def _check_abort(self, nbytes_done: int) -> None:
         if self.abort_event is not None and self.abort_event.is_set():
             raise IOAborted(nbytes_done)
 
+    def destination(self, nbytes: int) -> np.ndarray:
+        """Memory for a new entry of `nbytes` (uint8): from the arena when there is one."""
+        view = self.arena.alloc(nbytes) if self.arena is not None else None
+        if view is None:
+            if self.arena is not None:
+                with self._lock:
+                    self.arena_fallbacks += 1
+            return np.empty(nbytes, dtype=np.uint8)
+        return view
+
+    def adopt(self, key: str, data: np.ndarray, shape: Tuple[int, ...], dtype: str) -> None:
+        """Keep `data` (from `destination`) as the entry `key`."""
+        self._release(key)
+        if self.arena is not None and data.base is not None and self.arena.owns(data):
+            with self._lock:
+                self._in_arena[key] = data
+        self.cache[key] = data.view(np.dtype(dtype)).reshape(shape)
+
     def write_from(self, key, source, nbytes, shape, dtype, staging=None) -> IOTiming:
         t0 = time.perf_counter()
-        data = np.empty(nbytes, dtype=np.uint8)
-        for offset in range(0, nbytes, IO_CHUNK_BYTES):   # in chunks, so that a stop is obeyed mid-entry
-            self._check_abort(offset)
-            source(offset, data[offset:offset + IO_CHUNK_BYTES])
-        self.cache[key] = data.view(np.dtype(dtype)).reshape(shape)
+        data = self.destination(nbytes)
+        try:
+            for offset in range(0, nbytes, IO_CHUNK_BYTES):   # in chunks, so that a stop is obeyed mid-entry
+                self._check_abort(offset)
+                source(offset, data[offset:offset + IO_CHUNK_BYTES])
+        except BaseException:
+            self._free(data)
+            raise
+        self.adopt(key, data, shape, dtype)
         total = time.perf_counter() - t0
         return IOTiming.from_device(total, total)
 
     def store(self, key: str, data: np.ndarray) -> IOTiming:
         """Keep an array that already exists (moved from another tier): no copy."""
+        self._release(key)
         self.cache[key] = data
         return IOTiming(0.0, 0.0, 0.0)
 
@@ -1385,7 +2178,17 @@ class CPUMemoryBackend(StorageBackend):
         return data, IOTiming.from_device(total, total)
 
     def read_through(self, key: str, staging: np.ndarray, consume: Optional[Callable[[np.ndarray], None]] = None) -> IOTiming:
-        flat = self.cache[key].reshape(-1).view(np.uint8)
+        entry = self.cache[key]
+        if self.delivery is not None:                  # attention on the GPU: host-to-device copies
+            t0 = time.perf_counter()
+            device_s = self.delivery.from_host(entry)
+            total = time.perf_counter() - t0
+            if consume is not None:                     # verification: untimed
+                flat = entry.reshape(-1).view(np.uint8)
+                for start in range(0, flat.size, staging.size):
+                    consume(flat[start:start + staging.size])
+            return IOTiming.from_device(total, device_s)
+        flat = entry.reshape(-1).view(np.uint8)
         copy_s = 0.0
         t0 = time.perf_counter()
         for start in range(0, flat.size, staging.size):
@@ -1401,101 +2204,38 @@ class CPUMemoryBackend(StorageBackend):
     def take(self, key: str) -> np.ndarray:
         return self.cache[key]
 
+    def _free(self, data: np.ndarray) -> None:
+        if self.arena is not None and self.arena.owns(data):
+            self.arena.free(data)
+
+    def _release(self, key: str) -> None:
+        with self._lock:
+            held = self._in_arena.pop(key, None)
+        if held is not None:
+            self.arena.free(held)
+
     def delete(self, key: str) -> bool:
-        return self.cache.pop(key, None) is not None
+        found = self.cache.pop(key, None) is not None
+        self._release(key)
+        return found
 
     def clear(self) -> None:
-        self.cache.clear()
+        for key in list(self.cache):
+            self.delete(key)
 
     def __contains__(self, key: str) -> bool:
         return key in self.cache
 
 
-class _TorchDevice:
-    """GPU operations through PyTorch."""
-
-    def __init__(self, device_index: int):
-        import torch                      # heavy: imported only when the GPU tier starts
-        if not torch.cuda.is_available():
-            raise RuntimeError("PyTorch is installed but no CUDA device is usable")
-        self.torch = torch
-        self.device = torch.device("cuda", device_index)
-        self.library = f"torch {torch.__version__}"
-
-    def upload(self, host: np.ndarray):
-        return self.torch.from_numpy(host).to(self.device)
-
-    def download(self, dev) -> np.ndarray:
-        return dev.cpu().numpy()
-
-    def empty(self, nbytes: int):
-        return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
-
-    def copy(self, dst, src) -> None:
-        dst.copy_(src)
-
-    def synchronize(self) -> None:
-        self.torch.cuda.synchronize(self.device)
-
-    def free_bytes(self) -> int:
-        return int(self.torch.cuda.mem_get_info(self.device)[0])
-
-
-class _CupyDevice:
-    """GPU operations through CuPy."""
-
-    def __init__(self, device_index: int):
-        import cupy                       # heavy: imported only when the GPU tier starts
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("CuPy is installed but no CUDA device is usable")
-        self.cupy = cupy
-        self.device = cupy.cuda.Device(device_index)
-        self.device.use()
-        self.library = f"cupy {cupy.__version__}"
-
-    def upload(self, host: np.ndarray):
-        return self.cupy.asarray(host)
-
-    def download(self, dev) -> np.ndarray:
-        return self.cupy.asnumpy(dev)
-
-    def empty(self, nbytes: int):
-        return self.cupy.empty(nbytes, dtype=self.cupy.uint8)
-
-    def copy(self, dst, src) -> None:
-        dst[...] = src
-
-    def synchronize(self) -> None:
-        self.device.synchronize()
-
-    def free_bytes(self) -> int:
-        return int(self.cupy.cuda.runtime.memGetInfo()[0])
-
-
-def open_gpu_device(device_index: int = 0, library: str = "auto"):
-    """The first usable GPU library; RuntimeError with every reason when none works."""
-    candidates = []
-    if library in ("auto", "torch") and TORCH_AVAILABLE:
-        candidates.append(_TorchDevice)
-    if library in ("auto", "cupy") and CUPY_AVAILABLE:
-        candidates.append(_CupyDevice)
-    if not candidates:
-        raise RuntimeError("neither PyTorch nor CuPy is installed (see requirements-gpu.txt)")
-    reasons = []
-    for make in candidates:
-        try:
-            return make(device_index)
-        except Exception as exc:          # a broken CUDA install raises many kinds of errors
-            reasons.append(f"{make.__name__.strip('_')}: {exc}")
-    raise RuntimeError("; ".join(reasons))
-
-
 class GPUMemoryBackend(StorageBackend):
-    """Tier 1: flat uint8 CUDA buffers (PyTorch or CuPy) holding each entry's bytes.
+    """Tier 1: flat uint8 device buffers (PyTorch or CuPy) holding each entry's bytes.
 
-    A write uploads the entry from host memory (the KV a prefill produced);
-    a read copies the entry device-to-device through a reusable device buffer,
-    which is what attention reading its cache costs; `read` returns a host copy.
+    The KV a prefill produces is born on the GPU: a write fills the entry on the device from
+    a device-resident copy of the generator's pool, stamps included, so its bytes are the
+    host generator's to the byte. A read delivers the entry into GPU working memory
+    (device-to-device); a demotion is one device-to-host copy into the CPU tier's own
+    (pinned) memory. Every operation runs on the calling thread's own stream and is timed
+    from its enqueue to its completion there; nothing waits for the whole device.
     """
 
     name = "gpu"
@@ -1503,59 +2243,87 @@ class GPUMemoryBackend(StorageBackend):
     def __init__(self, device_index: int = 0, library: str = "auto"):
         self._dev = open_gpu_device(device_index, library)
         self.library = self._dev.library
+        self.device_name = self._dev.name
         self.cache: Dict[str, Any] = {}
         self._meta: Dict[str, StoredEntry] = {}
-        self._scratch = threading.local()
+        self._has_pool = False
+        self.delivery = GPUDelivery(self._dev)
+
+    @property
+    def device(self) -> Any:
+        return self._dev
+
+    def load_generator(self, generator: KVCacheGenerator) -> None:
+        """Upload the generator's pool once: from then on, generated entries are made on the device."""
+        self._dev.load_pool(generator._pool_bytes)
+        self._has_pool = True
 
     def free_bytes(self) -> int:
         return self._dev.free_bytes()
 
     def write_from(self, key, source, nbytes, shape, dtype, staging=None) -> IOTiming:
         t0 = time.perf_counter()
-        host = np.empty(nbytes, dtype=np.uint8)
-        source(0, host)
-        t1 = time.perf_counter()
-        self.cache[key] = self._dev.upload(host)
-        self._dev.synchronize()
+        buf = self._dev.empty(nbytes)
+        layout = getattr(source, "layout", None)
+        if layout is not None and self._has_pool:
+            device_s = self._dev.timed(lambda: self._dev.fill(layout, 0, buf))
+            total = time.perf_counter() - t0
+            if getattr(source, "observes_bytes", False):
+                run_source(source, nbytes)                  # --verify's checksum, on the host, untimed
+        else:                                               # bytes from the host (the public write())
+            host = np.empty(nbytes, dtype=np.uint8)
+            source(0, host)
+            device_s = self._dev.timed(lambda: self._dev.h2d(buf, host))
+            total = time.perf_counter() - t0
+        self.cache[key] = buf
         self._meta[key] = StoredEntry(nbytes, tuple(shape), dtype)
-        t2 = time.perf_counter()
-        return IOTiming(t2 - t0, t2 - t1, t1 - t0)
+        return IOTiming(total, device_s, total - device_s)
 
     def store(self, key: str, data: np.ndarray) -> IOTiming:
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         t0 = time.perf_counter()
-        self.cache[key] = self._dev.upload(flat)
-        self._dev.synchronize()
+        buf = self._dev.empty(flat.size)
+        device_s = self._dev.timed(lambda: self._dev.h2d(buf, flat))
+        self.cache[key] = buf
         self._meta[key] = StoredEntry(flat.size, tuple(data.shape), data.dtype.str)
-        total = time.perf_counter() - t0
-        return IOTiming.from_device(total, total)
+        return IOTiming.from_device(time.perf_counter() - t0, device_s)
+
+    def download_into(self, key: str, host: np.ndarray) -> IOTiming:
+        """One device-to-host copy of the entry into `host` (uint8, the entry's size)."""
+        t0 = time.perf_counter()
+        device_s = self._dev.timed(lambda: self._dev.d2h(host, self.cache[key]))
+        return IOTiming.from_device(time.perf_counter() - t0, device_s)
+
+    def chunk_source(self, key: str) -> ByteSource:
+        """The entry's bytes chunk by chunk into host buffers (a demotion straight to storage)."""
+        buf = self.cache[key]
+
+        def fill(offset: int, out: np.ndarray) -> None:
+            self._dev.d2h(out, self._dev.view(buf, offset, offset + out.size))
+            self._dev.sync()
+        return fill
 
     def read(self, key: str) -> Tuple[np.ndarray, IOTiming]:
         meta = self._meta[key]
-        t0 = time.perf_counter()
-        host = self._dev.download(self.cache[key])
-        total = time.perf_counter() - t0
-        return host.view(np.dtype(meta.dtype)).reshape(meta.shape), IOTiming.from_device(total, total)
+        host = np.empty(meta.nbytes, dtype=np.uint8)
+        timing = self.download_into(key, host)
+        return host.view(np.dtype(meta.dtype)).reshape(meta.shape), timing
 
     def read_through(self, key: str, staging: np.ndarray, consume: Optional[Callable[[np.ndarray], None]] = None) -> IOTiming:
-        src = self.cache[key]
-        scratch = getattr(self._scratch, "buf", None)
-        if scratch is None:
-            scratch = self._scratch.buf = self._dev.empty(staging.size)
+        src, nbytes = self.cache[key], self._meta[key].nbytes
         t0 = time.perf_counter()
-        for start in range(0, self._meta[key].nbytes, staging.size):
-            part = src[start:start + staging.size]
-            self._dev.copy(scratch[:part.shape[0]], part)
-        self._dev.synchronize()
+        device_s = self.delivery.from_device(src, nbytes)
         total = time.perf_counter() - t0
-        if consume is not None:                          # verification only: untimed host copy
-            for start in range(0, self._meta[key].nbytes, staging.size):
-                consume(self._dev.download(src[start:start + staging.size]))
-        return IOTiming.from_device(total, total)
+        if consume is not None:                          # verification only: untimed host copies
+            source = self.chunk_source(key)
+            for start in range(0, nbytes, staging.size):
+                part = staging[:min(staging.size, nbytes - start)]
+                source(start, part)
+                consume(part)
+        return IOTiming.from_device(total, device_s)
 
     def take(self, key: str) -> np.ndarray:
-        meta = self._meta[key]
-        return self._dev.download(self.cache[key]).view(np.dtype(meta.dtype)).reshape(meta.shape)
+        return self.read(key)[0]
 
     def delete(self, key: str) -> bool:
         self._meta.pop(key, None)
@@ -1565,8 +2333,110 @@ class GPUMemoryBackend(StorageBackend):
         self.cache.clear()
         self._meta.clear()
 
+    def close(self) -> None:
+        self.clear()
+        self._dev.close()
+
     def __contains__(self, key: str) -> bool:
         return key in self.cache
+
+
+def available_memory_bytes() -> Optional[int]:
+    """MemAvailable from /proc/meminfo; None where there is none."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def move_entry(source: StorageBackend, dest: StorageBackend, key: str, nbytes: int, shape: Tuple[int, ...],
+               dtype: str, staging: Optional[np.ndarray]) -> IOTiming:
+    """Move one entry a tier down by the shortest path (its copy in `source` stays until the
+    caller deletes it): GPU -> CPU is one device-to-host copy into the CPU tier's own memory;
+    GPU -> storage goes chunk by chunk through the (pinned) staging area; a CPU entry is
+    written to storage from where it lies."""
+    t0 = time.perf_counter()
+    if isinstance(source, GPUMemoryBackend) and isinstance(dest, CPUMemoryBackend):
+        host = dest.destination(nbytes)
+        try:
+            timing = source.download_into(key, host)
+        except BaseException:
+            dest._free(host)
+            raise
+        dest.adopt(key, host, shape, dtype)
+        return IOTiming.from_device(time.perf_counter() - t0, timing.device)
+    if isinstance(source, GPUMemoryBackend):
+        timing = dest.write_from(key, source.chunk_source(key), nbytes, shape, dtype, staging)
+        return IOTiming.from_device(time.perf_counter() - t0, timing.device)
+    data = source.take(key)                                 # a memory tier's array: no copy
+    fetch_s = time.perf_counter() - t0
+    if isinstance(dest, (CPUMemoryBackend, GPUMemoryBackend)):
+        timing = dest.store(key, data)
+    else:
+        timing = dest.write_from(key, array_source(data), nbytes, shape, dtype, staging)
+    return IOTiming.from_device(time.perf_counter() - t0, fetch_s + timing.device)
+
+
+# --- The memory tiers, set up together --------------------------------------------------------
+
+ARENA_MAX_SHARE_OF_AVAILABLE = 0.8      # never page-lock more than this share of the free RAM
+
+
+@dataclass
+class MemoryTiers:
+    """The GPU and CPU tiers of a cache. With a GPU tier the CPU tier's memory is one arena,
+    page-locked where the driver allows it, and every read is delivered to the GPU."""
+    backends: Dict[str, StorageBackend]
+    limits: Dict[str, float]
+    gpu_disabled_reason: Optional[str] = None
+    cpu_memory: str = "process memory (numpy arrays)"
+    delivery: Optional[GPUDelivery] = None
+
+    @property
+    def gpu(self) -> Optional[GPUMemoryBackend]:
+        gpu = self.backends.get("gpu")
+        return gpu if isinstance(gpu, GPUMemoryBackend) else None
+
+
+def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator,
+               tiers: MemoryTiers) -> Optional[GPUMemoryBackend]:
+    try:
+        gpu = GPUMemoryBackend(library=library)
+        gpu.load_generator(generator)
+    except Exception as exc:              # no library, no device, a broken driver, no memory for the pool
+        tiers.gpu_disabled_reason = str(exc)
+        logger.warning("GPU tier disabled: %s; the run goes on with the CPU and storage tiers.", exc)
+        return None
+    budget, free = gpu_memory_gb * GIB, gpu.free_bytes()
+    if budget > free:
+        logger.warning("--gpu-mem-gb %.2f exceeds the GPU's free memory; using %.2f GB.", gpu_memory_gb, free / GIB)
+        budget = free
+    tiers.backends["gpu"], tiers.limits["gpu"], tiers.delivery = gpu, budget, gpu.delivery
+    return gpu
+
+
+def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
+                      generator: KVCacheGenerator, available_bytes: Optional[int] = None) -> MemoryTiers:
+    """The GPU tier (when asked for and usable), then the CPU tier: its arena is allocated once,
+    up to its budget (page-locking is slow; per-operation pinning is what made copies slow)."""
+    tiers = MemoryTiers({}, {})
+    gpu = _start_gpu(gpu_memory_gb, library, generator, tiers) if gpu_memory_gb > 0 else None
+    if cpu_memory_gb > 0:
+        arena = None
+        if gpu is not None:
+            size = int(cpu_memory_gb * GIB)
+            if available_bytes is not None:
+                size = min(size, int(available_bytes * ARENA_MAX_SHARE_OF_AVAILABLE))
+            buffer, how = host_buffer(gpu.device, size)
+            arena = HostArena(buffer)
+            tiers.cpu_memory = f"{'page-locked' if how == 'pinned' else how} arena of {size / GIB:.2f} GB"
+        tiers.backends["cpu"] = CPUMemoryBackend(arena, tiers.delivery)
+        tiers.limits["cpu"] = cpu_memory_gb * GIB
+    return tiers
 
 
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,159}$")
@@ -1641,6 +2511,8 @@ def probe_direct_io(directory: Path) -> Tuple[bool, str]:
             os.close(fd)
         return True, "O_DIRECT"
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):     # full is full, not "no O_DIRECT"
+            raise
         return False, f"file system refuses O_DIRECT ({exc.strerror})"
     finally:
         os.unlink(probe)
@@ -1674,6 +2546,7 @@ class NVMeBackend(StorageBackend):
         self.request_sizes: Dict[str, Dict[int, int]] = {"read": defaultdict(int), "write": defaultdict(int)}
         self._file_sizes: List[int] = [0, 0, 0, 0]            # files written: count, bytes, smallest, largest
         self.abort_event: Optional[threading.Event] = None    # set: give up between chunks
+        self.delivery: Optional[GPUDelivery] = None            # with a GPU tier: each chunk read goes on to the GPU
         self._trash_ids = itertools.count(1)
 
     def _check_abort(self, nbytes_done: int) -> None:
@@ -1834,8 +2707,9 @@ class NVMeBackend(StorageBackend):
         fd, meta = self._open_for_read(key)
         try:
             buffers = self._chunk_buffers(staging)
-            device_s = self._read_chunks(fd, meta["size"], lambda i, done, left: buffers[i % len(buffers)],
-                                         len(buffers), consume)
+            with (self.delivery.chunk_sink() if self.delivery is not None else contextlib.nullcontext()) as deliver:
+                device_s = self._read_chunks(fd, meta["size"], lambda i, done, left: buffers[i % len(buffers)],
+                                             len(buffers), _chain(consume, deliver))
         finally:
             os.close(fd)
         return IOTiming.from_device(time.perf_counter() - t0, device_s)
@@ -1896,8 +2770,14 @@ class NVMeBackend(StorageBackend):
         with self._lock:
             paths = [m["path"] for m in self.metadata.values()]
             self.metadata.clear()
-        for path in paths:
-            Path(path).unlink(missing_ok=True)
+        failed: List[OSError] = []
+        for path in paths:                                # every one, even when some fail
+            try:
+                Path(path).unlink(missing_ok=True)
+            except OSError as exc:
+                failed.append(exc)
+        if failed:
+            raise failed[0]
         if self._owns_dir:
             try:
                 self.base_path.rmdir()
@@ -1931,8 +2811,8 @@ BASELINE_PREALLOCATE_BYTES = 64 * MIB   # a stream reserves its file's blocks th
 
 
 def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: float = BASELINE_PHASE_S,
-                        threads: int = BASELINE_THREADS, max_file_bytes: int = BASELINE_MAX_FILE_BYTES
-                        ) -> Dict[str, Any]:
+                        threads: int = BASELINE_THREADS, max_file_bytes: int = BASELINE_MAX_FILE_BYTES,
+                        should_stop: Callable[[], bool] = lambda: False) -> Dict[str, Any]:
     """The raw sequential write and cold read bandwidth of `directory`, fio-style.
 
     min(`threads`, BASELINE_WRITE_STREAMS) streams each write one file with
@@ -1958,7 +2838,7 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
             try:
                 deadline = time.perf_counter() + phase_s
                 reserved = 0
-                while sizes[i] < max_file_bytes and time.perf_counter() < deadline:
+                while sizes[i] < max_file_bytes and time.perf_counter() < deadline and not should_stop():
                     if sizes[i] >= reserved:              # laid out like the workload's preallocated entries
                         reserved += BASELINE_PREALLOCATE_BYTES
                         preallocate(fd, reserved)
@@ -1981,7 +2861,7 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
                 deadline = time.perf_counter() + phase_s
                 share = -(-threads // writers)            # readers per file, spread over it
                 start = offset = (size // IO_CHUNK_BYTES) * (i // writers) // share * IO_CHUNK_BYTES
-                while size and time.perf_counter() < deadline:   # passes over the file until the phase is over
+                while size and time.perf_counter() < deadline and not should_stop():   # passes until the phase is over
                     if offset == start and not backend.direct_io:
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     if os.preadv(fd, [buf], offset) < buf.size:
@@ -2238,6 +3118,19 @@ class CacheStats:
         self.count(f"{tier}_bytes_{'read' if op == 'read' else 'written'}", nbytes)
         self.count(f"{tier}_aborted_{op}s")
 
+    def record_failure(self, tier: str, op: str, exc: BaseException) -> None:
+        """An operation that did not complete: the run's stop (bytes moved so far) or an I/O error."""
+        if isinstance(exc, IOAborted):
+            self.record_partial(tier, op, exc.nbytes)
+        else:
+            self.record_io_error(tier, op, exc)
+
+    def record_io_error(self, tier: str, op: str, exc: OSError) -> None:
+        kind = errno.errorcode.get(exc.errno, "EOTHER") if exc.errno else "EOTHER"
+        self.count("io_errors")
+        if self.count(f"io_errors_{tier}_{op}_{kind}") == 1:      # log each kind once; the report counts all
+            logger.error("%s %s failed: %s (further %s errors are counted, not logged)", tier, op, exc, kind)
+
     def record_lookup(self, cache_type: str, hit: bool) -> None:
         with self._lock:
             self.counters["cache_hits" if hit else "cache_misses"] += 1
@@ -2285,6 +3178,72 @@ class CacheEntry:
     checksum: Optional[int] = None    # CRC-32 of the entry's bytes, with --verify
 
 
+def describe_tiers(tiers: MemoryTiers, nvme: "NVMeBackend", run_dir: Path, order: List[str]) -> Dict[str, Any]:
+    """What the results say about a cache's tiers (effective budgets, library, delivery, I/O mode)."""
+    limits, backends = tiers.limits, tiers.backends
+    return {
+        "tiers": order,
+        "effective_gpu_mem_gb": limits.get("gpu", 0) / GIB,
+        "effective_cpu_mem_gb": limits.get("cpu", 0) / GIB,
+        "storage_capacity_gb": None if math.isinf(limits["nvme"]) else limits["nvme"] / GIB,
+        "gpu_disabled_reason": tiers.gpu_disabled_reason,
+        "gpu_library": getattr(backends.get("gpu"), "library", None),
+        "gpu_name": getattr(backends.get("gpu"), "device_name", None),
+        "read_delivery": "gpu" if tiers.delivery is not None else "host",
+        "cpu_tier_memory": tiers.cpu_memory if "cpu" in backends else None,
+        "cpu_arena_fallbacks": getattr(backends.get("cpu"), "arena_fallbacks", 0),
+        "storage_io_mode": nvme.io_mode,
+        "nvme_read_device_busy_s": nvme.busy["read"].busy_s(),
+        "nvme_write_device_busy_s": nvme.busy["write"].busy_s(),
+        "storage_direct_io": nvme.direct_io,
+        "storage_run_dir": str(run_dir),
+        "storage_requests": nvme.request_profile(),
+    }
+
+
+def _unlink_counted(stats: CacheStats, path: Path) -> None:
+    """Delete one of the cache's files; a failure (read-only or vanished file system) is counted."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        stats.record_io_error("nvme", "delete", exc)
+
+
+def _cleanup_counted(stats: CacheStats, step: Callable[[], Any]) -> None:
+    """One clean-up step; a failure is counted by errno and the caller's other steps still run."""
+    try:
+        step()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        stats.record_io_error("nvme", "cleanup", exc)
+    except Exception:                                     # a bug must not cost the results either
+        logger.exception("a clean-up step failed; the others still run")
+
+
+def invariant_violations(entries: Dict[str, "CacheEntry"], backends: Dict[str, StorageBackend],
+                         usage: Dict[str, int], capacity: Callable[[str], float]) -> List[str]:
+    """A cache's bookkeeping checked against its backends (pure; the caller holds the cache's
+    lock). Exact only while no operation is in flight: a write in progress holds a reservation
+    but no tier yet."""
+    problems: List[str] = []
+    live: Dict[str, int] = defaultdict(int)
+    for key, entry in entries.items():
+        holders = [t for t, b in backends.items() if key in b]
+        if entry.state != "writing" and holders != [entry.tier]:
+            problems.append(f"{key}: bookkeeping says {entry.tier}, data is in {holders}")
+        if entry.tier is not None:
+            live[entry.tier] += entry.size_bytes
+    for tier, used in usage.items():
+        if used < 0:
+            problems.append(f"{tier}: usage {used} is negative")
+        if used != live[tier]:
+            problems.append(f"{tier}: usage {used} != {live[tier]} bytes of live entries")
+        if used > capacity(tier):
+            problems.append(f"{tier}: usage {used} exceeds its capacity")
+    return problems
+
+
 class MultiTierCache:
     """GPU -> CPU -> storage cache with waterfall LRU eviction.
 
@@ -2311,24 +3270,27 @@ class MultiTierCache:
         self.performance_profile = performance_profile
         self.generator = generator if generator is not None else KVCacheGenerator(model_config, seed)
         self.stats = CacheStats()
-        self.gpu_disabled_reason: Optional[str] = None
         self._lock = threading.Lock()
         self._entries: Dict[str, CacheEntry] = {}
         self._tls = threading.local()
         self._alloc_slots = threading.BoundedSemaphore(max_concurrent_allocs) if max_concurrent_allocs > 0 else None
 
-        self.backends: Dict[str, StorageBackend] = {}
-        self._limits: Dict[str, float] = {}
-        if gpu_memory_gb > 0:
-            self._start_gpu_tier(gpu_memory_gb, gpu_library)
-        if cpu_memory_gb > 0:
-            self.backends["cpu"] = CPUMemoryBackend()
-            self._limits["cpu"] = cpu_memory_gb * GIB
+        self.tiers = open_memory_tiers(gpu_memory_gb, cpu_memory_gb, gpu_library, self.generator,
+                                       available_memory_bytes())
+        self.backends: Dict[str, StorageBackend] = self.tiers.backends
+        self._limits: Dict[str, float] = self.tiers.limits
+        self.gpu_disabled_reason = self.tiers.gpu_disabled_reason
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvcache_run_", dir=cache_dir))
-        self.backends["nvme"] = NVMeBackend(self.run_dir)
+        try:
+            self.backends["nvme"] = NVMeBackend(self.run_dir)
+        except OSError:                                # e.g. a full file system: leave nothing behind
+            self.run_dir.rmdir()
+            raise
+        self.backends["nvme"].delivery = self.tiers.delivery
         self._abort = threading.Event()
-        self.backends["nvme"].abort_event = self._abort
         self.staging_pool = StagingPool(STAGING_AREAS, IO_DEPTH * IO_CHUNK_BYTES, self._abort)
+        if self.tiers.gpu is not None:                 # storage staging crosses PCIe too: pinned
+            self.staging_pool.on_create = lambda area: pin_host_buffer(self.tiers.gpu.device, area)
         for backend in self.backends.values():
             backend.abort_event = self._abort
         self._retired: set = set()
@@ -2336,22 +3298,6 @@ class MultiTierCache:
         self._limits["nvme"] = storage_capacity_gb * GIB if storage_capacity_gb else float("inf")
         self._usage: Dict[str, int] = {t: 0 for t in self.backends}
         self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
-
-    def _start_gpu_tier(self, gpu_memory_gb: float, library: str) -> None:
-        try:
-            backend = GPUMemoryBackend(library=library)
-        except RuntimeError as exc:
-            self.gpu_disabled_reason = str(exc)
-            logger.warning("GPU tier disabled: %s; the run goes on with the CPU and storage tiers.", exc)
-            return
-        budget = gpu_memory_gb * GIB
-        free = backend.free_bytes()
-        if budget > free:
-            logger.warning("--gpu-mem-gb %.2f exceeds the GPU's free memory; using %.2f GB.",
-                           gpu_memory_gb, free / GIB)
-            budget = free
-        self.backends["gpu"] = backend
-        self._limits["gpu"] = budget
 
     # --- introspection used by callers and tests ---
     def _get_tier_order(self) -> List[str]:
@@ -2381,15 +3327,10 @@ class MultiTierCache:
                     counts[entry.tier] += 1
             return counts
 
-    @contextlib.contextmanager
-    def _staged(self, tier: str, op: str) -> Iterator[Optional[np.ndarray]]:
+    def _staged(self, tier: str, op: str) -> Any:
         """A staging area from the shared pool for a transfer that needs one (storage I/O, reads
-        copied out of memory); None for writes into memory, which need none."""
-        if tier != "nvme" and op == "write":
-            yield None
-            return
-        with self.staging_pool.lease() as area:
-            yield area
+        copied out of memory); writes into memory need none."""
+        return self.staging_pool.lease(needed=tier == "nvme" or op == "read")
 
     # --- writes ---
     def allocate_cache(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
@@ -2443,7 +3384,7 @@ class MultiTierCache:
                 timing = self.backends[tier].write_from(key, source, size, entry.shape, entry.dtype, staging)
         except (OSError, IOAborted) as exc:
             self._drop(entry, reserved_tier=tier)
-            self._record_failure(tier, "write", exc)
+            self.stats.record_failure(tier, "write", exc)
             return False, None, 0, isinstance(exc, IOAborted)
         with self._lock:
             entry.checksum = crc[0] if crc is not None else None
@@ -2490,7 +3431,7 @@ class MultiTierCache:
                 self._drop_locked(victim, reserved_tier=source)
                 trash = self._remove_data_locked(source, victim.key)
             if trash is not None:
-                trash.unlink(missing_ok=True)       # the capacity cap holds on disk too
+                _unlink_counted(self.stats, trash)                 # the capacity cap holds on disk too
             self.stats.count("evictions")
             return
         try:
@@ -2500,7 +3441,7 @@ class MultiTierCache:
                 self._usage[dest] -= victim.size_bytes
             self._drop(victim, reserved_tier=source)
             self.backends[source].delete(victim.key)
-            self._record_failure(dest, "write", exc)
+            self.stats.record_failure(dest, "write", exc)
             return
         with self._lock:
             victim.tier, victim.state = dest, "ready"
@@ -2512,17 +3453,9 @@ class MultiTierCache:
         self._tls.demoted_tokens = getattr(self._tls, "demoted_tokens", 0) + victim.num_tokens
 
     def _move(self, entry: CacheEntry, source: str, dest: str) -> IOTiming:
-        t0 = time.perf_counter()
-        data = self.backends[source].take(entry.key)       # a GPU->host copy, or free for the CPU tier
-        fetch_s = time.perf_counter() - t0
-        backend = self.backends[dest]
-        if isinstance(backend, (CPUMemoryBackend, GPUMemoryBackend)):
-            timing = backend.store(entry.key, data)
-        else:
-            with self._staged(dest, "write") as staging:
-                timing = backend.write_from(entry.key, array_source(data), entry.size_bytes,
-                                            entry.shape, entry.dtype, staging)
-        return IOTiming.from_device(time.perf_counter() - t0, fetch_s + timing.device)
+        with self._staged(dest, "write") as staging:
+            return move_entry(self.backends[source], self.backends[dest], entry.key, entry.size_bytes,
+                              entry.shape, entry.dtype, staging)
 
     def _forget(self, entry: CacheEntry) -> None:
         """Remove a ready entry's bookkeeping. Caller holds the lock."""
@@ -2548,20 +3481,11 @@ class MultiTierCache:
         if tier != "nvme":
             self.backends[tier].delete(key)
             return None
-        return self.backends["nvme"].detach(key)
-
-    def _record_failure(self, tier: str, op: str, exc: BaseException) -> None:
-        if isinstance(exc, IOAborted):
-            self.stats.record_partial(tier, op, exc.nbytes)
-        else:
-            self._record_io_error(tier, op, exc)
-
-    def _record_io_error(self, tier: str, op: str, exc: OSError) -> None:
-        kind = errno.errorcode.get(exc.errno, "EOTHER") if exc.errno else "EOTHER"
-        self.stats.count("io_errors")
-        name = f"io_errors_{tier}_{op}_{kind}"
-        if self.stats.count(name) == 1:                 # log each kind once; the report counts them all
-            logger.error("%s %s failed: %s (further %s errors are counted, not logged)", tier, op, exc, kind)
+        try:
+            return self.backends["nvme"].detach(key)
+        except OSError as exc:                         # a dying file system: counted, the file stays
+            self.stats.record_io_error("nvme", "delete", exc)
+            return None
 
     # --- reads ---
     def access_cache(self, key: str, phase: InferencePhase = InferencePhase.DECODE,
@@ -2595,7 +3519,7 @@ class MultiTierCache:
                 self.stats.record_partial(tier, "read", exc.nbytes)
                 return CacheResult(False, None, time.perf_counter() - t0, 0, aborted=True)
             except OSError as exc:
-                self._record_io_error(tier, "read", exc)
+                self.stats.record_io_error(tier, "read", exc)
                 break
             with self._lock:
                 replaced = self._entries.get(key) is not entry
@@ -2618,25 +3542,9 @@ class MultiTierCache:
                          "(CRC-32 %08x, expected %08x)", tier, key, actual, expected)
 
     def check_invariants(self) -> List[str]:
-        """Bookkeeping violations, as messages (empty when all hold). Exact only while no
-        operation is in flight: a write in progress holds a reservation but no tier yet."""
-        problems: List[str] = []
+        """Bookkeeping violations, as messages (empty when all hold); see invariant_violations."""
         with self._lock:
-            live = defaultdict(int)
-            for key, entry in self._entries.items():
-                holders = [t for t, b in self.backends.items() if key in b]
-                if entry.state != "writing" and holders != [entry.tier]:
-                    problems.append(f"{key}: bookkeeping says {entry.tier}, data is in {holders}")
-                if entry.tier is not None:
-                    live[entry.tier] += entry.size_bytes
-            for tier, used in self._usage.items():
-                if used < 0:
-                    problems.append(f"{tier}: usage {used} is negative")
-                if used != live[tier]:
-                    problems.append(f"{tier}: usage {used} != {live[tier]} bytes of live entries")
-                if used > self._tier_capacity(tier):
-                    problems.append(f"{tier}: usage {used} exceeds its capacity")
-        return problems
+            return invariant_violations(self._entries, self.backends, self._usage, self._tier_capacity)
 
     # --- end of life of entries ---
     def retire(self, keys: Sequence[str]) -> None:
@@ -2654,10 +3562,7 @@ class MultiTierCache:
     def _discard_data(self, tier: str, key: str) -> None:
         """Drop a replaced entry's data. A storage file is only renamed here; deleting it
         can take long (discard on unlink) and is left to `collect_garbage`, off the request's path."""
-        if tier != "nvme":
-            self.backends[tier].delete(key)
-            return
-        trash = self.backends["nvme"].detach(key)
+        trash = self._remove_data_locked(tier, key)        # the entry is forgotten: no lock needed here
         if trash is not None:
             with self._lock:
                 self._trash.append(trash)
@@ -2685,7 +3590,7 @@ class MultiTierCache:
                 with self._lock:
                     self._trash.extend(trash[i:])
                 break
-            path.unlink(missing_ok=True)
+            _unlink_counted(self.stats, path)
         if retired:
             self.stats.count("retired_entries_deleted", retired)
         return retired
@@ -2701,35 +3606,21 @@ class MultiTierCache:
                                    duration, self.performance_profile, self.describe_tiers())
 
     def describe_tiers(self) -> Dict[str, Any]:
-        """Effective budgets and the storage I/O mode, for the results."""
-        nvme = self.backends["nvme"]
-        return {
-            "tiers": self._get_tier_order(),
-            "effective_gpu_mem_gb": self._limits.get("gpu", 0) / GIB,
-            "effective_cpu_mem_gb": self._limits.get("cpu", 0) / GIB,
-            "storage_capacity_gb": None if math.isinf(self._limits["nvme"]) else self._limits["nvme"] / GIB,
-            "gpu_disabled_reason": self.gpu_disabled_reason,
-            "gpu_library": getattr(self.backends.get("gpu"), "library", None),
-            "storage_io_mode": nvme.io_mode,
-            "nvme_read_device_busy_s": nvme.busy["read"].busy_s(),
-            "nvme_write_device_busy_s": nvme.busy["write"].busy_s(),
-            "storage_direct_io": nvme.direct_io,
-            "storage_run_dir": str(self.run_dir),
-            "storage_requests": nvme.request_profile(),
-        }
+        """Effective budgets, the GPU library and read delivery, the storage I/O mode: for the results."""
+        return describe_tiers(self.tiers, self.backends["nvme"], self.run_dir, self._get_tier_order())
 
     def close(self) -> None:
-        """Delete everything the cache stored, including the run directory it made."""
-        try:
-            self.collect_garbage()
-        except Exception:                           # the files are still ours: clear them below
-            logger.exception("deleting retired entries failed; removing every file of the run instead")
+        """Delete everything the cache stored, including the run directory it made. A step that
+        fails is counted and the rest still run: a dying file system costs errors, not results."""
+        _cleanup_counted(self.stats, self.collect_garbage)
         with self._lock:
             trash, self._trash = self._trash, []
         for path in trash:
-            path.unlink(missing_ok=True)
+            _unlink_counted(self.stats, path)
         for backend in self.backends.values():
-            backend.clear()
+            _cleanup_counted(self.stats, backend.clear)
+        if self.tiers.gpu is not None:
+            self.tiers.gpu.close()                  # unpins what was registered
         with self._lock:
             self._entries.clear()
             for tier in self._usage:
@@ -2740,7 +3631,7 @@ class MultiTierCache:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            logger.warning("left %s in place: %s (it holds files the benchmark did not write)", self.run_dir, exc)
+            logger.warning("left %s in place: %s", self.run_dir, exc)
 
 
 # ============================================================================
@@ -3680,6 +4571,7 @@ class BenchmarkConfig:
     verify: bool = False
     io_baseline: bool = False                     # measure the cache directory's raw bandwidth first
     requested_cpu_mem_gb: Optional[float] = None  # --cpu-mem-gb as given, before clamping to free RAM
+    gpu_library: str = "auto"                     # 'auto' (PyTorch, then CuPy), 'torch' or 'cupy'
 
 
 @dataclass
@@ -3909,26 +4801,28 @@ class IntegratedBenchmark:
     interleaved with simulated generation.
     """
 
-    def __init__(self, config: BenchmarkConfig):
+    def __init__(self, config: BenchmarkConfig, stop_event: Optional[threading.Event] = None):
         self.config = config
+        # Shared with the signal handlers from the start, so that set-up obeys a stop too (Interrupted).
+        self._stop = stop_event if stop_event is not None else threading.Event()
         self.seed = config.seed if config.seed is not None else random.SystemRandom().getrandbits(63)
         self.dataset: Optional[ShareGPTDatasetLoader] = None
         if config.dataset_path:
             self.dataset = ShareGPTDatasetLoader(config.dataset_path, config.max_conversations, self.seed)
             self.dataset.load()                     # DatasetError: bad input, before anything is written
         self.plan = WorkloadPlan(config.model.name, config.num_users, self.seed,
-                                 self.dataset.conversations if self.dataset else None)
+                                 self.dataset.conversations if self.dataset else None, self._stop.is_set)
         self.rag = RAGDocumentManager(config.rag_num_docs, self.seed) if config.enable_rag else None
-        self.workload_digest = self.plan.digest()
+        self.workload_digest = self.plan.digest(self._stop.is_set)
         self.cache = MultiTierCache(config.model, config.gpu_mem_gb, config.cpu_mem_gb, seed=self.seed,
                                     cache_dir=config.cache_dir, performance_profile=config.performance_profile,
                                     max_concurrent_allocs=config.max_concurrent_allocs,
-                                    storage_capacity_gb=config.storage_capacity_gb or None, verify=config.verify)
+                                    storage_capacity_gb=config.storage_capacity_gb or None, verify=config.verify,
+                                    gpu_library=config.gpu_library)
         self.conversations = ConversationManager(max_conversations=max(1000, 2 * config.num_users))
         self.prefixes = PrefixCacheManager()
         self.recorder = RunRecorder(config.max_requests)
         self.request_queue: "queue.PriorityQueue" = queue.PriorityQueue()
-        self._stop = threading.Event()
         self.stop_reason: Optional[str] = None
         self._active_conversation: Dict[int, str] = {}
         self._request_numbers: Dict[int, int] = defaultdict(int)
@@ -3957,14 +4851,17 @@ class IntegratedBenchmark:
     def run(self) -> Dict[str, Any]:
         """Run the workload, then return the results; the cache's files are removed either way."""
         try:
-            if self.config.io_baseline:
+            if self.config.io_baseline and not self._stop.is_set():
                 logger.info("Measuring the raw bandwidth of %s (about %.0f s)...", self.cache.run_dir,
                             3 * BASELINE_PHASE_S)
                 try:
-                    self.io_baseline = measure_io_baseline(self.cache.run_dir, self.cache.generator)
+                    self.io_baseline = measure_io_baseline(self.cache.run_dir, self.cache.generator,
+                                                           should_stop=self._stop.is_set)
                 except OSError as exc:
                     logger.error("--io-baseline failed, the run goes on without it: %s", exc)
                     self.io_baseline = {"error": str(exc)}
+            if self._stop.is_set():                    # stopped before the workload began: no results
+                raise Interrupted()
             cpu0 = time.process_time()
             elapsed = self._drive()
             self.process_cpu_s = time.process_time() - cpu0
@@ -4417,6 +5314,7 @@ def _config_dict(config: BenchmarkConfig) -> Dict[str, Any]:
         "storage_capacity_gb": config.storage_capacity_gb,
         "verify": config.verify,
         "io_baseline": config.io_baseline,
+        "gpu_library": config.gpu_library,
     }
 
 
@@ -4464,6 +5362,12 @@ def format_report(results: Dict[str, Any]) -> str:
     add(f"Budgets (effective): GPU {cs['effective_gpu_mem_gb']:.2f} GB{gpu_note} | "
         f"CPU {cs['effective_cpu_mem_gb']:.2f} GB | storage {cap}")
     add(f"Storage I/O: {cs['storage_io_mode']} in {cs['storage_run_dir']}")
+    if cs.get("gpu_library"):
+        add(f"GPU tier: {cs.get('gpu_name')} through {cs['gpu_library']}; reads delivered to the "
+            f"{cs.get('read_delivery', 'gpu').upper()}; CPU tier memory: {cs.get('cpu_tier_memory') or 'none'}"
+            + (f" ({cs['cpu_arena_fallbacks']:,} entries outside the arena)" if cs.get("cpu_arena_fallbacks") else ""))
+    else:
+        add("Reads delivered to: host memory (no GPU tier)")
     add(f"Workload digest: {results['workload_digest']}")
     missing = headline_not_measured(results)
     if missing:
@@ -4771,7 +5675,7 @@ def export_results_to_xlsx(results: Dict[str, Any], args: Any, output_path: str)
         path = str(Path(output_path).with_suffix(".csv"))
         if not OPENPYXL_AVAILABLE:
             logger.warning("openpyxl is not installed: writing the summary row as CSV to %s", path)
-        pd.DataFrame(rows).to_csv(path, index=False)
+        _write_text_file(path, pd.DataFrame(rows).to_csv(index=False))
         return path
     sheets = {"Summary": rows, **_detail_sheets(results, args)}
     write_workbook(sheets, output_path)
@@ -4779,9 +5683,12 @@ def export_results_to_xlsx(results: Dict[str, Any], args: Any, output_path: str)
 
 
 def write_workbook(sheets: Dict[str, List[Dict[str, Any]]], output_path: str) -> None:
-    """Sheets of rows to an .xlsx file, formatted for people: widths, percentages, decimals."""
+    """Sheets of rows to an .xlsx file, formatted for people: widths, percentages, decimals. Built in
+    memory, then written like every output (whatever the extension's case; see _write_file)."""
+    import io as io_module
     import pandas as pd
-    with pd.ExcelWriter(output_path, engine="openpyxl") as writer:
+    book = io_module.BytesIO()
+    with pd.ExcelWriter(book, engine="openpyxl") as writer:
         for name, rows in sheets.items():
             pd.DataFrame(rows).to_excel(writer, sheet_name=name, index=False)
             sheet = writer.sheets[name]
@@ -4796,6 +5703,7 @@ def write_workbook(sheets: Dict[str, List[Dict[str, Any]]], output_path: str) ->
                         cell.number_format = "0.0%"
                     elif isinstance(cell.value, float):
                         cell.number_format = "#,##0.00"
+    _write_file(output_path, book.getvalue())
 
 
 # --- Suite comparison (the wrapper's closing table) ----------------------------------
@@ -5081,6 +5989,10 @@ def _umask() -> int:
 
 
 def _write_text_file(path: str, text: str) -> str:
+    return _write_file(path, text.encode("utf-8"))
+
+
+def _write_file(path: str, data: bytes) -> str:
     """Write an output file without replacing anything that is not ours to replace.
 
     A symbolic link is followed to the file it names. Anything that is not a regular file
@@ -5094,14 +6006,14 @@ def _write_text_file(path: str, text: str) -> str:
     except FileNotFoundError:
         st = None
     if st is not None and not stat_module.S_ISREG(st.st_mode):
-        with open(target, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(target, "wb") as f:
+            f.write(data)
         return str(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         os.fchmod(fd, stat_module.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -5218,7 +6130,9 @@ def merge_rank_results(config: BenchmarkConfig, gathered: List[Dict[str, Any]]) 
     digest = hashlib.sha256("|".join(g["results"]["workload_digest"] for g in gathered).encode()).hexdigest()[:16]
     results = assemble_results(
         config=config, seed=config.seed, records=records,
-        recorder=argparse.Namespace(abandoned=sum(s["requests_abandoned"] for s in rank_summaries)),
+        recorder=argparse.Namespace(abandoned=sum(s["requests_abandoned"] for s in rank_summaries),
+                                    peak_in_flight=sum(s.get("peak_in_flight") or 0 for s in rank_summaries)),
+        shutdown_tail_s=max(s.get("shutdown_tail_s") or 0.0 for s in rank_summaries),
         cache_stats=cache_stats, prefix_stats=prefix,
         timeline=_sum_timelines([g["results"]["timeline"] for g in gathered]), elapsed_s=elapsed,
         workload_digest=digest, admitted=sum(s["requests_admitted"] for s in rank_summaries),
@@ -5297,6 +6211,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("memory tiers")
     m.add_argument("--gpu-mem-gb", type=float, default=16.0, help="GPU tier budget in GiB, 0 disables (default: %(default)s)")
     m.add_argument("--cpu-mem-gb", type=float, default=32.0, help="CPU tier budget in GiB, 0 disables (default: %(default)s)")
+    m.add_argument("--gpu-library", default="auto", choices=["auto", "torch", "cupy"],
+                   help="GPU tier library: auto tries PyTorch, then CuPy (default: %(default)s)")
     m.add_argument("--cache-dir", default=None, help="directory for the storage tier (default: the system temporary directory)")
     m.add_argument("--max-concurrent-allocs", type=int, default=0,
                    help="cap on simultaneous cache allocations, bounds RAM (0: unlimited)")
@@ -5341,9 +6257,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _shown(value: float) -> str:
+    """A value for an error message, whatever its size (a 400-digit integer has no float form)."""
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
+
+
 def _check_range(flag: str, value: float, low: float, high: float, what: str) -> None:
+    # Compared before any arithmetic, so that no size or shape of number can raise.
     if not (low <= value <= high) or (isinstance(value, float) and math.isnan(value)):
-        raise UsageError(f"{flag} must be {what}, got {value:g}")
+        raise UsageError(f"{flag} must be {what}, got {_shown(value)}")
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -5368,21 +6291,21 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.seed is not None:
         _check_range("--seed", args.seed, 0, 2 ** 63 - 1, "a non-negative integer below 2**63")
     _check_cache_dir(args.cache_dir)
-    _check_output_path("--output", args.output)
-    _check_output_path("--xlsx-output", args.xlsx_output)
-    _check_output_path("--fio-job", args.fio_job)
+    _check_outputs(args)
     if args.fio_compare and shutil.which("fio") is None:
         raise UsageError("--fio-compare needs fio on the PATH (install it, e.g. apt-get install fio)")
-    if args.plot is not None and Path(args.plot).expanduser().exists() and not Path(args.plot).expanduser().is_dir():
-        raise UsageError(f"--plot {args.plot} exists and is not a directory")
 
 
 def _check_cache_dir(cache_dir: Optional[str]) -> None:
     if cache_dir is None:
         return
     path = Path(cache_dir).expanduser()
+    try:
+        resolved = str(path.resolve())
+    except (RuntimeError, OSError) as exc:       # a symbolic-link loop, or a path the OS cannot follow
+        raise UsageError(f"--cache-dir {cache_dir}: cannot be resolved ({exc})") from None
     # Both the path as given and where its symbolic links lead (/bin -> /usr/bin on merged-/usr systems).
-    for candidate in {os.path.abspath(path), str(path.resolve())}:
+    for candidate in {os.path.abspath(path), resolved}:
         if any(candidate == tree or candidate.startswith(tree + "/") for tree in USER_TREES_IN_SYSTEM):
             continue
         if candidate in SYSTEM_PATHS or any(candidate.startswith(tree + "/") for tree in SYSTEM_TREES):
@@ -5410,6 +6333,9 @@ def _check_dataset(dataset_path: Optional[str]) -> None:
         raise UsageError(f"--dataset-path {dataset_path}: the file is empty (expected ShareGPT JSON)")
 
 
+SPREADSHEET_SUFFIXES = (".xlsx", ".csv")
+
+
 def _check_output_path(flag: str, output: Optional[str]) -> None:
     if output is None:
         return
@@ -5423,16 +6349,38 @@ def _check_output_path(flag: str, output: Optional[str]) -> None:
         raise UsageError(f"{flag} {output}: directory {parent} is not writable")
 
 
-def available_memory_bytes() -> Optional[int]:
-    """MemAvailable from /proc/meminfo; None where there is none."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
+def _check_plot_dir(plot: Optional[str]) -> None:
+    """--plot DIR may not exist yet, but what exists of its path must be directories we can write in."""
+    if plot is None:
+        return
+    path = Path(plot).expanduser().absolute()
+    existing = path
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "exists and is not a directory" if existing == path else f"is under {existing}, which is not a directory"
+        raise UsageError(f"--plot {plot} {where}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--plot {plot}: {existing} is not writable")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every file the run will write, checked before it starts: writable, of a known kind, and
+    no two flags naming the same file (one would destroy the other, or the dataset read)."""
+    outputs = (("--output", args.output), ("--xlsx-output", args.xlsx_output), ("--fio-job", args.fio_job))
+    for flag, value in outputs:
+        _check_output_path(flag, value)
+    if args.xlsx_output is not None and Path(args.xlsx_output).suffix.lower() not in SPREADSHEET_SUFFIXES:
+        raise UsageError(f"--xlsx-output {args.xlsx_output}: the name must end in .xlsx or .csv")
+    _check_plot_dir(args.plot)
+    seen: Dict[str, str] = {}
+    for flag, value in outputs + (("--dataset-path", args.dataset_path),):
+        if value is None:
+            continue
+        real = os.path.realpath(Path(value).expanduser())
+        if real in seen:
+            raise UsageError(f"{flag} {value} names the same file as {seen[real]}; give each its own file")
+        seen[real] = flag
 
 
 def config_from_args(args: argparse.Namespace, notices: Optional[List[str]] = None) -> BenchmarkConfig:
@@ -5479,6 +6427,7 @@ def config_from_args(args: argparse.Namespace, notices: Optional[List[str]] = No
         request_rate=args.request_rate,
         progress=not args.quiet,
         requested_cpu_mem_gb=args.cpu_mem_gb,
+        gpu_library=args.gpu_library,
     )
 
 
@@ -5486,19 +6435,35 @@ EXIT_OK, EXIT_DEGRADED, EXIT_USAGE = 0, 1, 2
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
 
 
-def _install_signal_handlers(bench: IntegratedBenchmark) -> None:
-    def on_signal(signum: int, _frame: Any) -> None:
+class StopRequest:
+    """A stop asked for by SIGINT or SIGTERM, honoured from the first moment of main: the handlers
+    are installed before anything is made, and set-up, the baseline and the workload all look at
+    `event` (set-up by raising Interrupted; the workload by stopping and reporting what it has)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal_name: Optional[str] = None
+        self.bench: Optional[IntegratedBenchmark] = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        if hasattr(signal, "SIGXFSZ"):
+            # Past a file-size limit, a write must fail with EFBIG (counted, the run goes on), not kill us.
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name
-        if bench.stop_reason in EXIT_SIGNAL:
+        if self.signal_name is not None:
             logger.warning("%s received again: already stopping; in-flight I/O ends at its next chunk.", name)
+            return
+        self.signal_name = name
+        logger.warning("%s received: stopping%s.", name,
+                       "; partial results will be written" if self.bench is not None else "")
+        if self.bench is not None:
+            self.bench.request_stop(name)          # records the reason, then sets the shared event
         else:
-            logger.warning("%s received: stopping; partial results will be written.", name)
-        bench.request_stop(name)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    if hasattr(signal, "SIGXFSZ"):
-        # Past a file-size limit, a write must fail with EFBIG (counted, the run goes on), not kill us.
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            self.event.set()                       # never waited on by the main thread: no deadlock
 
 
 def _make_cache_dir(cache_dir: Optional[str]) -> List[Path]:
@@ -5569,6 +6534,11 @@ def _fio_steps(args: argparse.Namespace, config: BenchmarkConfig, results: Dict[
         return
     summary = results["summary"]
     cache_dir = config.cache_dir or tempfile.gettempdir()
+    moved = summary["cache_stats"]["nvme_reads"] + summary["cache_stats"]["nvme_writes"]
+    if not moved:                                    # nothing reached storage: nothing to replay (not a failure)
+        summary["fio_job_note"] = "the storage tier moved nothing in this run: no fio job to write or compare"
+        logger.warning("%s", summary["fio_job_note"])
+        return
     if args.fio_job:
         try:
             _write_text_file(args.fio_job, fio_job_text(fio_replay_spec(results, cache_dir)))
@@ -5649,16 +6619,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     created_dirs: List[Path] = []
     bench: Optional[IntegratedBenchmark] = None
     error: Optional[str] = None
+    stop = StopRequest()
     try:
         world_config = config = config_from_args(args, notices)
+        stop.install()                               # before anything is made: a stop is obeyed from here on
         if launch:
             config = _mpi_config(config, launch)
             from mpi4py import MPI                   # initialises MPI: only ever under a launcher
             comm = MPI.COMM_WORLD
         created_dirs = _make_cache_dir(config.cache_dir)
-        bench = IntegratedBenchmark(config)          # a bad dataset is found here, before anything is written
+        bench = IntegratedBenchmark(config, stop.event)   # a bad dataset is found here, before anything is written
+        stop.bench = bench
     except (UsageError, DatasetError) as exc:
         error = str(exc)
+    except Interrupted:
+        error = f"interrupted by {stop.signal_name} during set-up"
     except OSError as exc:
         where = f"{args.cache_dir}: {exc.filename}" if exc.filename and str(exc.filename) != args.cache_dir else args.cache_dir
         error = f"--cache-dir {where}: {exc.strerror}"
@@ -5670,12 +6645,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if bench is not None:
             bench.cache.close()                      # its empty run directory
         _remove_created_dirs(created_dirs, comm)
-        return EXIT_USAGE
+        return EXIT_SIGNAL.get(stop.signal_name or "", EXIT_USAGE)
     assert bench is not None
     try:
         for notice in notices:
             logger.warning("%s", notice)
-        _install_signal_handlers(bench)
         logger.info("Running %s with %d users (%s); workload digest %s", config.model.name, world_config.num_users,
                     f"{config.duration_s:g}s" if config.duration_s else f"{world_config.max_requests} requests",
                     bench.workload_digest)
@@ -5683,6 +6657,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             logger.info("MPI: %d ranks; rank 0 gathers the results", comm.Get_size())
             comm.Barrier()                           # all ranks start together
         results = bench.run()
+    except Interrupted:                              # before the workload began: nothing to report
+        _remove_created_dirs(created_dirs)
+        print(f"kv-cache.py: interrupted by {stop.signal_name} before the workload began; nothing written",
+              file=sys.stderr)
+        return EXIT_SIGNAL.get(stop.signal_name or "", EXIT_DEGRADED)
     except BaseException:
         if comm is not None:                         # the other ranks would wait for this one forever
             logger.exception("rank %d failed; aborting all ranks", rank)

@@ -2411,9 +2411,11 @@ def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator,
         tiers.gpu_disabled_reason = str(exc)
         logger.warning("GPU tier disabled: %s; the run goes on with the CPU and storage tiers.", exc)
         return None
-    budget, free = gpu_memory_gb * GIB, gpu.free_bytes()
+    # The delivery scratch areas live beside the tier: what the tier may use is what is left.
+    budget, free = gpu_memory_gb * GIB, max(0, gpu.free_bytes() - STAGING_AREAS * GPU_SCRATCH_BYTES)
     if budget > free:
-        logger.warning("--gpu-mem-gb %.2f exceeds the GPU's free memory; using %.2f GB.", gpu_memory_gb, free / GIB)
+        logger.warning("--gpu-mem-gb %.2f exceeds the GPU's free memory less %.1f GB of working memory; "
+                       "using %.2f GB.", gpu_memory_gb, STAGING_AREAS * GPU_SCRATCH_BYTES / GIB, free / GIB)
         budget = free
     tiers.backends["gpu"], tiers.limits["gpu"], tiers.delivery = gpu, budget, gpu.delivery
     return gpu
@@ -3862,6 +3864,13 @@ def device_window_stats(start: Dict[str, int], end: Dict[str, int], wall_s: floa
         figures[f"{op}_await_ms"] = _per(delta[f"{op}_ticks_ms"], requests)
         figures[f"{op}_gib_per_sec"] = _per(figures[f"{op}_gb"], wall_s)
     figures["flushes_completed"] = delta["flush_ios"]
+    figures["flush_await_ms"] = _per(delta["flush_ticks_ms"], delta["flush_ios"])
+    # Discards: what deleting files costs on a file system mounted with `discard` (blocks the
+    # device must trim; the benchmark's own deletions of replaced and retired entries).
+    discard_sectors = delta["discard_sectors"]
+    figures["discards_completed"] = delta["discard_ios"]
+    figures["bytes_discarded"] = discard_sectors * STAT_SECTOR_BYTES if discard_sectors is not None else None
+    figures["discard_await_ms"] = _per(delta["discard_ticks_ms"], delta["discard_ios"])
     # time_in_queue adds up the time every request spent in flight: divided by wall time it is
     # the mean number of requests in flight (iostat's aqu-sz).
     figures["avg_queue_depth"] = _per(delta["time_in_queue_ms"], wall_ms)
@@ -3999,6 +4008,11 @@ def format_device_section(device_stats: Dict[str, Any], comparison: Optional[Dic
              f"  {d['device']}{disk}, {d['window_s']:.2f} s window"
              + (f", {d['logical_block_bytes']}-byte logical blocks" if d.get("logical_block_bytes") else ""),
              _fmt_device_direction("Read", d, "read"), _fmt_device_direction("Write", d, "write")]
+    if d.get("discards_completed") or d.get("flushes_completed"):
+        lines.append(f"  Flushes: {_fmt_or_na(d.get('flushes_completed'), ',')} "
+                     f"(await {_fmt_ms(d.get('flush_await_ms'))}); discards: {_fmt_or_na(d.get('discards_completed'), ',')}"
+                     f" ({_fmt_or_na((d.get('bytes_discarded') or 0) / GIB, '.3f', ' GB')}, "
+                     f"await {_fmt_ms(d.get('discard_await_ms'))})")
     depth, busy = d.get("avg_queue_depth"), d.get("utilization")
     lines.append(f"  Average queue depth: {_fmt_or_na(depth, '.2f')}, device busy: "
                  f"{_fmt_or_na(busy * 100 if busy is not None else None, '.1f', '%')} of the window "
@@ -6607,6 +6621,41 @@ def _gather_to_rank0(bench: IntegratedBenchmark, results: Dict[str, Any], world_
     return merge_rank_results(world_config, gathered)
 
 
+@dataclass
+class RunSetup:
+    """What main made before the run: undone in reverse when anything fails."""
+    notices: List[str] = field(default_factory=list)
+    world_config: Optional[BenchmarkConfig] = None
+    config: Optional[BenchmarkConfig] = None
+    comm: Any = None
+    created_dirs: List[Path] = field(default_factory=list)
+    bench: Optional[IntegratedBenchmark] = None
+    error: Optional[str] = None
+
+
+def _set_up(args: argparse.Namespace, launch: Optional[Tuple[int, int]], stop: StopRequest) -> RunSetup:
+    """Validate, install the signal handlers, make --cache-dir and the benchmark; `error` says why not."""
+    setup = RunSetup()
+    try:
+        setup.world_config = setup.config = config_from_args(args, setup.notices)
+        stop.install()                               # before anything is made: a stop is obeyed from here on
+        if launch:
+            setup.config = _mpi_config(setup.config, launch)
+            from mpi4py import MPI                   # initialises MPI: only ever under a launcher
+            setup.comm = MPI.COMM_WORLD
+        setup.created_dirs = _make_cache_dir(setup.config.cache_dir)
+        setup.bench = IntegratedBenchmark(setup.config, stop.event)   # a bad dataset is found here
+        stop.bench = setup.bench
+    except (UsageError, DatasetError) as exc:
+        setup.error = str(exc)
+    except Interrupted:
+        setup.error = f"interrupted by {stop.signal_name} during set-up"
+    except OSError as exc:
+        where = f"{args.cache_dir}: {exc.filename}" if exc.filename and str(exc.filename) != args.cache_dir else args.cache_dir
+        setup.error = f"--cache-dir {where}: {exc.strerror}"
+    return setup
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     launch = mpi_launch()
@@ -6614,44 +6663,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet = args.quiet or rank != 0                  # one voice: rank 0's
     logging.basicConfig(level=logging.WARNING if quiet else getattr(logging, args.log_level),
                         format=f"%(levelname)s: {f'[rank {rank}] ' if launch else ''}%(message)s")
-    notices: List[str] = []
-    comm = None
-    created_dirs: List[Path] = []
-    bench: Optional[IntegratedBenchmark] = None
-    error: Optional[str] = None
     stop = StopRequest()
-    try:
-        world_config = config = config_from_args(args, notices)
-        stop.install()                               # before anything is made: a stop is obeyed from here on
-        if launch:
-            config = _mpi_config(config, launch)
-            from mpi4py import MPI                   # initialises MPI: only ever under a launcher
-            comm = MPI.COMM_WORLD
-        created_dirs = _make_cache_dir(config.cache_dir)
-        bench = IntegratedBenchmark(config, stop.event)   # a bad dataset is found here, before anything is written
-        stop.bench = bench
-    except (UsageError, DatasetError) as exc:
-        error = str(exc)
-    except Interrupted:
-        error = f"interrupted by {stop.signal_name} during set-up"
-    except OSError as exc:
-        where = f"{args.cache_dir}: {exc.filename}" if exc.filename and str(exc.filename) != args.cache_dir else args.cache_dir
-        error = f"--cache-dir {where}: {exc.strerror}"
-    any_failed = comm.allreduce(error is not None) if comm is not None else error is not None
-    if any_failed:                                   # under MPI one rank failing stops them all
-        if error is not None or rank == 0:
-            print(f"kv-cache.py: error: {error or 'another MPI rank could not start; see its error'}",
+    setup = _set_up(args, launch, stop)
+    comm, created_dirs, bench = setup.comm, setup.created_dirs, setup.bench
+    if comm.allreduce(setup.error is not None) if comm is not None else setup.error is not None:
+        if setup.error is not None or rank == 0:     # under MPI one rank failing stops them all
+            print(f"kv-cache.py: error: {setup.error or 'another MPI rank could not start; see its error'}",
                   file=sys.stderr)
         if bench is not None:
             bench.cache.close()                      # its empty run directory
         _remove_created_dirs(created_dirs, comm)
         return EXIT_SIGNAL.get(stop.signal_name or "", EXIT_USAGE)
-    assert bench is not None
+    assert bench is not None and setup.config is not None and setup.world_config is not None
     try:
-        for notice in notices:
+        for notice in setup.notices:
             logger.warning("%s", notice)
-        logger.info("Running %s with %d users (%s); workload digest %s", config.model.name, world_config.num_users,
-                    f"{config.duration_s:g}s" if config.duration_s else f"{world_config.max_requests} requests",
+        config, world = setup.config, setup.world_config
+        logger.info("Running %s with %d users (%s); workload digest %s", config.model.name, world.num_users,
+                    f"{config.duration_s:g}s" if config.duration_s else f"{world.max_requests} requests",
                     bench.workload_digest)
         if comm is not None:
             logger.info("MPI: %d ranks; rank 0 gathers the results", comm.Get_size())
@@ -6668,14 +6697,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             comm.Abort(1)
         _remove_created_dirs(created_dirs)
         raise
-    merged = _gather_to_rank0(bench, results, world_config, rank) if comm is not None else results
+    merged = _gather_to_rank0(bench, results, setup.world_config, rank) if comm is not None else results
     if merged is not None:                           # rank 0 (or no MPI): fio runs while --cache-dir exists
-        results = merged
-        _fio_steps(args, config, results)
+        _fio_steps(args, setup.config, merged)
     _remove_created_dirs(created_dirs, comm)
     if merged is None:
         return _exit_status(bench, results, True)
-    return _exit_status(bench, results, _write_outputs(args, results, bench))
+    return _exit_status(bench, merged, _write_outputs(args, merged, bench))
 
 
 if __name__ == "__main__":

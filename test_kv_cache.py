@@ -3424,6 +3424,17 @@ class TestDeviceWindowStats:
         start = kv.parse_block_stat(STAT_11)
         f = kv.device_window_stats(start, start, 1.0)
         assert f["flushes_completed"] is None and f["reads_completed"] == 0
+        assert f["discards_completed"] is None and f["bytes_discarded"] is None
+
+    def test_discards_and_flushes_what_deleting_and_syncing_cost(self):
+        start = _sample(discard_ios=10, discard_sectors=2048, discard_ticks_ms=100, flush_ios=5, flush_ticks_ms=50)
+        end = _sample(discard_ios=30, discard_sectors=2048 + 40 * 2048, discard_ticks_ms=100 + 600,
+                      flush_ios=9, flush_ticks_ms=50 + 20)
+        f = kv.device_window_stats(start, end, 2.0)
+        assert (f["discards_completed"], f["bytes_discarded"], f["discard_await_ms"]) == (20, 40 * MIB, 30.0)
+        assert (f["flushes_completed"], f["flush_await_ms"]) == (4, 5.0)
+        lines = kv.format_device_section({"available": True, "device": "vda", "disk": "vda", "window_s": 2.0, **f}, None)
+        assert any(line.startswith("  Flushes: 4 (await 5.00ms); discards: 20 (0.039 GB") for line in lines)
 
 
 class TestFindBlockDevice:
@@ -4991,7 +5002,10 @@ class TestReliability:
         cs = r["summary"]["cache_stats"]
         assert samples[0] > 1000 and violations == []
         assert end["problems"] == []
-        assert end["entries"] and {state for _, state in end["entries"].values()} == {"ready"}
+        # Every entry left is ready (writes cut short by the stop were dropped; with 200 requests in
+        # flight on a 0.3 GB tier that can be every entry, so the count is not asserted).
+        assert {state for _, state in end["entries"].values()} <= {"ready"}
+        assert cs["nvme_writes"] > 0 and cs["prefill_writes"] > 0
         for key, (tier, _) in end["entries"].items():
             assert end["holders"][key] == [tier], key             # in exactly one tier, the one on the books
         for tier, keys in end["stored"].items():                 # and no tier holds data of no entry
@@ -5091,8 +5105,8 @@ class TestReliability:
     def test_upper_case_extensions_are_the_same_as_lower_case(self, tmp_path):
         if not (kv.PANDAS_AVAILABLE and kv.OPENPYXL_AVAILABLE):
             pytest.skip("pandas and openpyxl are needed for the spreadsheet")
-        proc = run_cli(*[a.format(tmp=tmp_path) for a in HARMLESS_RUN], "--xlsx-output", tmp_path / "R.XLSX",
-                       cwd=tmp_path, timeout=60)
+        proc = run_cli(*[a.format(tmp=tmp_path) for a in HARMLESS_RUN], "--duration", "30", "--max-requests", "1",
+                       "--xlsx-output", tmp_path / "R.XLSX", cwd=tmp_path, timeout=60)
         assert proc.returncode == 0, proc.stderr[-1000:]
         import openpyxl
         assert openpyxl.load_workbook(tmp_path / "R.XLSX").sheetnames[0] == "Summary"

@@ -4122,6 +4122,9 @@ def _fio_file_lines(run: Dict[str, Any], data_bytes: int, streams: int) -> List[
     if mean_bytes <= 0:
         raise ValueError("fio replay needs file_size_bytes or file_sizes (the storage tier's entry sizes)")
     low, high = (_align_up(min(sizes)), _align_up(max(sizes))) if sizes else (_align_up(mean_bytes),) * 2
+    # fio draws file sizes uniformly from the range: keep its mean at the run's mean entry size, so
+    # that nrfiles x the mean is the data set (and the lay-out stays within FIO_MAX_DATASET_BYTES).
+    high = max(low, min(high, _align_up(2 * mean_bytes - low)))
     nrfiles = int(run.get("nrfiles") or math.ceil(data_bytes / streams / _align_up(mean_bytes)))
     nrfiles = min(max(1, nrfiles), FIO_MAX_FILES_PER_JOB)
     filesize = f"{low}" if low == high else f"{low}-{high}"

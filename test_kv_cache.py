@@ -3735,6 +3735,14 @@ class TestFioJobText:
         g = _options(kv.fio_job_text(_run(tmp_path, direct=True, file_sizes=[3 * MIB, 20 * MIB, 5000])))["global"]
         assert g["direct"] == "1" and g["filesize"] == f"8192-{20 * MIB}"
 
+    def test_the_file_size_range_keeps_the_runs_mean_entry_size(self, tmp_path):
+        run = _run(tmp_path, file_sizes=[8 * MIB, 978 * MIB], file_size_bytes=200 * MIB, bytes_written=4 * GIB,
+                   streams=16)
+        g = _options(kv.fio_job_text(run))["global"]
+        low, high = map(int, g["filesize"].split("-"))
+        assert (low, high) == (8 * MIB, 392 * MIB) and (low + high) // 2 == 200 * MIB    # uniform: mean 200 MiB
+        assert int(g["nrfiles"]) * 16 * 200 * MIB <= 4 * GIB + 16 * 200 * MIB           # the data set, about 4 GiB
+
     def test_bssplit_keeps_at_most_64_sizes_summing_to_100(self):
         sizes = {4096 * (i + 1): 1000 - i for i in range(200)}
         items = _bssplit(kv.fio_bssplit(sizes))

@@ -2067,6 +2067,10 @@ class GPUDelivery:
         self.dev = dev
         self._scratch = StagingPool(STAGING_AREAS, GPU_SCRATCH_BYTES, abort, factory=dev.empty)
 
+    def set_abort(self, abort: threading.Event) -> None:
+        """The run's stop: a read still waiting for a scratch area then gives up (IOAborted)."""
+        self._scratch._abort = abort
+
     def _copy_in(self, copy: Callable[[Any, Any], None], src: Any, nbytes: int, view: Callable[[Any, int, int], Any]) -> float:
         with self._scratch.lease() as scratch:
             def enqueue() -> None:
@@ -3295,6 +3299,8 @@ class MultiTierCache:
             self.staging_pool.on_create = lambda area: pin_host_buffer(self.tiers.gpu.device, area)
         for backend in self.backends.values():
             backend.abort_event = self._abort
+        if self.tiers.delivery is not None:
+            self.tiers.delivery.set_abort(self._abort)
         self._retired: set = set()
         self._trash: List[Path] = []
         self._limits["nvme"] = storage_capacity_gb * GIB if storage_capacity_gb else float("inf")
@@ -4882,11 +4888,17 @@ class IntegratedBenchmark:
             cpu0 = time.process_time()
             elapsed = self._drive()
             self.process_cpu_s = time.process_time() - cpu0
-            return self._results(elapsed)
+            results = self._results(elapsed)
         finally:
             t0 = time.perf_counter()
             self.cache.close()
             logger.info("Removed the run's cache files from %s in %.1fs", self.cache.run_dir, time.perf_counter() - t0)
+        # Clean-up failures (a dying file system) happened after the results were put together: add them.
+        cs = results["summary"]["cache_stats"]
+        counters = self.cache.stats.snapshot()[0]
+        cs["io_errors"] = results["summary"]["io_errors"] = counters.get("io_errors", 0)
+        cs["io_errors_by_kind"] = {k[len("io_errors_"):]: v for k, v in counters.items() if k.startswith("io_errors_")}
+        return results
 
     def _drive(self) -> float:
         """Run the workload; returns the measured window (start to stop) in seconds. The shutdown
@@ -5689,7 +5701,8 @@ def export_results_to_xlsx(results: Dict[str, Any], args: Any, output_path: str)
     import pandas as pd                          # heavy: imported only for the export
     rows = [summary_row(results, args)]
     if not OPENPYXL_AVAILABLE or Path(output_path).suffix.lower() == ".csv":
-        path = str(Path(output_path).with_suffix(".csv"))
+        given = Path(output_path)
+        path = str(given if given.suffix.lower() == ".csv" else given.with_suffix(".csv"))
         if not OPENPYXL_AVAILABLE:
             logger.warning("openpyxl is not installed: writing the summary row as CSV to %s", path)
         _write_text_file(path, pd.DataFrame(rows).to_csv(index=False))
@@ -6476,7 +6489,7 @@ class StopRequest:
             return
         self.signal_name = name
         logger.warning("%s received: stopping%s.", name,
-                       "; partial results will be written" if self.bench is not None else "")
+                       "; partial results will be written if the workload has begun" if self.bench is not None else "")
         if self.bench is not None:
             self.bench.request_stop(name)          # records the reason, then sets the shared event
         else:

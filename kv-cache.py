@@ -4198,6 +4198,9 @@ def fio_job_text(run: Dict[str, Any]) -> str:
         # Entries are picked across the cache and each one is read or written front to back.
         "file_service_type=random",
         *_fio_file_lines(run, data_bytes, streams),
+        # The run makes each written entry durable (fdatasync once per entry): so does fio.
+        *([f"fdatasync={max(1, round(int(run['file_size_bytes']) / IO_CHUNK_BYTES))}"]
+          if write_sizes and run.get("file_size_bytes") else []),
         "", f"[{FIO_JOB_NAME}]", *rw_lines, f"numjobs={streams}", ""]
     return "\n".join(lines)
 

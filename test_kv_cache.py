@@ -3735,6 +3735,12 @@ class TestFioJobText:
         g = _options(kv.fio_job_text(_run(tmp_path, direct=True, file_sizes=[3 * MIB, 20 * MIB, 5000])))["global"]
         assert g["direct"] == "1" and g["filesize"] == f"8192-{20 * MIB}"
 
+    def test_fio_syncs_once_per_entry_written_as_the_run_does(self, tmp_path):
+        g = _options(kv.fio_job_text(_run(tmp_path, file_size_bytes=40 * MIB)))["global"]
+        assert g["fdatasync"] == "5"                                     # 40 MiB entries of 8 MiB writes
+        read_only = _options(kv.fio_job_text(_run(tmp_path, write_sizes={})))["global"]
+        assert "fdatasync" not in read_only
+
     def test_the_file_size_range_keeps_the_runs_mean_entry_size(self, tmp_path):
         run = _run(tmp_path, file_sizes=[8 * MIB, 978 * MIB], file_size_bytes=200 * MIB, bytes_written=4 * GIB,
                    streams=16)

@@ -6675,8 +6675,22 @@ def _set_up(args: argparse.Namespace, launch: Optional[Tuple[int, int]], stop: S
     return setup
 
 
+MALLOC_ARENAS = 4                       # glibc makes up to 8 per core; hundreds of worker threads fill them
+
+
+def _limit_malloc_arenas() -> None:
+    """Cap glibc's per-thread malloc arenas (500 worker threads otherwise keep freed memory in
+    many of them: measured 0.2 GiB of RSS at 1,000 users). The CLI's choice, never the module's."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").mallopt(-8, MALLOC_ARENAS)        # M_ARENA_MAX
+    except (OSError, AttributeError):                               # not glibc: nothing to do
+        pass
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    _limit_malloc_arenas()
     launch = mpi_launch()
     rank = launch[0] if launch else 0
     quiet = args.quiet or rank != 0                  # one voice: rank 0's

@@ -1313,10 +1313,28 @@ class StagingPool:
             if self._free:
                 return self._free.pop()
             self._made += 1
-        area = self._factory(self.nbytes)                 # outside the lock: a fresh mapping takes a moment
-        if self.on_create is not None:
-            self.on_create(area)
+        try:                                              # outside the lock: a fresh mapping takes a moment
+            area = self._factory(self.nbytes)
+            if self.on_create is not None:
+                self.on_create(area)
+        except BaseException:                             # no memory: the slot is free for a later try
+            with self._cond:
+                self._made -= 1
+                self._cond.notify()
+            raise
         return area
+
+    def prefill(self) -> None:
+        """Make every area now (device memory: no allocation inside a timed operation)."""
+        areas = [self._acquire() for _ in range(self.count - self._made)]
+        with self._cond:
+            self._free.extend(areas)
+
+    def drop(self) -> None:
+        """Forget the free areas (their memory goes back once nothing else holds them)."""
+        with self._cond:
+            self._made -= len(self._free)
+            self._free.clear()
 
 
 # A source of entry bytes: fill(entry_offset, out) writes bytes [offset, offset+out.size).
@@ -1821,7 +1839,8 @@ class _TorchDevice:
         # int64, not uint64: uint64 arithmetic is missing on CUDA in older PyTorch. The numbers
         # are < 2**61 and PyTorch shifts left as unsigned, so the stamps' bytes are the same.
         torch = self._torch
-        numbers = torch.arange(first_value, first_value + count, dtype=torch.int64, device=self.device)
+        # arange from 0, then the offset: an integer arange near 2**60 may be sized in doubles.
+        numbers = torch.arange(count, dtype=torch.int64, device=self.device) + first_value
         stamps = lane_stamps(numbers, *self._shifts)
         return stamps.view(torch.uint8).view(count, STAMP_BYTES)
 
@@ -2048,6 +2067,20 @@ def open_gpu_device(device_index: int = 0, library: str = "auto"):
     raise RuntimeError("; ".join(reasons))
 
 
+@contextlib.contextmanager
+def gpu_errors_as_io_errors() -> Iterator[None]:
+    """A CUDA failure (out of memory, a driver or launch error) is an I/O error of the tier that
+    met it: counted by errno like a disk's, and the run goes on (never a dead worker thread)."""
+    try:
+        yield
+    except (OSError, IOAborted, KeyError):
+        raise
+    except MemoryError as exc:                            # CuPy's OutOfMemoryError
+        raise OSError(errno.ENOMEM, f"GPU: {exc}") from exc
+    except Exception as exc:                              # torch's RuntimeErrors, CUDARuntimeError, ...
+        raise OSError(errno.EIO, f"GPU: {type(exc).__name__}: {exc}") from exc
+
+
 # --- Delivery to the GPU ---------------------------------------------------------------------
 
 GPU_SCRATCH_BYTES = 256 * MIB           # device working memory a hit is delivered into, per transfer in flight
@@ -2071,8 +2104,14 @@ class GPUDelivery:
         """The run's stop: a read still waiting for a scratch area then gives up (IOAborted)."""
         self._scratch._abort = abort
 
+    def prefill(self) -> None:
+        self._scratch.prefill()
+
+    def close(self) -> None:
+        self._scratch.drop()
+
     def _copy_in(self, copy: Callable[[Any, Any], None], src: Any, nbytes: int, view: Callable[[Any, int, int], Any]) -> float:
-        with self._scratch.lease() as scratch:
+        with gpu_errors_as_io_errors(), self._scratch.lease() as scratch:
             def enqueue() -> None:
                 for offset in range(0, nbytes, GPU_SCRATCH_BYTES):
                     n = min(GPU_SCRATCH_BYTES, nbytes - offset)
@@ -2091,14 +2130,15 @@ class GPUDelivery:
     def chunk_sink(self) -> Iterator[Callable[[np.ndarray], None]]:
         """A consumer that copies each chunk of a storage read to the device as it arrives. It
         waits for each copy, so the staging chunk is free for the read after next."""
-        with self._scratch.lease() as scratch:
+        with gpu_errors_as_io_errors(), self._scratch.lease() as scratch:
             offset = [0]
 
             def deliver(chunk: np.ndarray) -> None:
                 n = chunk.size
                 start = offset[0] if offset[0] + n <= GPU_SCRATCH_BYTES else 0
-                self.dev.h2d(self.dev.view(scratch, start, start + n), chunk)
-                self.dev.sync()
+                with gpu_errors_as_io_errors():
+                    self.dev.h2d(self.dev.view(scratch, start, start + n), chunk)
+                    self.dev.sync()
                 offset[0] = start + n
             yield deliver
 
@@ -2131,6 +2171,10 @@ class CPUMemoryBackend(StorageBackend):
         self.arena, self.delivery = arena, delivery
         self.arena_fallbacks = 0
         self._in_arena: Dict[str, np.ndarray] = {}            # key -> its arena allocation (to free)
+        # An arena allocation is reused as soon as it is freed, so an entry being read is freed
+        # only when its last reader leaves (numpy arrays outside an arena live by reference).
+        self._readers: Dict[str, int] = defaultdict(int)
+        self._retiring: Dict[str, List[np.ndarray]] = defaultdict(list)
         self._lock = threading.Lock()
 
     def _check_abort(self, nbytes_done: int) -> None:
@@ -2181,8 +2225,28 @@ class CPUMemoryBackend(StorageBackend):
         total = time.perf_counter() - t0
         return data, IOTiming.from_device(total, total)
 
+    @contextlib.contextmanager
+    def _reading(self, key: str) -> Iterator[np.ndarray]:
+        with self._lock:
+            entry = self.cache[key]                        # KeyError: gone (the caller retries)
+            self._readers[key] += 1
+        try:
+            yield entry
+        finally:
+            with self._lock:
+                self._readers[key] -= 1
+                done = self._retiring.pop(key, []) if self._readers[key] == 0 else []
+                if self._readers[key] == 0:
+                    del self._readers[key]
+            for view in done:
+                self.arena.free(view)
+
     def read_through(self, key: str, staging: np.ndarray, consume: Optional[Callable[[np.ndarray], None]] = None) -> IOTiming:
-        entry = self.cache[key]
+        with self._reading(key) as entry:
+            return self._read_entry(entry, staging, consume)
+
+    def _read_entry(self, entry: np.ndarray, staging: Optional[np.ndarray],
+                    consume: Optional[Callable[[np.ndarray], None]]) -> IOTiming:
         if self.delivery is not None:                  # attention on the GPU: host-to-device copies
             t0 = time.perf_counter()
             device_s = self.delivery.from_host(entry)
@@ -2215,6 +2279,9 @@ class CPUMemoryBackend(StorageBackend):
     def _release(self, key: str) -> None:
         with self._lock:
             held = self._in_arena.pop(key, None)
+            if held is not None and self._readers.get(key):
+                self._retiring[key].append(held)       # freed when the last reader leaves
+                held = None
         if held is not None:
             self.arena.free(held)
 
@@ -2266,6 +2333,10 @@ class GPUMemoryBackend(StorageBackend):
         return self._dev.free_bytes()
 
     def write_from(self, key, source, nbytes, shape, dtype, staging=None) -> IOTiming:
+        with gpu_errors_as_io_errors():
+            return self._write(key, source, nbytes, shape, dtype)
+
+    def _write(self, key: str, source: ByteSource, nbytes: int, shape: Tuple[int, ...], dtype: str) -> IOTiming:
         t0 = time.perf_counter()
         buf = self._dev.empty(nbytes)
         layout = getattr(source, "layout", None)
@@ -2295,7 +2366,8 @@ class GPUMemoryBackend(StorageBackend):
     def download_into(self, key: str, host: np.ndarray) -> IOTiming:
         """One device-to-host copy of the entry into `host` (uint8, the entry's size)."""
         t0 = time.perf_counter()
-        device_s = self._dev.timed(lambda: self._dev.d2h(host, self.cache[key]))
+        with gpu_errors_as_io_errors():
+            device_s = self._dev.timed(lambda: self._dev.d2h(host, self.cache[key]))
         return IOTiming.from_device(time.perf_counter() - t0, device_s)
 
     def chunk_source(self, key: str) -> ByteSource:
@@ -2303,8 +2375,9 @@ class GPUMemoryBackend(StorageBackend):
         buf = self.cache[key]
 
         def fill(offset: int, out: np.ndarray) -> None:
-            self._dev.d2h(out, self._dev.view(buf, offset, offset + out.size))
-            self._dev.sync()
+            with gpu_errors_as_io_errors():
+                self._dev.d2h(out, self._dev.view(buf, offset, offset + out.size))
+                self._dev.sync()
         return fill
 
     def read(self, key: str) -> Tuple[np.ndarray, IOTiming]:
@@ -2339,6 +2412,7 @@ class GPUMemoryBackend(StorageBackend):
 
     def close(self) -> None:
         self.clear()
+        self.delivery.close()
         self._dev.close()
 
     def __contains__(self, key: str) -> bool:
@@ -2408,10 +2482,14 @@ class MemoryTiers:
 
 def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator,
                tiers: MemoryTiers) -> Optional[GPUMemoryBackend]:
+    gpu = None
     try:
         gpu = GPUMemoryBackend(library=library)
         gpu.load_generator(generator)
+        gpu.delivery.prefill()            # working memory made now, not inside the first reads' timing
     except Exception as exc:              # no library, no device, a broken driver, no memory for the pool
+        if gpu is not None:
+            gpu.close()
         tiers.gpu_disabled_reason = str(exc)
         logger.warning("GPU tier disabled: %s; the run goes on with the CPU and storage tiers.", exc)
         return None
@@ -2437,6 +2515,10 @@ def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
             size = int(cpu_memory_gb * GIB)
             if available_bytes is not None:
                 size = min(size, int(available_bytes * ARENA_MAX_SHARE_OF_AVAILABLE))
+            if size < cpu_memory_gb * GIB:
+                logger.warning("the CPU tier's arena is %.2f GB (%.0f %% of the free RAM), less than --cpu-mem-gb "
+                               "%.2f: entries beyond it use pageable memory (counted as arena fallbacks)",
+                               size / GIB, 100 * ARENA_MAX_SHARE_OF_AVAILABLE, cpu_memory_gb)
             buffer, how = host_buffer(gpu.device, size)
             arena = HostArena(buffer)
             tiers.cpu_memory = f"{'page-locked' if how == 'pinned' else how} arena of {size / GIB:.2f} GB"
@@ -3291,6 +3373,8 @@ class MultiTierCache:
             self.backends["nvme"] = NVMeBackend(self.run_dir)
         except OSError:                                # e.g. a full file system: leave nothing behind
             self.run_dir.rmdir()
+            if self.tiers.gpu is not None:
+                self.tiers.gpu.close()
             raise
         self.backends["nvme"].delivery = self.tiers.delivery
         self._abort = threading.Event()
@@ -3338,7 +3422,8 @@ class MultiTierCache:
     def _staged(self, tier: str, op: str) -> Any:
         """A staging area from the shared pool for a transfer that needs one (storage I/O, reads
         copied out of memory); writes into memory need none."""
-        return self.staging_pool.lease(needed=tier == "nvme" or op == "read")
+        copies_out = op == "read" and (self.tiers.delivery is None or self.verify)   # else straight to the GPU
+        return self.staging_pool.lease(needed=tier == "nvme" or copies_out)
 
     # --- writes ---
     def allocate_cache(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,

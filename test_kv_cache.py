@@ -1081,6 +1081,36 @@ def sample_array(seed: int, shape=(3, 2, 5, 4, 8), dtype=np.float16) -> np.ndarr
 
 
 class TestCPUMemoryBackend:
+    def test_an_arena_entry_being_read_is_not_reused_until_the_reader_leaves(self):
+        arena = kv.HostArena(kv.aligned_empty(2 * MIB))
+        backend = kv.CPUMemoryBackend(arena)
+        first = np.frombuffer(np.random.default_rng(3).bytes(MIB), dtype=np.uint8)
+        backend.write("k", first)
+        inside, release, seen = threading.Event(), threading.Event(), []
+
+        def consume(chunk):
+            inside.set()
+            release.wait(10)
+            seen.append(chunk.copy())
+        reader = threading.Thread(target=backend.read_through, args=("k", kv.aligned_empty(2 * MIB), consume))
+        reader.start()
+        assert inside.wait(10)
+        backend.delete("k")                                  # evicted while being read
+        assert arena.free_bytes() == arena.capacity_bytes - MIB      # ... but its memory is still held
+        backend.write("k2", np.zeros(MIB, dtype=np.uint8))   # a new entry goes elsewhere
+        release.set()
+        reader.join(10)
+        assert seen[0].tobytes() == first.tobytes()
+        assert arena.used_bytes() == MIB                     # the reader left: the old entry's memory is free
+        backend.delete("k2")
+        assert arena.used_bytes() == 0 and backend.arena_fallbacks == 0
+
+    def test_an_entry_the_arena_cannot_place_falls_back_and_is_counted(self):
+        backend = kv.CPUMemoryBackend(kv.HostArena(kv.aligned_empty(MIB)))
+        backend.write("big", np.ones(2 * MIB, dtype=np.uint8))
+        assert backend.arena_fallbacks == 1 and backend.read("big")[0].sum() == 2 * MIB
+        backend.delete("big")
+
     def test_write_read_roundtrip(self):
         backend = kv.CPUMemoryBackend()
         data = sample_array(1)
@@ -1246,6 +1276,46 @@ class TestNVMeBackend:
             t.join()
         assert errors == []
         assert len(list(nvme.base_path.iterdir())) == 40
+
+
+class TestStagingPool:
+    def test_areas_are_bounded_and_a_lease_waits_for_one(self):
+        pool = kv.StagingPool(2, 4096)
+        with pool.lease() as a, pool.lease() as b:
+            assert a is not b
+            got = []
+            t = threading.Thread(target=lambda: got.append(pool._acquire()))
+            t.start()
+            deadline = time.monotonic() + 10
+            while pool.waits == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert pool.waits == 1 and got == []                   # a third waits ...
+        t.join(10)
+        assert len(got) == 1 and (got[0] is a or got[0] is b)      # ... for one of the two
+
+    def test_a_failed_allocation_gives_its_slot_back(self):
+        calls = []
+
+        def factory(n):
+            calls.append(n)
+            if len(calls) == 1:
+                raise MemoryError("no memory")
+            return kv.aligned_empty(n)
+        pool = kv.StagingPool(1, 4096, factory=factory)
+        with pytest.raises(MemoryError):
+            with pool.lease():
+                pass
+        with pool.lease() as area:                                 # the only slot was not lost
+            assert area.size == 4096
+
+    def test_a_stop_ends_a_wait_for_an_area(self):
+        stop = threading.Event()
+        pool = kv.StagingPool(1, 4096, stop)
+        with pool.lease():
+            stop.set()
+            with pytest.raises(kv.IOAborted):
+                with pool.lease():
+                    pass
 
 
 class TestChunkPipeline:
@@ -1633,6 +1703,17 @@ class TestLaneStamps:
 # ============================================================================
 
 class TestOpenGpuDeviceWithoutLibraries:
+    @pytest.mark.parametrize("raised,code", [(RuntimeError("CUDA error: an illegal memory access"), errno.EIO),
+                                             (MemoryError("out of memory allocating 256 MiB"), errno.ENOMEM)])
+    def test_a_cuda_failure_is_an_io_error_of_the_tier(self, raised, code):
+        with pytest.raises(OSError) as info:
+            with kv.gpu_errors_as_io_errors():
+                raise raised
+        assert info.value.errno == code and "GPU" in str(info.value)
+        with pytest.raises(KeyError):                                # a missing entry stays a miss
+            with kv.gpu_errors_as_io_errors():
+                raise KeyError("k")
+
     def test_unknown_library_is_refused(self):
         with pytest.raises(ValueError):
             kv.open_gpu_device(library="jax")

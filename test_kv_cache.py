@@ -653,6 +653,25 @@ class TestRAG:
         assert engine_run["results"]["summary"]["rag_stats"] is None
         assert "### RAG ###" not in kv.format_report(engine_run["results"])
 
+    def test_the_deadline_cuts_ingestion_short_and_the_shortfall_is_reported(self, tmp_path, monkeypatch):
+        write_entry = kv.MultiTierCache.write_entry
+
+        def slow_write(self, *args, **kwargs):                   # a slow device: 0.1 s per chunk
+            time.sleep(0.1)
+            return write_entry(self, *args, **kwargs)
+        monkeypatch.setattr(kv.MultiTierCache, "write_entry", slow_write)
+        config = kv.BenchmarkConfig(model=TINY, num_users=2, duration_s=0.5, gpu_mem_gb=0, cpu_mem_gb=0.5,
+                                    cache_dir=str(tmp_path), generation_mode=kv.GenerationMode.NONE, seed=1,
+                                    enable_rag=True, rag_num_docs=5)
+        r = kv.IntegratedBenchmark(config).run()
+        s, rag = r["summary"], r["summary"]["rag_stats"]
+        assert s["stop_reason"] == "duration" and rag["ingestion_interrupted"] is True
+        assert 0 < rag["documents_not_ingested"] <= 5 and rag["chunks_ingested"] < rag["chunks"]
+        assert r["requests_completed"] == 0
+        assert "RAG ingestion took the whole run" in kv.headline_not_measured(r)
+        report = kv.format_report(r)
+        assert "Ingestion was cut short by the run's stop" in report and "NOT A RESULT" in report
+
     @pytest.mark.slow
     def test_ingestion_is_the_first_timed_phase_and_the_autoscaler_waits_for_it(self, tmp_path, monkeypatch):
         ingest_all = kv.RAGDocumentManager.ingest_all
@@ -2032,6 +2051,29 @@ def holders(cache, key):
 
 
 class TestMultiTierCache:
+    def test_a_cpu_tier_copy_in_flight_at_the_stop_is_abandoned_and_counted(self, make_cache, monkeypatch):
+        cache = make_cache(cpu_entries=100)                      # room for a 1,000-token entry: three 8 MiB chunks
+        inside, go = threading.Event(), threading.Event()
+        fill = cache.generator.fill
+
+        def slow_fill(layout, offset, out):
+            if offset == kv.IO_CHUNK_BYTES:                      # the second chunk: the stop comes now
+                inside.set()
+                go.wait(10)
+            fill(layout, offset, out)
+        monkeypatch.setattr(cache.generator, "fill", slow_fill)
+        result = []
+        writer = threading.Thread(target=lambda: result.append(cache.write_entry("k", 1000)))
+        writer.start()
+        assert inside.wait(10)
+        cache.abort_io()
+        go.set()
+        writer.join(10)
+        assert result[0].aborted and not result[0].success and cache.entry_location("k") is None
+        s = cache.get_stats(1.0)
+        assert (s["cpu_aborted_writes"], s["cpu_writes"]) == (1, 0)
+        assert cache._get_tier_usage("cpu") == 0 and cache.check_invariants() == []
+
     def test_tiers_without_gpu(self, make_cache):
         cache = make_cache(cpu_entries=10)
         assert cache._get_tier_order() == ["cpu", "nvme"]
@@ -5353,6 +5395,15 @@ class TestReliability:
         data.write_bytes(b"\xef\xbb\xbf" + b" " * 10_000 + b"\n" + json.dumps([conv, 7, "x", [1, [2]]]).encode())
         loader = kv.ShareGPTDatasetLoader(str(data), max_conversations=10, seed=1)
         assert [c.conversation_id for c in loader.load()] == ["a"] and loader.skipped_conversations == 3
+
+    def test_a_run_that_completes_no_request_exits_1_and_says_why(self, tmp_path, capsys, keep_signal_handlers):
+        out = tmp_path / "r.json"                                  # 30 ms a token: nothing completes in 0.3 s
+        status = kv.main(["--model", "tiny-1b", "--num-users", "1", "--duration", "0.3", "--gpu-mem-gb", "0",
+                          "--cpu-mem-gb", "0.1", "--generation-mode", "realistic", "--seed", "1",
+                          "--cache-dir", str(tmp_path / "cache"), "--output", str(out)])
+        stdout = capsys.readouterr().out
+        assert status == 1 and json.loads(out.read_text())["requests_completed"] == 0
+        assert "NOT A RESULT: no request completed in the measured window" in stdout
 
     def test_no_headline_figure_is_not_a_result(self):
         results = {"requests_completed": 0, "summary": {"requests_abandoned": 3, "rag_stats": None}}

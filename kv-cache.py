@@ -2916,53 +2916,15 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
     backend = NVMeBackend(work)
     writers = min(threads, BASELINE_WRITE_STREAMS)
     sizes = [0] * writers
+    read_bytes = [0] * max(threads, writers)
     try:
-        def writer(i: int) -> None:
-            path = work / f"stream_{i}.bin"
-            layout = generator.layout(f"__baseline_{i}")
-            buf = aligned_empty(IO_CHUNK_BYTES)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if backend.direct_io else 0)
-            fd = os.open(path, flags, 0o644)
-            try:
-                deadline = time.perf_counter() + phase_s
-                reserved = 0
-                while sizes[i] < max_file_bytes and time.perf_counter() < deadline and not should_stop():
-                    if sizes[i] >= reserved:              # laid out like the workload's preallocated entries
-                        reserved += BASELINE_PREALLOCATE_BYTES
-                        preallocate(fd, reserved)
-                    generator.fill(layout, sizes[i], buf)
-                    _pwrite_all(fd, buf, sizes[i])
-                    sizes[i] += buf.size
-                os.fdatasync(fd)
-                if not backend.direct_io:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-        read_bytes = [0] * max(threads, writers)
-
-        def reader(i: int) -> None:
-            buf = aligned_empty(IO_CHUNK_BYTES)
-            f, size = i % writers, sizes[i % writers]
-            fd = os.open(work / f"stream_{f}.bin", os.O_RDONLY | (os.O_DIRECT if backend.direct_io else 0))
-            try:
-                deadline = time.perf_counter() + phase_s
-                share = -(-threads // writers)            # readers per file, spread over it
-                start = offset = (size // IO_CHUNK_BYTES) * (i // writers) // share * IO_CHUNK_BYTES
-                while size and time.perf_counter() < deadline and not should_stop():   # passes until the phase is over
-                    if offset == start and not backend.direct_io:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    if os.preadv(fd, [buf], offset) < buf.size:
-                        raise OSError(errno.EIO, "short read in the baseline")
-                    read_bytes[i] += buf.size
-                    offset = (offset + buf.size) % size
-            finally:
-                os.close(fd)
-
-        write_s = _run_streams(writer, writers)
+        write_s = _run_streams(lambda i: _baseline_write_stream(work / f"stream_{i}.bin", generator.layout(
+            f"__baseline_{i}"), generator, backend.direct_io, phase_s, max_file_bytes, should_stop, sizes, i), writers)
         if not backend.direct_io:                     # buffered: shared files would be read from the page cache
             threads = writers
-        read_s = _run_streams(reader, threads)
+        read_s = _run_streams(lambda i: _baseline_read_stream(
+            work / f"stream_{i % writers}.bin", sizes[i % writers], backend.direct_io, phase_s, should_stop,
+            (i // writers, -(-threads // writers)), read_bytes, i), threads)
         total, total_read = sum(sizes), sum(read_bytes)
     finally:
         for path in work.glob("stream_*.bin"):
@@ -2982,6 +2944,49 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
         "write_s": write_s,
         "read_s": read_s,
     }
+
+
+def _baseline_write_stream(path: Path, layout: EntryLayout, generator: KVCacheGenerator, direct: bool,
+                           phase_s: float, max_file_bytes: int, should_stop: Callable[[], bool],
+                           sizes: List[int], i: int) -> None:
+    """One baseline writer: IO_CHUNK_BYTES writes of KV-like data to its own file for `phase_s`."""
+    buf = aligned_empty(IO_CHUNK_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o644)
+    try:
+        deadline = time.perf_counter() + phase_s
+        reserved = 0
+        while sizes[i] < max_file_bytes and time.perf_counter() < deadline and not should_stop():
+            if sizes[i] >= reserved:                      # laid out like the workload's preallocated entries
+                reserved += BASELINE_PREALLOCATE_BYTES
+                preallocate(fd, reserved)
+            generator.fill(layout, sizes[i], buf)
+            _pwrite_all(fd, buf, sizes[i])
+            sizes[i] += buf.size
+        os.fdatasync(fd)
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _baseline_read_stream(path: Path, size: int, direct: bool, phase_s: float, should_stop: Callable[[], bool],
+                          place: Tuple[int, int], read_bytes: List[int], i: int) -> None:
+    """One baseline reader: passes over a written file for `phase_s`, starting at its share
+    `place` = (which reader of the file, readers per file) so that the readers spread over it."""
+    buf = aligned_empty(IO_CHUNK_BYTES)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        deadline = time.perf_counter() + phase_s
+        start = offset = (size // IO_CHUNK_BYTES) * place[0] // place[1] * IO_CHUNK_BYTES
+        while size and time.perf_counter() < deadline and not should_stop():
+            if offset == start and not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if os.preadv(fd, [buf], offset) < buf.size:
+                raise OSError(errno.EIO, "short read in the baseline")
+            read_bytes[i] += buf.size
+            offset = (offset + buf.size) % size
+    finally:
+        os.close(fd)
 
 
 def _run_streams(target: Callable[[int], None], threads: int) -> float:
@@ -5305,24 +5310,15 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
                      device_stats: Optional[Dict[str, Any]] = None,
                      shutdown_tail_s: float = 0.0) -> Dict[str, Any]:
     """The one place the results dict (and so the JSON) is put together."""
-    e2e = [r.end_to_end_s for r in records]
-    storage = [r.storage_s for r in records]
-    generation = [r.generation_s for r in records]
-    queue_wait = [r.queue_wait_s for r in records]
+    e2e, storage = [r.end_to_end_s for r in records], [r.storage_s for r in records]
+    generation, queue_wait = [r.generation_s for r in records], [r.queue_wait_s for r in records]
     tokens_generated = sum(r.generate_tokens for r in records)
     summaries = {name: latency_summary_ms(values) for name, values in
                  (("e2e", e2e), ("storage", storage), ("generation", generation), ("queue", queue_wait))}
     multi_hits, multi_misses = cache_stats["multi_turn_hits"], cache_stats["multi_turn_misses"]
     interrupted = stop_reason in ("SIGINT", "SIGTERM")
     summary = {
-        "total_requests": len(records),
-        "total_tokens": tokens_generated,
-        "elapsed_time": elapsed_s,
-        "shutdown_tail_s": shutdown_tail_s,
-        "avg_throughput_tokens_per_sec": _ratio(tokens_generated, elapsed_s),
-        "total_tokens_per_sec": _ratio(tokens_generated, elapsed_s),
-        "storage_throughput_tokens_per_sec": _ratio(sum(r.tokens_moved for r in records), sum(storage)),
-        "requests_per_second": _ratio(len(records), elapsed_s),
+        **_request_figures(records, summaries, elapsed_s, shutdown_tail_s),
         "nvme_throughput": cache_stats["nvme_throughput"],
         "end_to_end_latency_ms": summaries["e2e"],
         "storage_io_latency_ms": summaries["storage"],
@@ -5347,17 +5343,7 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "conversations_evicted": conversations_evicted,
         "stop_reason": stop_reason,
         "thread_errors": list(thread_errors),
-        "verify_checked": cache_stats["verify_checked"],
-        "verify_mismatches": cache_stats["verify_mismatches"],
-        "io_errors": cache_stats["io_errors"],
-        "process_cpu_seconds": process_cpu_s,
-        "cpu_seconds_per_storage_gb": (process_cpu_s / storage_gb) if (storage_gb := cache_stats["nvme_bytes_read_gb"]
-                                                                         + cache_stats["nvme_bytes_written_gb"]) else None,
-        "io_baseline": io_baseline,
-        "storage_efficiency": storage_efficiency(cache_stats, io_baseline, elapsed_s),
-        "device_stats": device_stats or {"available": False, "device": None, "reason": "not sampled"},
-        "device_comparison": compare_app_with_device(_storage_app_figures(cache_stats), device_stats)
-        if device_stats else None,
+        **_storage_figures(cache_stats, io_baseline, elapsed_s, process_cpu_s, device_stats),
     }
     return {
         "benchmark": "kv-cache",
@@ -5382,6 +5368,40 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "multi_turn_cache_hits": multi_hits,
         "multi_turn_cache_misses": multi_misses,
         "summary": summary,
+    }
+
+
+def _request_figures(records: Sequence[RequestRecord], summaries: Dict[str, Dict[str, Any]], elapsed_s: float,
+                     shutdown_tail_s: float) -> Dict[str, Any]:
+    """Counts and rates of the completed requests, over the measured window."""
+    tokens_generated = sum(r.generate_tokens for r in records)
+    return {
+        "total_requests": len(records),
+        "total_tokens": tokens_generated,
+        "elapsed_time": elapsed_s,
+        "shutdown_tail_s": shutdown_tail_s,
+        "avg_throughput_tokens_per_sec": _ratio(tokens_generated, elapsed_s),
+        "total_tokens_per_sec": _ratio(tokens_generated, elapsed_s),
+        "storage_throughput_tokens_per_sec": _ratio(sum(r.tokens_moved for r in records),
+                                                    sum(r.storage_s for r in records)),
+        "requests_per_second": _ratio(len(records), elapsed_s),
+    }
+
+
+def _storage_figures(cs: Dict[str, Any], io_baseline: Optional[Dict[str, Any]], elapsed_s: float,
+                     process_cpu_s: float, device_stats: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """Errors, checks, CPU per GB, efficiency against the baseline, and the device's view."""
+    storage_gb = cs["nvme_bytes_read_gb"] + cs["nvme_bytes_written_gb"]
+    return {
+        "verify_checked": cs["verify_checked"],
+        "verify_mismatches": cs["verify_mismatches"],
+        "io_errors": cs["io_errors"],
+        "process_cpu_seconds": process_cpu_s,
+        "cpu_seconds_per_storage_gb": process_cpu_s / storage_gb if storage_gb else None,
+        "io_baseline": io_baseline,
+        "storage_efficiency": storage_efficiency(cs, io_baseline, elapsed_s),
+        "device_stats": device_stats or {"available": False, "device": None, "reason": "not sampled"},
+        "device_comparison": compare_app_with_device(_storage_app_figures(cs), device_stats) if device_stats else None,
     }
 
 

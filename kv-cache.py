@@ -3101,9 +3101,14 @@ def _max_or_none(*values: Optional[float]) -> Optional[float]:
 
 def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str], Tuple[List[float], ...]],
                         entry_counts: Dict[str, int], model: ModelConfig, duration_s: float,
-                        profile: str, tiers_info: Dict[str, Any]) -> Dict[str, Any]:
-    """The cache's section of the results (`summary.cache_stats`), from counters and samples."""
+                        profile: str, tiers_info: Dict[str, Any],
+                        window_counters: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+    """The cache's section of the results (`summary.cache_stats`), from counters and samples.
+    Totals count everything; the wall-basis rates divide what was moved up to the stop
+    (`window_counters`, taken then) by the measured window `duration_s`, so that work finishing
+    in the shutdown tail does not inflate them."""
     c = defaultdict(int, counters)
+    w = defaultdict(int, window_counters if window_counters is not None else counters)
     hits, misses = c["cache_hits"], c["cache_misses"]
     stats: Dict[str, Any] = {
         "cache_hits": hits,
@@ -3151,9 +3156,9 @@ def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str],
     stats["total_write_gb"] = total_written / GIB
     stats["read_write_ratio"] = _ratio(total_read, total_written)
     stats["nvme_tokens_processed"] = c["nvme_tokens_read"] + c["nvme_tokens_written"]
-    stats["nvme_throughput"] = _ratio(stats["nvme_tokens_processed"], duration_s)
-    stats["nvme_read_gib_per_sec_wall"] = _ratio(c["nvme_bytes_read"] / GIB, duration_s)
-    stats["nvme_write_gib_per_sec_wall"] = _ratio(c["nvme_bytes_written"] / GIB, duration_s)
+    stats["nvme_throughput"] = _ratio(w["nvme_tokens_read"] + w["nvme_tokens_written"], duration_s)
+    stats["nvme_read_gib_per_sec_wall"] = _ratio(w["nvme_bytes_read"] / GIB, duration_s)
+    stats["nvme_write_gib_per_sec_wall"] = _ratio(w["nvme_bytes_written"] / GIB, duration_s)
     stats["tokens_read"] = sum(c[f"{t}_tokens_read"] for t in TIER_NAMES)
     stats["tokens_written"] = sum(c[f"{t}_tokens_written"] for t in TIER_NAMES)
     stats["retired_entries_deleted"] = c["retired_entries_deleted"]
@@ -3698,10 +3703,10 @@ class MultiTierCache:
         self._abort.set()
 
     # --- results ---
-    def get_stats(self, duration: float) -> Dict[str, Any]:
+    def get_stats(self, duration: float, window_counters: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
         counters, samples = self.stats.snapshot()
         return cache_stats_summary(counters, samples, self.tier_entry_counts(), self.model_config,
-                                   duration, self.performance_profile, self.describe_tiers())
+                                   duration, self.performance_profile, self.describe_tiers(), window_counters)
 
     def describe_tiers(self) -> Dict[str, Any]:
         """Effective budgets, the GPU library and read delivery, the storage I/O mode: for the results."""
@@ -4946,6 +4951,7 @@ class IntegratedBenchmark:
         self.io_baseline: Optional[Dict[str, Any]] = None
         self.process_cpu_s = 0.0
         self.shutdown_tail_s = 0.0
+        self.stop_counters: Optional[Dict[str, int]] = None
         self.latency_samples: Dict[str, List[float]] = {}     # per tier and operation, seconds (for --plot)
         self.raw: Dict[str, Any] = {}
         self.scheduler = ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop,
@@ -5044,6 +5050,7 @@ class IntegratedBenchmark:
             elif deadline is not None and time.perf_counter() >= deadline:
                 self.request_stop("duration")
         self.recorder.close()
+        self.stop_counters = self.cache.stats.snapshot()[0]     # the measured window's bytes, for its rates
         self.cache.abort_io()
 
     def _spawn(self, target: Callable, name: str, *args: Any) -> threading.Thread:
@@ -5199,7 +5206,7 @@ class IntegratedBenchmark:
 
     # --- results ---
     def _results(self, elapsed_s: float) -> Dict[str, Any]:
-        cache_stats = self.cache.get_stats(elapsed_s)      # tier counts: end of workload, before cleanup
+        cache_stats = self.cache.get_stats(elapsed_s, self.stop_counters)   # tier counts: before cleanup
         counters, samples = self.cache.stats.snapshot()
         self.latency_samples = {f"{tier} {op}": totals for (tier, op), (totals, _, _) in samples.items()}
         # What an MPI aggregate needs to merge this run with others.
@@ -5259,14 +5266,14 @@ def storage_efficiency(cache_stats: Dict[str, Any], baseline: Optional[Dict[str,
     if not baseline or "error" in baseline or baseline["read_gib_per_sec"] <= 0 or baseline["write_gib_per_sec"] <= 0:
         return None
     raw_r, raw_w = baseline["read_gib_per_sec"], baseline["write_gib_per_sec"]
-    read_gb, write_gb = cache_stats["nvme_bytes_read_gb"], cache_stats["nvme_bytes_written_gb"]
     return {
         "read_efficiency_busy_basis": cache_stats["nvme_read_gib_per_sec_busy"] / raw_r,
         "write_efficiency_busy_basis": cache_stats["nvme_write_gib_per_sec_busy"] / raw_w,
         "read_efficiency_wall_basis": cache_stats["nvme_read_gib_per_sec_wall"] / raw_r,
         "write_efficiency_wall_basis": cache_stats["nvme_write_gib_per_sec_wall"] / raw_w,
-        # Fraction of the run the device would need at its raw speed for what was moved.
-        "device_utilisation": _ratio(read_gb / raw_r + write_gb / raw_w, elapsed_s),
+        # Fraction of the measured window the device would need at its raw speed for what was moved in it.
+        "device_utilisation": (cache_stats["nvme_read_gib_per_sec_wall"] / raw_r
+                               + cache_stats["nvme_write_gib_per_sec_wall"] / raw_w),
     }
 
 

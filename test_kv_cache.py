@@ -2759,6 +2759,13 @@ class TestMetrics:
         assert stats["read_write_ratio"] == pytest.approx(4.0)
         assert stats["nvme_read_p50_ms"] == pytest.approx(15.0)
         assert stats["nvme_read_gib_per_sec_wall"] == pytest.approx(0.5)
+        # Rates over the measured window count what was moved up to the stop; totals count everything.
+        at_stop = {**counters, "nvme_bytes_read": GIB // 2, "nvme_tokens_read": 50, "nvme_tokens_written": 150}
+        windowed = kv.cache_stats_summary(counters, samples, {}, TINY, 2.0, "latency",
+                                          {"nvme_read_device_busy_s": 0.5}, window_counters=at_stop)
+        assert windowed["nvme_read_gib_per_sec_wall"] == pytest.approx(0.25)
+        assert windowed["nvme_throughput"] == pytest.approx(100.0)
+        assert windowed["nvme_bytes_read_gb"] == pytest.approx(1.0) and windowed["nvme_tokens_processed"] == 400
         assert stats["nvme_read_gib_per_sec_busy"] == pytest.approx(2.0)
         assert stats["nvme_write_gib_per_sec_busy"] == pytest.approx(2.0)
         assert stats["tokens_read"] == 150

@@ -1708,7 +1708,40 @@ def pin_host_buffer(dev: Optional[Any], host: np.ndarray) -> bool:
 # timed) before freeing or reusing its buffers, which also keeps the libraries' caching
 # allocators from handing a block to another stream while a copy into it is pending.
 
-class _TorchDevice:
+class _GPUDeviceBase:
+    """What both libraries' devices keep alike: the pinning bookkeeping (every registered buffer
+    kept alive until close() unpins it), per-thread state, 1-D views."""
+
+    def __init__(self) -> None:
+        self.pin_refusal: Optional[str] = None
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._registered: Dict[int, np.ndarray] = {}     # pointer -> buffer (kept alive)
+
+    @staticmethod
+    def view(buf: Any, start: int, stop: int) -> Any:
+        return buf[start:stop]
+
+    def stream(self) -> Any:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        self.stream().synchronize()                   # this thread's stream only
+
+    def _keep_registered(self, ptr: int, host: np.ndarray) -> bool:
+        with self._lock:
+            self._registered[ptr] = host
+        return True
+
+    def _take_registered(self) -> List[int]:
+        """The pointers to unpin at close (forgotten here)."""
+        with self._lock:
+            pointers = list(self._registered)
+            self._registered.clear()
+        return pointers
+
+
+class _TorchDevice(_GPUDeviceBase):
     """GPU operations through PyTorch: per-thread streams, pinned host memory, KV filled on the GPU."""
 
     def __init__(self, device_index: int):
@@ -1722,10 +1755,7 @@ class _TorchDevice:
         self.device = torch.device("cuda", device_index)
         self.library = f"torch {torch.__version__}"
         self.name = torch.cuda.get_device_name(self.device)
-        self.pin_refusal: Optional[str] = None
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._registered: Dict[int, np.ndarray] = {}     # pointer -> buffer (kept alive)
+        super().__init__()
         self._pool: Any = None                           # KVCacheGenerator's pool, on the device
         self._shifts: Tuple[Any, Any] = ()               # lane_stamps' constants, on the device
 
@@ -1741,10 +1771,6 @@ class _TorchDevice:
     @staticmethod
     def nbytes(buf: Any) -> int:
         return buf.numel() * buf.element_size()
-
-    @staticmethod
-    def view(buf: Any, start: int, stop: int) -> Any:
-        return buf[start:stop]
 
     @staticmethod
     def rows(buf: Any, count: int, width: int) -> Any:
@@ -1771,9 +1797,7 @@ class _TorchDevice:
         if err:
             self.pin_refusal = f"cudaHostRegister of {size} bytes failed with CUDA error {err}"
             return False
-        with self._lock:
-            self._registered[ptr] = host
-        return True
+        return self._keep_registered(ptr, host)
 
     # --- streams and copies ---
     def stream(self) -> Any:
@@ -1806,9 +1830,6 @@ class _TorchDevice:
         _same_nbytes(self.nbytes(dst_dev), self.nbytes(src_dev))
         with self._torch.cuda.stream(self.stream()):
             dst_dev.copy_(src_dev, non_blocking=True)
-
-    def sync(self) -> None:
-        self.stream().synchronize()                   # this thread's stream only
 
     def timed(self, fn: Callable[[], Any]) -> float:
         """Run `fn` (which enqueues work) on the thread's stream; seconds from before the
@@ -1857,9 +1878,7 @@ class _TorchDevice:
             fill_on_device(ops, self._pool, layout, entry_offset, out_dev)
 
     def close(self) -> None:
-        with self._lock:
-            pointers = list(self._registered)
-            self._registered.clear()
+        pointers = self._take_registered()
         torch = self._torch
 
         def unpin() -> None:              # errors are returned, not raised: nothing to undo
@@ -1871,7 +1890,7 @@ class _TorchDevice:
         self._pool = None
 
 
-class _CupyDevice:
+class _CupyDevice(_GPUDeviceBase):
     """GPU operations through CuPy: per-thread streams, pinned host memory, KV filled on the GPU."""
 
     def __init__(self, device_index: int):
@@ -1886,10 +1905,7 @@ class _CupyDevice:
         self.library = f"cupy {cupy.__version__}"
         name = self._rt.getDeviceProperties(device_index)["name"]
         self.name = name.decode() if isinstance(name, bytes) else str(name)
-        self.pin_refusal: Optional[str] = None
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._registered: Dict[int, np.ndarray] = {}
+        super().__init__()
         self._pinned: List[Any] = []                   # PinnedMemory owners, kept alive
         self._pool: Any = None                           # KVCacheGenerator's pool, on the device
         self._shifts: Tuple[Any, Any] = ()               # lane_stamps' constants, on the device
@@ -1906,10 +1922,6 @@ class _CupyDevice:
     @staticmethod
     def nbytes(buf: Any) -> int:
         return int(buf.nbytes)
-
-    @staticmethod
-    def view(buf: Any, start: int, stop: int) -> Any:
-        return buf[start:stop]
 
     @staticmethod
     def rows(buf: Any, count: int, width: int) -> Any:
@@ -1946,9 +1958,7 @@ class _CupyDevice:
         except self._rt.CUDARuntimeError as exc:
             self.pin_refusal = f"cudaHostRegister of {size} bytes: {exc}"
             return False
-        with self._lock:
-            self._registered[ptr] = host
-        return True
+        return self._keep_registered(ptr, host)
 
     # --- streams and copies ---
     def stream(self) -> Any:
@@ -1985,9 +1995,6 @@ class _CupyDevice:
         else:                                         # strided (the stamps): a copy kernel
             with self._device, self.stream():
                 dst_dev[...] = src_dev
-
-    def sync(self) -> None:
-        self.stream().synchronize()                   # this thread's stream only
 
     def timed(self, fn: Callable[[], Any]) -> float:
         """Run `fn` (which enqueues work) on the thread's stream; seconds from before the
@@ -2028,9 +2035,8 @@ class _CupyDevice:
             fill_on_device(self, self._pool, layout, entry_offset, out_dev)
 
     def close(self) -> None:
+        pointers = self._take_registered()
         with self._lock:
-            pointers = list(self._registered)
-            self._registered.clear()
             self._pinned.clear()          # freed once no view of them is left
 
         def unpin() -> None:

@@ -65,6 +65,15 @@ def budget_gb(entries: float, tokens: int = TOKENS) -> float:
     return entries * tokens * TOKEN_BYTES / GIB
 
 
+def run_threads(target, args) -> None:
+    """`target(a)` for each `a` of `args`, each in a thread of its own, all started, then all joined."""
+    threads = [threading.Thread(target=target, args=(a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def files_under(root: Path):
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
@@ -1288,11 +1297,7 @@ class TestNVMeBackend:
                     np.testing.assert_array_equal(nvme.read(key)[0], sample_array(t * 100 + i))
             except Exception as exc:                       # noqa: BLE001 - collected and asserted below
                 errors.append(exc)
-        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_threads(work, range(4))
         assert errors == []
         assert len(list(nvme.base_path.iterdir())) == 40
 
@@ -1606,11 +1611,7 @@ class TestHostArena:
                     arena.free(view)
             except Exception as exc:                            # reported in the main thread
                 errors.append(exc)
-        threads = [threading.Thread(target=worker, args=(s,)) for s in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_threads(worker, range(16))
         assert errors == []
         assert arena.free_bytes() == arena.capacity_bytes == 256 * BLOCK
         assert arena.used_bytes() == 0

@@ -5177,19 +5177,16 @@ class TestReliability:
                     break
             time.sleep(1.0)                                    # requests in flight: writing, generating
             proc.send_signal(signal.SIGINT)
-            first = time.monotonic()
             time.sleep(0.2)
             assert proc.poll() is None, "shutdown took under 0.2 s: the second signal would not land in it"
             proc.send_signal(signal.SIGINT)
-            stdout, stderr = proc.communicate(timeout=30)
-            took = time.monotonic() - first
+            stdout, stderr = proc.communicate(timeout=30)      # it ends by itself, or this raises
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         assert proc.returncode == 130, stderr
         assert "SIGINT received again" in stderr and "Traceback" not in stderr
-        assert took < 30                                   # it ended by itself (communicate's own limit)
         r = json.loads(out.read_text())
         assert r["interrupted"] is True and r["summary"]["stop_reason"] == "SIGINT"
         assert "INTERRUPTED" in stdout

@@ -1302,6 +1302,50 @@ class TestNVMeBackend:
         assert len(list(nvme.base_path.iterdir())) == 40
 
 
+def vma_of(address: int) -> dict:
+    """The /proc/self/smaps record of the mapping holding `address`: its path and fields (kB)."""
+    record, found = {}, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and ":" not in head[0]:              # a mapping's first line
+            if found:
+                break
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            found = lo <= address < hi
+            record = {"path": " ".join(head[5:])}
+        elif found and line.endswith("kB"):
+            record[head[0].rstrip(":")] = int(head[1])
+    assert found, f"no mapping holds {address:#x}"
+    return record
+
+
+def thp_mode() -> str:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    text = path.read_text() if path.exists() else "[never]"
+    return text[text.index("[") + 1:text.index("]")]
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
+class TestAlignedBuffers:
+    def test_small_buffers_are_page_aligned_private_memory(self):
+        buf = kv.aligned_empty(10_000)
+        address = buf.__array_interface__["data"][0]
+        assert buf.size == 10_000 and address % kv.BLOCK_BYTES == 0
+        buf[:] = 7
+        assert vma_of(address)["path"] == ""                   # anonymous and private, not shmem
+
+    def test_large_buffers_start_on_a_huge_page_and_get_huge_pages(self):
+        buf = kv.aligned_empty(8 * MIB + 4096)
+        address = buf.__array_interface__["data"][0]
+        assert buf.size == 8 * MIB + 4096 and address % kv.HUGE_PAGE_BYTES == 0
+        buf[:] = 1                                             # first touch: the faults take the pages
+        vma = vma_of(address)
+        assert vma["path"] == ""                               # shmem ("/dev/zero") gets small pages only
+        if thp_mode() == "never":
+            pytest.skip("transparent huge pages are off on this machine")
+        assert vma["AnonHugePages"] >= 2048, vma               # at least one 2 MiB page of the four
+
+
 class TestStagingPool:
     def test_areas_are_bounded_and_a_lease_waits_for_one(self):
         pool = kv.StagingPool(2, 4096)

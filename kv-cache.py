@@ -3127,6 +3127,26 @@ def _max_or_none(*values: Optional[float]) -> Optional[float]:
     return max(present) if present else None
 
 
+def _tier_figures(tier: str, c: Dict[str, int],
+                  samples: Dict[Tuple[str, str], Tuple[List[float], ...]]) -> Dict[str, Any]:
+    """One tier's operation counts, bytes and latency percentiles (total, device, host)."""
+    figures: Dict[str, Any] = {}
+    for name in ("reads", "writes", "aborted_reads", "aborted_writes"):
+        figures[f"{tier}_{name}"] = c[f"{tier}_{name}"]
+    figures[f"{tier}_bytes_read_gb"] = c[f"{tier}_bytes_read"] / GIB
+    figures[f"{tier}_bytes_written_gb"] = c[f"{tier}_bytes_written"] / GIB
+    for op in ("read", "write"):
+        totals, devices, hosts = samples.get((tier, op), ([], [], []))
+        total_ms, device_ms, host_ms = (latency_summary_ms(x) for x in (totals, devices, hosts))
+        for p in ("p50", "p95", "p99"):
+            figures[f"{tier}_{op}_{p}_ms"] = total_ms[p]
+        figures[f"{tier}_{op}_mean_ms"] = total_ms["mean"]
+        figures[f"{tier}_{op}_device_p95_ms"] = device_ms["p95"]
+        figures[f"{tier}_{op}_host_p95_ms"] = host_ms["p95"]
+        figures[f"{tier}_{op}_device_time_s"] = float(sum(devices))
+    return figures
+
+
 def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str], Tuple[List[float], ...]],
                         entry_counts: Dict[str, int], model: ModelConfig, duration_s: float,
                         profile: str, tiers_info: Dict[str, Any],
@@ -3160,26 +3180,10 @@ def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str],
     for cache_type in CACHE_TYPES:
         stats[_HIT_COUNTER[cache_type]] = c[_HIT_COUNTER[cache_type]]
         stats[_MISS_COUNTER[cache_type]] = c[_MISS_COUNTER[cache_type]]
-    total_read = total_written = 0
     for tier in TIER_NAMES:
-        read_b, written_b = c[f"{tier}_bytes_read"], c[f"{tier}_bytes_written"]
-        total_read += read_b
-        total_written += written_b
-        stats[f"{tier}_reads"] = c[f"{tier}_reads"]
-        stats[f"{tier}_writes"] = c[f"{tier}_writes"]
-        stats[f"{tier}_aborted_reads"] = c[f"{tier}_aborted_reads"]
-        stats[f"{tier}_aborted_writes"] = c[f"{tier}_aborted_writes"]
-        stats[f"{tier}_bytes_read_gb"] = read_b / GIB
-        stats[f"{tier}_bytes_written_gb"] = written_b / GIB
-        for op in ("read", "write"):
-            totals, devices, hosts = samples.get((tier, op), ([], [], []))
-            total_ms, device_ms, host_ms = (latency_summary_ms(x) for x in (totals, devices, hosts))
-            for p in ("p50", "p95", "p99"):
-                stats[f"{tier}_{op}_{p}_ms"] = total_ms[p]
-            stats[f"{tier}_{op}_mean_ms"] = total_ms["mean"]
-            stats[f"{tier}_{op}_device_p95_ms"] = device_ms["p95"]
-            stats[f"{tier}_{op}_host_p95_ms"] = host_ms["p95"]
-            stats[f"{tier}_{op}_device_time_s"] = float(sum(devices))
+        stats.update(_tier_figures(tier, c, samples))
+    total_read = sum(c[f"{tier}_bytes_read"] for tier in TIER_NAMES)
+    total_written = sum(c[f"{tier}_bytes_written"] for tier in TIER_NAMES)
     stats["total_read_gb"] = total_read / GIB
     stats["total_write_gb"] = total_written / GIB
     stats["read_write_ratio"] = _ratio(total_read, total_written)
@@ -5347,11 +5351,9 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
     """The one place the results dict (and so the JSON) is put together."""
     e2e, storage = [r.end_to_end_s for r in records], [r.storage_s for r in records]
     generation, queue_wait = [r.generation_s for r in records], [r.queue_wait_s for r in records]
-    tokens_generated = sum(r.generate_tokens for r in records)
     summaries = {name: latency_summary_ms(values) for name, values in
                  (("e2e", e2e), ("storage", storage), ("generation", generation), ("queue", queue_wait))}
     multi_hits, multi_misses = cache_stats["multi_turn_hits"], cache_stats["multi_turn_misses"]
-    interrupted = stop_reason in ("SIGINT", "SIGTERM")
     summary = {
         **_request_figures(records, summaries, elapsed_s, shutdown_tail_s),
         "nvme_throughput": cache_stats["nvme_throughput"],
@@ -5386,23 +5388,31 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "seed": seed,
         "seed_given": config.seed is not None,
         "workload_digest": workload_digest,
-        "interrupted": interrupted,
+        "interrupted": stop_reason in ("SIGINT", "SIGTERM"),
         "config": _config_dict(config),
-        "requests_completed": len(records),
-        "total_tokens_generated": tokens_generated,
-        "total_storage_io_latency": float(sum(storage)),
-        "total_generation_latency": float(sum(generation)),
-        "end_to_end_latencies": e2e,
-        "storage_latencies": storage,
-        "generation_latencies": generation,
-        "prefill_latencies": [r.prefill_s for r in records],
-        "decode_latencies": [r.decode_s for r in records],
-        "queue_wait_latencies": queue_wait,
+        **_request_lists(records),
         "throughput_timeline": timeline,
         "timeline": timeline,
         "multi_turn_cache_hits": multi_hits,
         "multi_turn_cache_misses": multi_misses,
         "summary": summary,
+    }
+
+
+def _request_lists(records: Sequence[RequestRecord]) -> Dict[str, Any]:
+    """The per-request latency lists (seconds, in completion order) and their totals."""
+    storage, generation = [r.storage_s for r in records], [r.generation_s for r in records]
+    return {
+        "requests_completed": len(records),
+        "total_tokens_generated": sum(r.generate_tokens for r in records),
+        "total_storage_io_latency": float(sum(storage)),
+        "total_generation_latency": float(sum(generation)),
+        "end_to_end_latencies": [r.end_to_end_s for r in records],
+        "storage_latencies": storage,
+        "generation_latencies": generation,
+        "prefill_latencies": [r.prefill_s for r in records],
+        "decode_latencies": [r.decode_s for r in records],
+        "queue_wait_latencies": [r.queue_wait_s for r in records],
     }
 
 
@@ -6144,7 +6154,8 @@ def plot_suite(rows: List[Dict[str, Any]], path: Path) -> Optional[Path]:
 
 def write_json(results: Dict[str, Any], path: str) -> str:
     """Write the results whole or not at all (see _write_text_file)."""
-    return _write_text_file(path, json.dumps(results, indent=2, default=_json_default) + "\n")
+    return _write_text_file(path, json.dumps(json_safe(results), indent=2, allow_nan=False,
+                                             default=_json_default) + "\n")
 
 
 def _umask() -> int:
@@ -6208,15 +6219,23 @@ def default_output_path(directory: str = ".") -> str:
     raise AssertionError("unreachable")
 
 
+def json_safe(value: Any) -> Any:
+    """The results with every non-finite number (inf, NaN, numpy's too) as None: strict JSON,
+    which `json.dumps` alone would break by writing `Infinity` or `NaN`."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    return value
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, (np.integer,)):
         return int(value)
-    if isinstance(value, (np.floating,)):
-        return float(value)
     if isinstance(value, (Path, Enum)):
         return str(value.value if isinstance(value, Enum) else value)
-    if isinstance(value, float) and math.isinf(value):
-        return None
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
@@ -6381,21 +6400,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"requests processed at once, a worker thread each (default: as the original, "
                         f"min(users, {MAX_IN_FLIGHT_REQUESTS}), following the autoscaler's user count)")
 
-    m = p.add_argument_group("memory tiers")
-    m.add_argument("--gpu-mem-gb", type=float, default=16.0, help="GPU tier budget in GiB, 0 disables (default: %(default)s)")
-    m.add_argument("--cpu-mem-gb", type=float, default=32.0, help="CPU tier budget in GiB, 0 disables (default: %(default)s)")
-    m.add_argument("--gpu-library", default="auto", choices=["auto", "torch", "cupy"],
-                   help="GPU tier library: auto tries PyTorch, then CuPy (default: %(default)s)")
-    m.add_argument("--cache-dir", default=None, help="directory for the storage tier (default: the system temporary directory)")
-    m.add_argument("--max-concurrent-allocs", type=int, default=0,
-                   help="cap on simultaneous cache allocations, bounds RAM (0: unlimited)")
-    m.add_argument("--storage-capacity-gb", type=float, default=0.0,
-                   help="cap on the storage tier in GiB; its LRU entries leave the cache when full (0: unbounded)")
-    m.add_argument("--io-baseline", action="store_true",
-                   help="first measure the cache directory's raw direct-I/O bandwidth (a few seconds) "
-                        "and report the workload's storage efficiency against it")
-    m.add_argument("--verify", action="store_true",
-                   help="checksum every entry written and check every read against it")
+    _add_memory_flags(p)
 
     a = p.add_argument_group("autoscaling")
     a.add_argument("--enable-autoscaling", action="store_true", help="adjust the user count during the run")
@@ -6412,6 +6417,29 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--enable-rag", action="store_true", help="simulate RAG document ingestion and retrieval")
     d.add_argument("--rag-num-docs", type=int, default=10, help="RAG documents to ingest (default: %(default)s)")
 
+    _add_output_flags(p)
+    return p
+
+
+def _add_memory_flags(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("memory tiers")
+    m.add_argument("--gpu-mem-gb", type=float, default=16.0, help="GPU tier budget in GiB, 0 disables (default: %(default)s)")
+    m.add_argument("--cpu-mem-gb", type=float, default=32.0, help="CPU tier budget in GiB, 0 disables (default: %(default)s)")
+    m.add_argument("--gpu-library", default="auto", choices=["auto", "torch", "cupy"],
+                   help="GPU tier library: auto tries PyTorch, then CuPy (default: %(default)s)")
+    m.add_argument("--cache-dir", default=None, help="directory for the storage tier (default: the system temporary directory)")
+    m.add_argument("--max-concurrent-allocs", type=int, default=0,
+                   help="cap on simultaneous cache allocations, bounds RAM (0: unlimited)")
+    m.add_argument("--storage-capacity-gb", type=float, default=0.0,
+                   help="cap on the storage tier in GiB; its LRU entries leave the cache when full (0: unbounded)")
+    m.add_argument("--io-baseline", action="store_true",
+                   help="first measure the cache directory's raw direct-I/O bandwidth (a few seconds) "
+                        "and report the workload's storage efficiency against it")
+    m.add_argument("--verify", action="store_true",
+                   help="checksum every entry written and check every read against it")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--performance-profile", default="latency", choices=["latency", "throughput"],
                    help="pass/fail criteria (default: %(default)s)")
@@ -6427,7 +6455,6 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--fio-compare", action="store_true",
                    help="right after the run, replay its storage I/O with fio in --cache-dir for as long as the "
                         "run took and report ours / fio (needs fio on the PATH)")
-    return p
 
 
 def _shown(value: float) -> str:

@@ -4194,6 +4194,17 @@ class TestEngine:
         assert loaded["summary"]["cache_stats"]["storage_health"] == \
             engine_run["results"]["summary"]["cache_stats"]["storage_health"]
 
+    def test_non_finite_numbers_are_written_as_null(self, tmp_path):
+        results = {"a": math.inf, "b": [1.5, -math.inf, np.float64("nan"), np.float32(2.0)],
+                   "c": {"d": (np.int64(3), float("nan"))}, "e": kv.GenerationMode.NONE}
+        path = tmp_path / "r.json"
+        kv.write_json(results, str(path))
+
+        def strict(token):
+            raise AssertionError(f"non-standard JSON constant {token}")
+        loaded = json.loads(path.read_text(), parse_constant=strict)
+        assert loaded == {"a": None, "b": [1.5, None, None, 2.0], "c": {"d": [3, None]}, "e": "none"}
+
     def test_simulated_generation_takes_time(self, tmp_path):
         config = kv.BenchmarkConfig(model=TINY, num_users=8, duration_s=None, gpu_mem_gb=0, cpu_mem_gb=1,
                                     cache_dir=str(tmp_path), generation_mode=kv.GenerationMode.FAST, seed=3,

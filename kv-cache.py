@@ -1747,8 +1747,35 @@ class _GPUDeviceBase:
     def stream(self) -> Any:
         raise NotImplementedError
 
+    def _on_stream(self) -> Any:
+        """A context in which the calling thread's stream (and our device) is current."""
+        raise NotImplementedError
+
+    def _new_done_event(self) -> Any:
+        """An event with blocking sync and no timing: a thread waiting on it sleeps."""
+        raise NotImplementedError
+
     def sync(self) -> None:
-        self.stream().synchronize()                   # this thread's stream only
+        """Wait for the calling thread's stream only, asleep: a spinning wait (what a plain
+        stream or event synchronize does) would take a core from the storage threads for
+        every worker waiting on the GPU."""
+        done = getattr(self._local, "done", None)
+        if done is None:
+            done = self._local.done = self._new_done_event()
+        done.record(self.stream())
+        done.synchronize()                            # releases the GIL while it waits
+
+    def timed(self, fn: Callable[[], Any]) -> float:
+        """Run `fn` (which enqueues work) on the thread's stream; seconds from before the
+        enqueue until the stream has completed it. When `fn` raises, its work already enqueued
+        is still waited for: the caller may then free the buffers it used."""
+        t0 = time.perf_counter()
+        try:
+            with self._on_stream():
+                fn()
+        finally:
+            self.sync()
+        return time.perf_counter() - t0
 
     def _keep_registered(self, ptr: int, host: np.ndarray) -> bool:
         with self._lock:
@@ -1780,14 +1807,18 @@ class _TorchDevice(_GPUDeviceBase):
         super().__init__()
         self._pool: Any = None                           # KVCacheGenerator's pool, on the device
         self._shifts: Tuple[Any, Any] = ()               # lane_stamps' constants, on the device
+        self._alloc_stream = torch.cuda.Stream(device=self.device)   # empty()'s tag: no work runs on it
 
     # --- memory ---
     def free_bytes(self) -> int:
         return int(self._torch.cuda.mem_get_info(self.device)[0])
 
     def empty(self, nbytes: int) -> Any:
-        # Allocated under the thread's stream: the caching allocator ties the block to it.
-        with self._torch.cuda.stream(self.stream()):
+        # The caching allocator gives a freed block back only to the stream it was allocated
+        # under: entries and scratch all share one, so any writer reuses an evicted entry's
+        # memory (else each stream hoards its own, until a cudaFree stalls the whole device).
+        # Safe because every operation completes before its buffers are let go (timed()).
+        with self._torch.cuda.stream(self._alloc_stream):
             return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
 
     @staticmethod
@@ -1824,9 +1855,25 @@ class _TorchDevice(_GPUDeviceBase):
     # --- streams and copies ---
     def stream(self) -> Any:
         stream = getattr(self._local, "stream", None)
-        if stream is None:                # from PyTorch's pool: created cudaStreamNonBlocking
-            stream = self._local.stream = self._torch.cuda.Stream(device=self.device)
+        if stream is None:
+            stream = self._local.stream = self._private_stream() or self._torch.cuda.Stream(device=self.device)
         return stream
+
+    def _private_stream(self) -> Optional[Any]:
+        """A stream of the thread's own (cudaStreamCreate, wrapped): PyTorch's pool has only 32
+        per device, handed out in turn, so with more worker threads two would share one and
+        each wait for the other's copies. None (use the pool) where it cannot be made. Never
+        destroyed: one per worker thread, for the life of the process."""
+        import ctypes
+        torch, handle = self._torch, ctypes.c_void_p(0)
+        try:
+            with torch.cuda.device(self.device):
+                err = int(torch.cuda.cudart().cudaStreamCreate(ctypes.addressof(handle)))
+        except (AttributeError, RuntimeError):            # not in this PyTorch's cudart bindings
+            return None
+        if err or not handle.value:
+            return None
+        return torch.cuda.ExternalStream(handle.value, device=self.device)
 
     def _host_tensor(self, host: np.ndarray) -> Any:
         flat = _host_bytes(host)
@@ -1853,19 +1900,11 @@ class _TorchDevice(_GPUDeviceBase):
         with self._torch.cuda.stream(self.stream()):
             dst_dev.copy_(src_dev, non_blocking=True)
 
-    def timed(self, fn: Callable[[], Any]) -> float:
-        """Run `fn` (which enqueues work) on the thread's stream; seconds from before the
-        enqueue until the stream has completed it."""
-        stream = self.stream()
-        done = getattr(self._local, "done", None)
-        if done is None:
-            done = self._local.done = self._torch.cuda.Event()   # no timing: cheaper to record
-        t0 = time.perf_counter()
-        with self._torch.cuda.stream(stream):
-            fn()
-        done.record(stream)
-        done.synchronize()                            # releases the GIL while it waits
-        return time.perf_counter() - t0
+    def _on_stream(self) -> Any:
+        return self._torch.cuda.stream(self.stream())
+
+    def _new_done_event(self) -> Any:
+        return self._torch.cuda.Event(blocking=True)  # no timing (the default): cheaper to record
 
     # --- KV born on the device ---
     def load_pool(self, pool_bytes: np.ndarray) -> None:
@@ -1931,6 +1970,8 @@ class _CupyDevice(_GPUDeviceBase):
         self._pinned: List[Any] = []                   # PinnedMemory owners, kept alive
         self._pool: Any = None                           # KVCacheGenerator's pool, on the device
         self._shifts: Tuple[Any, Any] = ()               # lane_stamps' constants, on the device
+        with self._device:
+            self._alloc_stream = cupy.cuda.Stream(non_blocking=True)   # empty()'s tag: no work runs on it
 
     # --- memory ---
     def free_bytes(self) -> int:
@@ -1938,7 +1979,8 @@ class _CupyDevice(_GPUDeviceBase):
             return int(self._rt.memGetInfo()[0])
 
     def empty(self, nbytes: int) -> Any:
-        with self._device, self.stream():             # CuPy's pool keeps blocks per stream
+        # CuPy's pool keeps freed blocks per stream: one shared tag (see _TorchDevice.empty).
+        with self._device, self._alloc_stream:
             return self._cp.empty(nbytes, dtype=self._cp.uint8)
 
     @staticmethod
@@ -2018,20 +2060,18 @@ class _CupyDevice(_GPUDeviceBase):
             with self._device, self.stream():
                 dst_dev[...] = src_dev
 
-    def timed(self, fn: Callable[[], Any]) -> float:
-        """Run `fn` (which enqueues work) on the thread's stream; seconds from before the
-        enqueue until the stream has completed it."""
-        stream = self.stream()
-        done = getattr(self._local, "done", None)
-        if done is None:
-            with self._device:
-                done = self._local.done = self._cp.cuda.Event(disable_timing=True)
-        t0 = time.perf_counter()
-        with self._device, stream:
-            fn()
-        done.record(stream)
-        done.synchronize()                            # cudaEventSynchronize, GIL released
-        return time.perf_counter() - t0
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        with self._device, self.stream():
+            yield
+
+    def _new_done_event(self) -> Any:
+        with self._device:
+            return self._cp.cuda.Event(block=True, disable_timing=True)
+
+    def sync(self) -> None:
+        with self._device:
+            super().sync()
 
     # --- KV born on the device ---
     def load_pool(self, pool_bytes: np.ndarray) -> None:
@@ -2098,15 +2138,17 @@ def open_gpu_device(device_index: int = 0, library: str = "auto"):
 @contextlib.contextmanager
 def gpu_errors_as_io_errors() -> Iterator[None]:
     """A CUDA failure (out of memory, a driver or launch error) is an I/O error of the tier that
-    met it: counted by errno like a disk's, and the run goes on (never a dead worker thread)."""
+    met it: counted by errno like a disk's, and the run goes on (never a dead worker thread).
+    A mistake in our own code (a wrong argument, a size mismatch) is not the device's fault
+    and is not hidden as one: it propagates and stops the run loudly."""
     try:
         yield
-    except (OSError, IOAborted, KeyError):
+    except (OSError, IOAborted, KeyError, TypeError, ValueError, AttributeError, NameError, AssertionError):
         raise
-    except MemoryError as exc:                            # CuPy's OutOfMemoryError
-        raise OSError(errno.ENOMEM, f"GPU: {exc}") from exc
     except Exception as exc:                              # torch's RuntimeErrors, CUDARuntimeError, ...
-        raise OSError(errno.EIO, f"GPU: {type(exc).__name__}: {exc}") from exc
+        # Out of memory: CuPy's OutOfMemoryError is a MemoryError, torch's a RuntimeError.
+        oom = isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
+        raise OSError(errno.ENOMEM if oom else errno.EIO, f"GPU: {type(exc).__name__}: {exc}") from exc
 
 
 # --- Delivery to the GPU ---------------------------------------------------------------------
@@ -2127,16 +2169,22 @@ class GPUDelivery:
     def __init__(self, dev: Any, abort: Optional[threading.Event] = None):
         self.dev = dev
         self._scratch = StagingPool(STAGING_AREAS, GPU_SCRATCH_BYTES, abort, factory=dev.empty)
+        # Storage reads deliver chunk by chunk and hold their area for the whole (slow) read: a
+        # pool of their own, chunk-sized, so that memory-tier hits never wait behind them.
+        self._sink_scratch = StagingPool(STAGING_AREAS, IO_DEPTH * IO_CHUNK_BYTES, abort, factory=dev.empty)
+        self.device_bytes = STAGING_AREAS * (GPU_SCRATCH_BYTES + IO_DEPTH * IO_CHUNK_BYTES)
 
     def set_abort(self, abort: threading.Event) -> None:
         """The run's stop: a read still waiting for a scratch area then gives up (IOAborted)."""
-        self._scratch._abort = abort
+        self._scratch._abort = self._sink_scratch._abort = abort
 
     def prefill(self) -> None:
         self._scratch.prefill()
+        self._sink_scratch.prefill()
 
     def close(self) -> None:
         self._scratch.drop()
+        self._sink_scratch.drop()
 
     def _copy_in(self, copy: Callable[[Any, Any], None], src: Any, nbytes: int, view: Callable[[Any, int, int], Any]) -> float:
         with gpu_errors_as_io_errors(), self._scratch.lease() as scratch:
@@ -2158,15 +2206,15 @@ class GPUDelivery:
     def chunk_sink(self) -> Iterator[Callable[[np.ndarray], None]]:
         """A consumer that copies each chunk of a storage read to the device as it arrives. It
         waits for each copy, so the staging chunk is free for the read after next."""
-        with gpu_errors_as_io_errors(), self._scratch.lease() as scratch:
-            offset = [0]
+        with gpu_errors_as_io_errors(), self._sink_scratch.lease() as scratch:
+            offset, size = [0], self.dev.nbytes(scratch)
 
             def deliver(chunk: np.ndarray) -> None:
                 n = chunk.size
-                start = offset[0] if offset[0] + n <= GPU_SCRATCH_BYTES else 0
+                start = offset[0] if offset[0] + n <= size else 0
+                target = self.dev.view(scratch, start, start + n)
                 with gpu_errors_as_io_errors():
-                    self.dev.h2d(self.dev.view(scratch, start, start + n), chunk)
-                    self.dev.sync()
+                    self.dev.timed(lambda: self.dev.h2d(target, chunk))
                 offset[0] = start + n
             yield deliver
 
@@ -2404,8 +2452,7 @@ class GPUMemoryBackend(StorageBackend):
 
         def fill(offset: int, out: np.ndarray) -> None:
             with gpu_errors_as_io_errors():
-                self._dev.d2h(out, self._dev.view(buf, offset, offset + out.size))
-                self._dev.sync()
+                self._dev.timed(lambda: self._dev.d2h(out, self._dev.view(buf, offset, offset + out.size)))
         return fill
 
     def read(self, key: str) -> Tuple[np.ndarray, IOTiming]:
@@ -2448,15 +2495,77 @@ class GPUMemoryBackend(StorageBackend):
 
 
 def available_memory_bytes() -> Optional[int]:
-    """MemAvailable from /proc/meminfo; None where there is none."""
+    """The RAM this process may still use: MemAvailable from /proc/meminfo, or less where its
+    memory cgroup (a container, a batch job) allows less; None where neither is known."""
+    available = None
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError):
         pass
-    return None
+    headroom = cgroup_memory_headroom()
+    if headroom is None or (available is not None and available <= headroom):
+        return available
+    return headroom
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+_CGROUP_UNLIMITED = 1 << 62             # cgroup v1 writes "no limit" as a number near 2**63
+# (mount below the root, limit file, usage file, memory.stat key of reclaimable page cache)
+_CGROUP_V2 = ("", "memory.max", "memory.current", "inactive_file")
+_CGROUP_V1 = ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+
+
+def cgroup_memory_headroom(proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CGROUP_ROOT) -> Optional[int]:
+    """Bytes the memory cgroups of this process still allow (v2, or v1's memory controller):
+    at each level from its own cgroup up to the root that has a limit, the limit less what is
+    charged there, reclaimable page cache not counted; the least of them. None where no limit
+    applies or none can be read."""
+    try:
+        lines = proc_cgroup.read_text(encoding="ascii").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    least: Optional[int] = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        kind = _CGROUP_V2 if parts[1] == "" else _CGROUP_V1 if "memory" in parts[1].split(",") else None
+        if kind is None:
+            continue
+        base = root / kind[0]
+        level = base / parts[2].lstrip("/")
+        while level == base or base in level.parents:
+            room = _cgroup_level_headroom(level, *kind[1:])
+            if room is not None:
+                least = room if least is None else min(least, room)
+            if level == base:
+                break
+            level = level.parent
+    return least
+
+
+def _cgroup_level_headroom(level: Path, limit_file: str, usage_file: str, cache_key: str) -> Optional[int]:
+    try:
+        limit_text = (level / limit_file).read_text(encoding="ascii").strip()
+        if limit_text == "max" or int(limit_text) >= _CGROUP_UNLIMITED:
+            return None
+        used = int((level / usage_file).read_text(encoding="ascii"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    cache = 0
+    try:
+        for line in (level / "memory.stat").read_text(encoding="ascii").splitlines():
+            key, _, value = line.partition(" ")
+            if key == cache_key:
+                cache = int(value)
+    except (OSError, ValueError, UnicodeDecodeError):
+        pass                                              # no breakdown: count all of it as used
+    return max(0, int(limit_text) - max(0, used - cache))
 
 
 def move_entry(source: StorageBackend, dest: StorageBackend, key: str, nbytes: int, shape: Tuple[int, ...],
@@ -2521,11 +2630,11 @@ def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator,
         tiers.gpu_disabled_reason = str(exc)
         logger.warning("GPU tier disabled: %s; the run goes on with the CPU and storage tiers.", exc)
         return None
-    # The delivery scratch areas live beside the tier: what the tier may use is what is left.
-    budget, free = gpu_memory_gb * GIB, max(0, gpu.free_bytes() - STAGING_AREAS * GPU_SCRATCH_BYTES)
+    # The pool and the delivery scratch areas are allocated by now: the tier may use what is left.
+    budget, free = gpu_memory_gb * GIB, gpu.free_bytes()
     if budget > free:
         logger.warning("--gpu-mem-gb %.2f exceeds the GPU's free memory less %.1f GB of working memory; "
-                       "using %.2f GB.", gpu_memory_gb, STAGING_AREAS * GPU_SCRATCH_BYTES / GIB, free / GIB)
+                       "using %.2f GB.", gpu_memory_gb, gpu.delivery.device_bytes / GIB, free / GIB)
         budget = free
     tiers.backends["gpu"], tiers.limits["gpu"], tiers.delivery = gpu, budget, gpu.delivery
     return gpu
@@ -6855,9 +6964,21 @@ def _limit_malloc_arenas() -> None:
         pass
 
 
+CUDA_WORK_QUEUES = "32"                 # CUDA_DEVICE_MAX_CONNECTIONS: the hardware's most (the driver's default is 8)
+
+
+def _widen_cuda_work_queues() -> None:
+    """Let up to 32 streams reach the GPU through queues of their own (Hyper-Q): with the
+    driver's 8, the streams of more worker threads share queues and wait for each other's
+    copies. Read when the CUDA context is made, so set before the GPU tier starts; a value the
+    user set is kept. The CLI's choice, never the module's."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_WORK_QUEUES)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     _limit_malloc_arenas()
+    _widen_cuda_work_queues()
     launch = mpi_launch()
     rank = launch[0] if launch else 0
     quiet = args.quiet or rank != 0                  # one voice: rank 0's

@@ -1778,6 +1778,21 @@ class TestOpenGpuDeviceWithoutLibraries:
             with kv.gpu_errors_as_io_errors():
                 raise KeyError("k")
 
+    @pytest.mark.parametrize("raised", [TypeError("bad argument"), ValueError("sizes differ"),
+                                        AttributeError("no such method")])
+    def test_our_own_mistakes_are_not_hidden_as_device_errors(self, raised):
+        with pytest.raises(type(raised)):
+            with kv.gpu_errors_as_io_errors():
+                raise raised
+
+    def test_torch_out_of_memory_is_enomem(self):
+        class OutOfMemoryError(RuntimeError):                   # torch's is a RuntimeError
+            pass
+        with pytest.raises(OSError) as info:
+            with kv.gpu_errors_as_io_errors():
+                raise OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB")
+        assert info.value.errno == errno.ENOMEM
+
     def test_unknown_library_is_refused(self):
         with pytest.raises(ValueError):
             kv.open_gpu_device(library="jax")
@@ -1803,6 +1818,147 @@ class TestOpenGpuDeviceWithoutLibraries:
         with pytest.raises(RuntimeError) as info:
             kv.open_gpu_device()
         assert "Torch broke" in str(info.value) and "Cupy broke" in str(info.value)
+
+
+class _HostDevice(kv._GPUDeviceBase):
+    """The library-independent half of a GPU device, over host memory: what timed(), sync() and
+    GPUDelivery do with streams, events and scratch areas, observable without CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.log, self.made = [], []
+
+    def stream(self):
+        return f"stream of {threading.current_thread().name}"
+
+    @contextlib.contextmanager
+    def _on_stream(self):
+        yield
+
+    def _new_done_event(self):
+        log = self.log
+
+        class Event:
+            def record(self, stream):
+                log.append(("record", stream))
+
+            def synchronize(self):
+                log.append("wait")
+        log.append("new event")
+        return Event()
+
+    def empty(self, nbytes):
+        self.made.append(np.zeros(nbytes, dtype=np.uint8))
+        return self.made[-1]
+
+    @staticmethod
+    def nbytes(buf):
+        return buf.nbytes
+
+    def h2d(self, dst, src):
+        dst[:] = src.reshape(-1).view(np.uint8)
+
+    d2d = h2d
+
+
+def cgroup_tree(tmp_path, proc_lines, levels):
+    """A fake /proc/self/cgroup and cgroup tree: levels maps a directory under the root to its
+    files' contents."""
+    proc = tmp_path / "proc_cgroup"
+    proc.write_text("".join(line + "\n" for line in proc_lines))
+    root = tmp_path / "cgroup"
+    for rel, files in levels.items():
+        (root / rel).mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (root / rel / name).write_text(text)
+    return proc, root
+
+
+class TestCgroupMemory:
+    def test_v2_the_tightest_level_counts_and_page_cache_is_free(self, tmp_path):
+        proc, root = cgroup_tree(tmp_path, ["0::/job/step"], {
+            "job": {"memory.max": str(10 * GIB), "memory.current": str(4 * GIB),
+                    "memory.stat": f"anon 1\ninactive_file {GIB}\n"},
+            "job/step": {"memory.max": "max", "memory.current": str(GIB)}})
+        assert kv.cgroup_memory_headroom(proc, root) == 10 * GIB - 3 * GIB
+
+    def test_v1_memory_controller_and_its_unlimited_root(self, tmp_path):
+        proc, root = cgroup_tree(tmp_path, ["4:cpu,memory:/box", "3:cpuset:/"], {
+            "memory": {"memory.limit_in_bytes": "9223372036854771712", "memory.usage_in_bytes": "5"},
+            "memory/box": {"memory.limit_in_bytes": str(2 * GIB), "memory.usage_in_bytes": str(GIB // 2),
+                           "memory.stat": f"cache 7\ntotal_inactive_file {GIB // 4}\n"}})
+        assert kv.cgroup_memory_headroom(proc, root) == 2 * GIB - GIB // 4
+
+    @pytest.mark.parametrize("proc_lines,levels", [
+        (["0::/"], {"": {"memory.max": "max", "memory.current": "1"}}),        # no limit anywhere
+        (["0::/gone"], {}),                                                     # nothing readable
+        (["1:cpu:/"], {}),                                                      # no memory controller
+    ])
+    def test_no_limit_is_none(self, tmp_path, proc_lines, levels):
+        proc, root = cgroup_tree(tmp_path, proc_lines, levels)
+        assert kv.cgroup_memory_headroom(proc, root) is None
+        assert kv.cgroup_memory_headroom(tmp_path / "no_such_file", root) is None
+
+    def test_available_memory_is_the_cgroup_headroom_when_smaller(self, monkeypatch):
+        monkeypatch.setattr(kv, "cgroup_memory_headroom", lambda: 3 * MIB)
+        assert kv.available_memory_bytes() == 3 * MIB
+        monkeypatch.setattr(kv, "cgroup_memory_headroom", lambda: 1 << 60)
+        assert kv.available_memory_bytes() < 1 << 60
+
+
+class TestDeviceWaits:
+    def test_timed_waits_for_its_own_stream_with_one_event_per_thread(self):
+        dev = _HostDevice()
+        dev.timed(lambda: dev.log.append("enqueue"))
+        dev.timed(lambda: dev.log.append("enqueue"))
+        mine = dev.stream()
+        assert dev.log == ["enqueue", "new event", ("record", mine), "wait",
+                           "enqueue", ("record", mine), "wait"]
+        other = []
+        t = threading.Thread(target=lambda: other.append(dev.timed(lambda: None)), name="other")
+        t.start()
+        t.join()
+        assert dev.log[-3:] == ["new event", ("record", "stream of other"), "wait"]
+
+    def test_work_enqueued_before_a_failure_is_still_waited_for(self):
+        dev = _HostDevice()
+
+        def fails_half_way():
+            dev.log.append("enqueue")
+            raise RuntimeError("CUDA error: launch failure")
+        with pytest.raises(RuntimeError):
+            dev.timed(fails_half_way)
+        assert dev.log == ["enqueue", "new event", ("record", dev.stream()), "wait"]
+
+
+class TestGPUDeliveryScratch:
+    def test_storage_reads_do_not_take_the_memory_tiers_scratch(self):
+        dev, stop = _HostDevice(), threading.Event()
+        delivery = kv.GPUDelivery(dev, stop)
+        stop.set()                                    # a lease that would have to wait fails at once
+        with contextlib.ExitStack() as held:
+            for _ in range(kv.STAGING_AREAS):         # every storage read's area in use
+                held.enter_context(delivery.chunk_sink())
+            entry = np.arange(3 * MIB, dtype=np.uint8)
+            delivery.from_host(entry)                 # a CPU-tier hit still gets a scratch area
+            with pytest.raises(kv.IOAborted):
+                with delivery.chunk_sink():
+                    pass
+        assert sorted(buf.nbytes for buf in dev.made) == \
+            [kv.IO_DEPTH * kv.IO_CHUNK_BYTES] * kv.STAGING_AREAS + [kv.GPU_SCRATCH_BYTES]
+        assert delivery.device_bytes == kv.STAGING_AREAS * (kv.GPU_SCRATCH_BYTES + kv.IO_DEPTH * kv.IO_CHUNK_BYTES)
+
+    def test_chunks_wrap_around_the_storage_scratch_area(self):
+        dev = _HostDevice()
+        delivery = kv.GPUDelivery(dev)
+        chunks = [np.full(kv.IO_CHUNK_BYTES, i + 1, dtype=np.uint8) for i in range(kv.IO_DEPTH + 1)]
+        with delivery.chunk_sink() as deliver:
+            for chunk in chunks:
+                deliver(chunk)
+        (scratch,) = dev.made
+        first, last = scratch[:kv.IO_CHUNK_BYTES], scratch[-kv.IO_CHUNK_BYTES:]
+        assert (first == kv.IO_DEPTH + 1).all() and (last == kv.IO_DEPTH).all()
+        assert dev.log.count("wait") == len(chunks)   # each chunk's copy waited for
 
 
 class _RefusingDevice:
@@ -1848,7 +2004,7 @@ def torch_on_cpu(monkeypatch):
     dev = object.__new__(kv._TorchDevice)
     dev._torch, dev.device = torch, torch.device("cpu")
     dev._local, dev._lock, dev._registered = threading.local(), threading.Lock(), {}
-    dev._pool, dev._shifts = None, ()
+    dev._pool, dev._shifts, dev._alloc_stream = None, (), None
     monkeypatch.setattr(dev, "stream", lambda: None, raising=False)
     monkeypatch.setattr(dev, "sync", lambda: None, raising=False)
     return dev

@@ -1745,6 +1745,13 @@ class _GPUDeviceBase:
         return buf[start:stop]
 
     def stream(self) -> Any:
+        """The calling thread's own stream, made on its first use."""
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = self._new_stream()
+        return stream
+
+    def _new_stream(self) -> Any:
         raise NotImplementedError
 
     def _on_stream(self) -> Any:
@@ -1853,11 +1860,8 @@ class _TorchDevice(_GPUDeviceBase):
         return self._keep_registered(ptr, host)
 
     # --- streams and copies ---
-    def stream(self) -> Any:
-        stream = getattr(self._local, "stream", None)
-        if stream is None:
-            stream = self._local.stream = self._private_stream() or self._torch.cuda.Stream(device=self.device)
-        return stream
+    def _new_stream(self) -> Any:
+        return self._private_stream() or self._torch.cuda.Stream(device=self.device)
 
     def _private_stream(self) -> Optional[Any]:
         """A stream of the thread's own (cudaStreamCreate, wrapped): PyTorch's pool has only 32
@@ -2025,12 +2029,9 @@ class _CupyDevice(_GPUDeviceBase):
         return self._keep_registered(ptr, host)
 
     # --- streams and copies ---
-    def stream(self) -> Any:
-        stream = getattr(self._local, "stream", None)
-        if stream is None:
-            with self._device:            # a stream belongs to the device current at creation
-                stream = self._local.stream = self._cp.cuda.Stream(non_blocking=True)
-        return stream
+    def _new_stream(self) -> Any:
+        with self._device:                # a stream belongs to the device current at creation
+            return self._cp.cuda.Stream(non_blocking=True)
 
     def _memcpy(self, dst_ptr: int, src_ptr: int, nbytes: int, kind: int) -> None:
         with self._device:                # releases the GIL while it enqueues

@@ -1802,10 +1802,9 @@ class _TorchDevice(_GPUDeviceBase):
 
     def __init__(self, device_index: int):
         import torch                      # heavy: imported only when the GPU tier starts
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
             raise RuntimeError("PyTorch is installed but no CUDA device is usable")
-        if not 0 <= device_index < torch.cuda.device_count():
-            raise RuntimeError(f"PyTorch sees no CUDA device {device_index}")
+        device_index %= torch.cuda.device_count()        # the ranks on a node spread over its GPUs
         self._torch = torch
         self.device_index = device_index
         self.device = torch.device("cuda", device_index)
@@ -1961,8 +1960,9 @@ class _CupyDevice(_GPUDeviceBase):
     def __init__(self, device_index: int):
         import cupy                       # heavy: imported only when the GPU tier starts
         count = cupy.cuda.runtime.getDeviceCount()
-        if not 0 <= device_index < count:
-            raise RuntimeError(f"CuPy sees {count} CUDA device(s), not device {device_index}")
+        if count < 1:
+            raise RuntimeError("CuPy is installed but sees no CUDA device")
+        device_index %= count                            # the ranks on a node spread over its GPUs
         self._cp = cupy
         self._rt = cupy.cuda.runtime
         self.device_index = device_index
@@ -2495,9 +2495,33 @@ class GPUMemoryBackend(StorageBackend):
         return key in self.cache
 
 
+_MPI_NODE_ENV = (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),   # Open MPI
+                 ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"))                          # MPICH / Hydra, Intel MPI
+
+
+def node_slot() -> Tuple[int, int]:
+    """(this process's rank among the MPI ranks on its node, how many there are), from the
+    launcher's environment; (0, 1) outside a launcher or where it does not say."""
+    for rank_var, size_var in _MPI_NODE_ENV:
+        try:
+            rank, size = int(os.environ[rank_var]), int(os.environ[size_var])
+        except (KeyError, ValueError):
+            continue
+        if 0 <= rank < size:
+            return rank, size
+    return 0, 1
+
+
 def available_memory_bytes() -> Optional[int]:
     """The RAM this process may still use: MemAvailable from /proc/meminfo, or less where its
-    memory cgroup (a container, a batch job) allows less; None where neither is known."""
+    memory cgroup (a container, a batch job) allows less; None where neither is known. Under
+    MPI, the ranks on a node share it equally."""
+    least = _host_memory_bytes()
+    return None if least is None else least // node_slot()[1]
+
+
+def _host_memory_bytes() -> Optional[int]:
+    """MemAvailable, or the memory cgroup's headroom where smaller; None where neither is known."""
     available = None
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -2619,10 +2643,10 @@ class MemoryTiers:
 
 
 def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator,
-               tiers: MemoryTiers) -> Optional[GPUMemoryBackend]:
+               tiers: MemoryTiers, device_index: int = 0) -> Optional[GPUMemoryBackend]:
     gpu = None
     try:
-        gpu = GPUMemoryBackend(library=library)
+        gpu = GPUMemoryBackend(device_index, library)
         gpu.load_generator(generator)
         gpu.delivery.prefill()            # working memory made now, not inside the first reads' timing
     except Exception as exc:              # no library, no device, a broken driver, no memory for the pool
@@ -2642,11 +2666,12 @@ def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator,
 
 
 def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
-                      generator: KVCacheGenerator, available_bytes: Optional[int] = None) -> MemoryTiers:
+                      generator: KVCacheGenerator, available_bytes: Optional[int] = None,
+                      gpu_device: int = 0) -> MemoryTiers:
     """The GPU tier (when asked for and usable), then the CPU tier: its arena is allocated once,
     up to its budget (page-locking is slow; per-operation pinning is what made copies slow)."""
     tiers = MemoryTiers({}, {})
-    gpu = _start_gpu(gpu_memory_gb, library, generator, tiers) if gpu_memory_gb > 0 else None
+    gpu = _start_gpu(gpu_memory_gb, library, generator, tiers, gpu_device) if gpu_memory_gb > 0 else None
     if cpu_memory_gb > 0:
         arena = None
         if gpu is not None:
@@ -3429,6 +3454,7 @@ def describe_tiers(tiers: MemoryTiers, nvme: "NVMeBackend", run_dir: Path, order
         "gpu_disabled_reason": tiers.gpu_disabled_reason,
         "gpu_library": getattr(backends.get("gpu"), "library", None),
         "gpu_name": getattr(backends.get("gpu"), "device_name", None),
+        "gpu_device_index": getattr(getattr(backends.get("gpu"), "device", None), "device_index", None),
         "read_delivery": "gpu" if tiers.delivery is not None else "host",
         "cpu_tier_memory": tiers.cpu_memory if "cpu" in backends else None,
         "cpu_arena_fallbacks": getattr(backends.get("cpu"), "arena_fallbacks", 0),
@@ -3504,7 +3530,7 @@ class MultiTierCache:
                  seed: Optional[int] = None, cache_dir: Optional[Any] = None,
                  performance_profile: str = "latency", storage_capacity_gb: Optional[float] = None,
                  max_concurrent_allocs: int = 0, generator: Optional[KVCacheGenerator] = None,
-                 gpu_library: str = "auto", verify: bool = False):
+                 gpu_library: str = "auto", verify: bool = False, gpu_device: int = 0):
         self.model_config = model_config
         self.verify = verify
         self.performance_profile = performance_profile
@@ -3516,7 +3542,7 @@ class MultiTierCache:
         self._alloc_slots = threading.BoundedSemaphore(max_concurrent_allocs) if max_concurrent_allocs > 0 else None
 
         self.tiers = open_memory_tiers(gpu_memory_gb, cpu_memory_gb, gpu_library, self.generator,
-                                       available_memory_bytes())
+                                       available_memory_bytes(), gpu_device)
         self.backends: Dict[str, StorageBackend] = self.tiers.backends
         self._limits: Dict[str, float] = self.tiers.limits
         self.gpu_disabled_reason = self.tiers.gpu_disabled_reason
@@ -4835,6 +4861,7 @@ class BenchmarkConfig:
     io_baseline: bool = False                     # measure the cache directory's raw bandwidth first
     requested_cpu_mem_gb: Optional[float] = None  # --cpu-mem-gb as given, before clamping to free RAM
     gpu_library: str = "auto"                     # 'auto' (PyTorch, then CuPy), 'torch' or 'cupy'
+    gpu_device: int = 0                           # CUDA device, modulo the visible ones (MPI: the node rank)
 
 
 @dataclass
@@ -5081,7 +5108,7 @@ class IntegratedBenchmark:
                                     cache_dir=config.cache_dir, performance_profile=config.performance_profile,
                                     max_concurrent_allocs=config.max_concurrent_allocs,
                                     storage_capacity_gb=config.storage_capacity_gb or None, verify=config.verify,
-                                    gpu_library=config.gpu_library)
+                                    gpu_library=config.gpu_library, gpu_device=config.gpu_device)
         self.conversations = ConversationManager(max_conversations=max(1000, 2 * config.num_users))
         self.prefixes = PrefixCacheManager()
         self.recorder = RunRecorder(config.max_requests)
@@ -5607,6 +5634,7 @@ def _config_dict(config: BenchmarkConfig) -> Dict[str, Any]:
         "verify": config.verify,
         "io_baseline": config.io_baseline,
         "gpu_library": config.gpu_library,
+        "gpu_device": config.gpu_device,
     }
 
 
@@ -6387,6 +6415,7 @@ def rank_config(config: BenchmarkConfig, rank: int, size: int) -> BenchmarkConfi
         max_requests=rank_share(config.max_requests, rank, size) if config.max_requests else 0,
         seed=derive_seed(config.seed, "mpi-rank", rank) if config.seed is not None else None,
         cache_dir=str(Path(base_dir) / f"rank{rank}"),
+        gpu_device=node_slot()[0],
         progress=config.progress and rank == 0)
 
 

@@ -5979,6 +5979,25 @@ class TestMPI:
         assert [c.seed for c in ranks] == [kv.rank_config(config, r, 2).seed for r in range(2)]     # reproducible
         assert [c.cache_dir for c in ranks] == [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
 
+    @pytest.mark.parametrize("env,slot", [
+        ({"OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, (3, 8)),
+        ({"MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, (1, 2)),
+        ({"OMPI_COMM_WORLD_LOCAL_RANK": "x", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, (0, 1)),
+        ({"MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "2"}, (0, 1)),               # rank outside the node's
+        ({}, (0, 1)),
+    ])
+    def test_node_slot_spreads_gpus_and_shares_memory(self, tmp_path, monkeypatch, env, slot):
+        for rank_var, size_var in kv._MPI_NODE_ENV:
+            monkeypatch.delenv(rank_var, raising=False)
+            monkeypatch.delenv(size_var, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert kv.node_slot() == slot
+        config = kv.BenchmarkConfig(model=TINY, num_users=9, seed=42, cache_dir=str(tmp_path))
+        assert kv.rank_config(config, 0, 2).gpu_device == slot[0]          # a GPU per rank on the node
+        monkeypatch.setattr(kv, "_host_memory_bytes", lambda: 64 * GIB)
+        assert kv.available_memory_bytes() == 64 * GIB // slot[1]          # and a share of its RAM
+
     def test_a_launcher_without_mpi4py_refuses_to_run(self, tmp_path, monkeypatch, capsys):
         monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
         monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")

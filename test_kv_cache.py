@@ -5306,7 +5306,7 @@ class TestReliability:
     # --- invariants under load -------------------------------------------------------
     @pytest.mark.slow
     def test_invariants_hold_under_load(self, tmp_path):
-        config = kv.BenchmarkConfig(model=TINY, num_users=200, duration_s=20, gpu_mem_gb=0, cpu_mem_gb=0.02,
+        config = kv.BenchmarkConfig(model=TINY, num_users=200, duration_s=12, gpu_mem_gb=0, cpu_mem_gb=0.02,
                                     storage_capacity_gb=0.3, cache_dir=str(tmp_path),
                                     generation_mode=kv.GenerationMode.NONE, seed=42)
         bench = kv.IntegratedBenchmark(config)

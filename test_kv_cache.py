@@ -1548,6 +1548,16 @@ def host_fill(generator, layout, entry_offset: int, nbytes: int) -> np.ndarray:
     return out
 
 
+def device_fill(dev, layout, entry_offset: int, nbytes: int) -> bytes:
+    """The bytes a device's fill() makes, brought back to the host (pool already loaded)."""
+    out = dev.empty(nbytes)
+    dev.fill(layout, entry_offset, out)
+    back = np.empty(nbytes, dtype=np.uint8)
+    dev.d2h(back, out)
+    dev.sync()
+    return back.tobytes()
+
+
 # ============================================================================
 # HostArena
 # ============================================================================
@@ -2016,21 +2026,13 @@ class TestTorchArrayCodeOnCPU:
         dev = torch_on_cpu
         dev.load_pool(pool_of(generator))
         layout = generator.layout(f"cpu-{nbytes}")
-        out = dev.empty(nbytes)
-        dev.fill(layout, entry_offset, out)
-        back = np.empty(nbytes, dtype=np.uint8)
-        dev.d2h(back, out)
-        assert back.tobytes() == host_fill(generator, layout, entry_offset, nbytes).tobytes()
+        assert device_fill(dev, layout, entry_offset, nbytes) == host_fill(generator, layout, entry_offset, nbytes).tobytes()
 
     def test_fill_wraps_with_largest_stamps(self, torch_on_cpu, generator):
         dev = torch_on_cpu
         dev.load_pool(pool_of(generator))
         layout = kv.EntryLayout(pool_of(generator).size - BLOCK, 2 ** 60 - 2)
-        out = dev.empty(4 * BLOCK + 9)
-        dev.fill(layout, 0, out)
-        back = np.empty(4 * BLOCK + 9, dtype=np.uint8)
-        dev.d2h(back, out)
-        assert back.tobytes() == host_fill(generator, layout, 0, back.size).tobytes()
+        assert device_fill(dev, layout, 0, 4 * BLOCK + 9) == host_fill(generator, layout, 0, 4 * BLOCK + 9).tobytes()
 
     def test_copies_move_bytes_of_any_dtype(self, torch_on_cpu):
         dev = torch_on_cpu
@@ -2165,22 +2167,13 @@ class TestGPUDevice:
     def test_fill_on_device_equals_host_fill(self, device, generator, nbytes, entry_offset):
         device.load_pool(pool_of(generator))
         layout = generator.layout(f"dev-{nbytes}")
-        out = device.empty(nbytes)
-        device.fill(layout, entry_offset, out)
-        back = np.empty(nbytes, dtype=np.uint8)
-        device.d2h(back, out)
-        device.sync()
-        assert back.tobytes() == host_fill(generator, layout, entry_offset, nbytes).tobytes()
+        assert device_fill(device, layout, entry_offset, nbytes) == \
+            host_fill(generator, layout, entry_offset, nbytes).tobytes()
 
     def test_fill_wraps_around_the_pool_on_device(self, device, generator):
         device.load_pool(pool_of(generator))
         layout = kv.EntryLayout(pool_of(generator).size - 2 * BLOCK, 2 ** 60 - 3)
-        out = device.empty(5 * BLOCK + 12)
-        device.fill(layout, 0, out)
-        back = np.empty(5 * BLOCK + 12, dtype=np.uint8)
-        device.d2h(back, out)
-        device.sync()
-        assert back.tobytes() == host_fill(generator, layout, 0, back.size).tobytes()
+        assert device_fill(device, layout, 0, 5 * BLOCK + 12) == host_fill(generator, layout, 0, 5 * BLOCK + 12).tobytes()
 
     def test_fills_from_many_threads_are_each_right(self, device, generator):
         device.load_pool(pool_of(generator))

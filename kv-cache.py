@@ -2675,10 +2675,10 @@ def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
     if cpu_memory_gb > 0:
         arena = None
         if gpu is not None:
-            size = int(cpu_memory_gb * GIB)
+            wanted = size = int(cpu_memory_gb * GIB)
             if available_bytes is not None:
                 size = min(size, int(available_bytes * ARENA_MAX_SHARE_OF_AVAILABLE))
-            if size < cpu_memory_gb * GIB:
+            if size < wanted:
                 logger.warning("the CPU tier's arena is %.2f GB (%.0f %% of the free RAM), less than --cpu-mem-gb "
                                "%.2f: entries beyond it use pageable memory (counted as arena fallbacks)",
                                size / GIB, 100 * ARENA_MAX_SHARE_OF_AVAILABLE, cpu_memory_gb)

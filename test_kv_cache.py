@@ -17,6 +17,7 @@ import importlib.util
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import queue
@@ -98,13 +99,18 @@ def install_fake_gpu_tier(cache, gpu_budget_gb: float) -> None:
 
 
 @pytest.fixture
-def make_cache(tmp_path, generator):
+def make_cache(tmp_path, generator, monkeypatch):
     caches = []
 
-    def make(cpu_entries: float = 10.01, gpu_entries: float = 0.0, cache_dir=None, **kwargs):
-        cache = kv.MultiTierCache(TINY, gpu_memory_gb=0, cpu_memory_gb=budget_gb(cpu_entries),
+    def make(cpu_entries: float = 10.01, gpu_entries: float = 0.0, cache_dir=None, gpu: str = "fake", **kwargs):
+        """gpu: "fake" (a CPU backend in the GPU tier's place) or "host" (the GPU tier's own code
+        over a _HostDevice)."""
+        if gpu == "host":
+            use_host_gpu(monkeypatch)
+        cache = kv.MultiTierCache(TINY, gpu_memory_gb=budget_gb(gpu_entries) if gpu == "host" else 0,
+                                  cpu_memory_gb=budget_gb(cpu_entries),
                                   cache_dir=cache_dir or tmp_path, generator=generator, **kwargs)
-        if gpu_entries:
+        if gpu_entries and gpu == "fake":
             install_fake_gpu_tier(cache, budget_gb(gpu_entries))
         caches.append(cache)
         return cache
@@ -1831,12 +1837,20 @@ class TestOpenGpuDeviceWithoutLibraries:
 
 
 class _HostDevice(kv._GPUDeviceBase):
-    """The library-independent half of a GPU device, over host memory: what timed(), sync() and
-    GPUDelivery do with streams, events and scratch areas, observable without CUDA."""
+    """Every method of a GPU device (the interface listed above kv._GPUDeviceBase) over host
+    memory: streams are names, events log what they wait for, copies are numpy copies, and
+    fill() is fill_on_device over numpy. With it the GPU tier's own code (GPUMemoryBackend,
+    GPUDelivery, the page-locked arena, demotions, hits delivered to the GPU) runs and is
+    checked without CUDA; only the libraries' calls are left to the CUDA tests.
+    `keep_buffers`: remember every buffer empty() made (`made`), for tests that inspect them."""
 
-    def __init__(self):
+    library, name, device_index = "host numpy", "host memory (no CUDA)", 0
+
+    def __init__(self, keep_buffers: bool = True):
         super().__init__()
-        self.log, self.made = [], []
+        self.log, self.made, self.pinned = [], [], []
+        self._keep_buffers = keep_buffers
+        self._pool = None
 
     def stream(self):
         return f"stream of {threading.current_thread().name}"
@@ -1857,18 +1871,55 @@ class _HostDevice(kv._GPUDeviceBase):
         log.append("new event")
         return Event()
 
-    def empty(self, nbytes):
-        self.made.append(np.zeros(nbytes, dtype=np.uint8))
-        return self.made[-1]
-
     @staticmethod
-    def nbytes(buf):
-        return buf.nbytes
+    def free_bytes():
+        return 1 << 40
+
+    def empty(self, nbytes):
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        if self._keep_buffers:
+            self.made.append(buf)
+        return buf
+
+    nbytes = staticmethod(kv._NumpyOps.nbytes)
+    rows = staticmethod(kv._NumpyOps.rows)
+    d2d = staticmethod(kv._NumpyOps.d2d)
+    stamp_bytes = staticmethod(kv._NumpyOps.stamp_bytes)
 
     def h2d(self, dst, src):
-        dst[:] = src.reshape(-1).view(np.uint8)
+        kv._NumpyOps.d2d(dst, kv._host_bytes(src))
 
-    d2d = h2d
+    def d2h(self, dst, src):
+        kv._NumpyOps.d2d(kv._host_bytes(dst), src)
+
+    def pinned_empty(self, nbytes):
+        host = kv.aligned_empty(nbytes)
+        self.pinned.append(host)
+        return host
+
+    def register(self, host):
+        return self._keep_registered(kv._host_bytes(host).ctypes.data, host)
+
+    def load_pool(self, pool_bytes):
+        self._pool = pool_bytes
+
+    def fill(self, layout, entry_offset, out_dev):
+        kv.fill_on_device(kv._NumpyOps, self._pool, layout, entry_offset, out_dev)
+
+    def close(self):
+        self._take_registered()
+        self._pool = None
+
+
+def use_host_gpu(monkeypatch) -> list:
+    """From now on every GPU tier opens a _HostDevice; the list collects the devices opened."""
+    opened = []
+
+    def open_host(device_index=0, library="auto"):
+        opened.append(_HostDevice(keep_buffers=False))
+        return opened[-1]
+    monkeypatch.setattr(kv, "open_gpu_device", open_host)
+    return opened
 
 
 def cgroup_tree(tmp_path, proc_lines, levels):
@@ -1982,6 +2033,19 @@ class _RefusingDevice:
 
 
 class TestHostBuffers:
+    @pytest.mark.parametrize("available,arena_bytes,warned", [(None, int(0.03 * GIB), False),
+                                                             (10 * MIB, 8 * MIB, True)])
+    def test_the_arena_is_the_budget_unless_free_ram_is_short(self, monkeypatch, caplog, generator,
+                                                             available, arena_bytes, warned):
+        use_host_gpu(monkeypatch)
+        with caplog.at_level(logging.WARNING):
+            tiers = kv.open_memory_tiers(0.01, 0.03, "auto", generator, available_bytes=available)
+        try:
+            assert tiers.backends["cpu"].arena.capacity_bytes == arena_bytes // BLOCK * BLOCK
+            assert ("less than --cpu-mem-gb" in caplog.text) is warned
+        finally:
+            tiers.gpu.close()
+
     def test_without_gpu_tier_memory_is_pageable(self):
         buf, how = kv.host_buffer(None, 3 * BLOCK)
         assert buf.size == 3 * BLOCK and base_of(buf) % BLOCK == 0
@@ -2612,12 +2676,15 @@ def gpu_library_or_skip(library: str) -> None:
 
 
 class TestMultiTierCacheWithGPU:
-    @pytest.fixture(params=["torch", "cupy"])
-    def gpu_cache(self, request, tmp_path, generator):
-        gpu_library_or_skip(request.param)
+    @pytest.fixture(params=["host", "torch", "cupy"])
+    def gpu_cache(self, request, tmp_path, generator, monkeypatch):
+        if request.param == "host":                         # the GPU tier's code, CUDA's calls aside
+            use_host_gpu(monkeypatch)
+        else:
+            gpu_library_or_skip(request.param)
         cache = kv.MultiTierCache(TINY, gpu_memory_gb=budget_gb(5.01), cpu_memory_gb=budget_gb(5.01),
-                                  cache_dir=tmp_path, generator=generator, gpu_library=request.param,
-                                  verify=True)
+                                  cache_dir=tmp_path, generator=generator,
+                                  gpu_library="auto" if request.param == "host" else request.param, verify=True)
         yield cache
         cache.close()
 
@@ -2654,6 +2721,8 @@ class TestMultiTierCacheWithGPU:
     def test_two_threads_transfers_overlap_on_their_own_streams(self, gpu_cache):
         gpu = gpu_cache.tiers.gpu
         dev = gpu.device
+        if isinstance(dev, _HostDevice):
+            pytest.skip("streams are CUDA's: the host device has none to overlap")
         streams, intervals, barrier = {}, [], threading.Barrier(2)
 
         def work(name):
@@ -2689,10 +2758,39 @@ class TestMultiTierCacheWithGPU:
         np.testing.assert_array_equal(gpu_cache.backends["cpu"].cache["k2"], generator.generate(TOKENS, "k2"))
 
 
+class TestGPUTierFaults:
+    @pytest.mark.parametrize("op,counted_as", [("fill", "gpu_write_EIO"), ("d2h", "cpu_write_EIO"),
+                                               ("d2d", "gpu_read_EIO"), ("h2d", "cpu_read_EIO")])
+    def test_a_failed_device_operation_is_one_counted_error(self, make_cache, monkeypatch, op, counted_as):
+        """A CUDA error in a write (fill), a demotion into the CPU tier (d2h), a GPU hit (d2d) or a
+        CPU hit delivered to the GPU (h2d) costs that operation, counted by tier and errno; every
+        other operation still succeeds, verified, and the tiers stay consistent."""
+        cache = make_cache(cpu_entries=5.01, gpu_entries=5.01, gpu="host", verify=True)
+        dev = cache.tiers.gpu.device
+        real, calls = getattr(dev, op), [0]
+
+        def fails_once(*args):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return real(*args)
+        monkeypatch.setattr(dev, op, fails_once)
+        for i in range(8):                                   # the sixth write demotes the first
+            cache.allocate_cache(f"k{i}", TOKENS)
+        for i in range(8):
+            cache.access_cache(f"k{i}")
+        s = cache.get_stats(1.0)
+        assert calls[0] > 1 and s["io_errors_by_kind"] == {counted_as: 1} and s["io_errors"] == 1
+        assert s["verify_mismatches"] == 0 and s["verify_checked"] == 7
+        assert cache.check_invariants() == []
+
+
 class TestConcurrency:
-    @pytest.mark.parametrize("gpu_entries", [0, 3.01], ids=["cpu+storage", "gpu+cpu+storage"])
-    def test_threads_allocating_and_reading(self, make_cache, gpu_entries):
-        cache = make_cache(cpu_entries=4.01, gpu_entries=gpu_entries, verify=True)
+    @pytest.mark.parametrize("gpu_entries,gpu", [(0, "fake"), (3.01, "fake"), (3.01, "host")],
+                             ids=["cpu+storage", "gpu+cpu+storage", "gpu tier code on the host+cpu+storage"])
+    def test_threads_allocating_and_reading(self, make_cache, gpu_entries, gpu):
+        cache = make_cache(cpu_entries=4.01, gpu_entries=gpu_entries, gpu=gpu, verify=True)
+        assert isinstance(cache.backends.get("gpu"), kv.GPUMemoryBackend) == (gpu == "host")
         tiers = cache._get_tier_order()
         keys = [f"k{i}" for i in range(20)]
         # One size per key: a rewrite stores the same bytes, so --verify must never disagree.
@@ -4183,6 +4281,31 @@ def engine_run(tmp_path_factory):
     t0 = time.perf_counter()
     results = bench.run()
     return {"bench": bench, "results": results, "cache_dir": cache_dir, "wall_s": time.perf_counter() - t0}
+
+
+class TestBenchmarkWithTheGPUTierOnTheHost:
+    """A whole run through the GPU tier's own code (KV born on the "device", demotions into the
+    page-locked arena, every hit delivered to the GPU) over a _HostDevice: what CUDA would run,
+    but the libraries' calls, checked in CI."""
+
+    def test_run_with_gpu_tier_verifies_every_read_and_reports_gpu_delivery(self, tmp_path, monkeypatch):
+        opened = use_host_gpu(monkeypatch)
+        config = kv.BenchmarkConfig(model=TINY, num_users=16, duration_s=None, gpu_mem_gb=0.03, cpu_mem_gb=0.03,
+                                    cache_dir=str(tmp_path), generation_mode=kv.GenerationMode.NONE, seed=7,
+                                    max_requests=20, monitor_interval_s=0.2, verify=True)
+        results = kv.IntegratedBenchmark(config).run()
+        s = results["summary"]
+        cs = s["cache_stats"]
+        assert len(opened) == 1 and opened[0]._pool is None          # opened once, closed at the end
+        assert s["thread_errors"] == [] and s["io_errors"] == 0 and s["stop_reason"] == "max_requests"
+        assert s["verify_checked"] > 0 and s["verify_mismatches"] == 0
+        assert (cs["tiers"], cs["read_delivery"], cs["gpu_library"]) == (["gpu", "cpu", "nvme"], "gpu", "host numpy")
+        assert cs["cpu_tier_memory"].startswith("page-locked arena") and cs["cpu_arena_fallbacks"] == 0
+        assert min(cs["gpu_reads"], cs["cpu_reads"], cs["nvme_reads"], cs["offloads_cpu"]) > 0
+        assert results["workload_digest"] == kv.WorkloadPlan("tiny-1b", 16, 7).digest()
+        report = kv.format_report(results)
+        assert "through host numpy; reads delivered to the GPU; CPU tier memory: page-locked arena" in report
+        assert list(tmp_path.iterdir()) == []                           # the run's files are gone
 
 
 class TestIOBaseline:

@@ -2701,6 +2701,12 @@ class TestMultiTierCacheWithGPU:
         assert gpu_cache.entry_location("k0") == "cpu"
         assert cpu.arena.owns(cpu._in_arena["k0"]) and cpu.arena_fallbacks == 0
 
+    def test_storage_staging_areas_are_pinned_when_made(self, gpu_cache):
+        for i in range(10):                                 # the first two end in storage, through staging
+            gpu_cache.allocate_cache(f"k{i}", TOKENS)
+        areas, registered = gpu_cache.staging_pool._free, gpu_cache.tiers.gpu.device._registered
+        assert areas and all(area.ctypes.data in registered for area in areas)
+
     def test_hits_from_every_tier_are_delivered_and_byte_identical(self, gpu_cache, generator):
         for i in range(10):
             gpu_cache.allocate_cache(f"k{i}", TOKENS)

@@ -2070,18 +2070,27 @@ class TestHostBuffers:
 # _TorchDevice's array code on CPU tensors (skips without PyTorch)
 # ============================================================================
 
-@pytest.fixture
-def torch_on_cpu(monkeypatch):
+def torch_device_on_cpu(monkeypatch):
     """A _TorchDevice whose buffers are CPU tensors and whose stream is None (torch.cuda.stream
-    (None) is a no-op): runs the class's own view, stamp, copy and fill code without a GPU."""
+    (None) is a no-op): runs the class's own view, stamp, copy and fill code without a GPU.
+    Pinning is bookkeeping only (a CPU build of PyTorch has no cudart)."""
     torch = pytest.importorskip("torch")
     dev = object.__new__(kv._TorchDevice)
-    dev._torch, dev.device = torch, torch.device("cpu")
-    dev._local, dev._lock, dev._registered = threading.local(), threading.Lock(), {}
+    kv._GPUDeviceBase.__init__(dev)
+    dev._torch, dev.device, dev.device_index = torch, torch.device("cpu"), 0
+    dev.library, dev.name = f"torch {torch.__version__}", "CPU tensors (no CUDA)"
     dev._pool, dev._shifts, dev._alloc_stream = None, (), None
-    monkeypatch.setattr(dev, "stream", lambda: None, raising=False)
-    monkeypatch.setattr(dev, "sync", lambda: None, raising=False)
+    replaced = {"stream": lambda: None, "sync": lambda: None, "free_bytes": lambda: 1 << 40,
+                "register": lambda host: dev._keep_registered(kv._host_bytes(host).ctypes.data, host),
+                "close": lambda: (dev._take_registered(), setattr(dev, "_pool", None))}
+    for name, fn in replaced.items():
+        monkeypatch.setattr(dev, name, fn, raising=False)
     return dev
+
+
+@pytest.fixture
+def torch_on_cpu(monkeypatch):
+    return torch_device_on_cpu(monkeypatch)
 
 
 class TestTorchArrayCodeOnCPU:
@@ -2676,15 +2685,18 @@ def gpu_library_or_skip(library: str) -> None:
 
 
 class TestMultiTierCacheWithGPU:
-    @pytest.fixture(params=["host", "torch", "cupy"])
+    @pytest.fixture(params=["host", "torch-on-cpu", "torch", "cupy"])
     def gpu_cache(self, request, tmp_path, generator, monkeypatch):
         if request.param == "host":                         # the GPU tier's code, CUDA's calls aside
             use_host_gpu(monkeypatch)
+        elif request.param == "torch-on-cpu":               # and _TorchDevice's own code, on CPU tensors
+            dev = torch_device_on_cpu(monkeypatch)
+            monkeypatch.setattr(kv, "open_gpu_device", lambda device_index=0, library="auto": dev)
         else:
             gpu_library_or_skip(request.param)
+        library = request.param if request.param in ("torch", "cupy") else "auto"
         cache = kv.MultiTierCache(TINY, gpu_memory_gb=budget_gb(5.01), cpu_memory_gb=budget_gb(5.01),
-                                  cache_dir=tmp_path, generator=generator,
-                                  gpu_library="auto" if request.param == "host" else request.param, verify=True)
+                                  cache_dir=tmp_path, generator=generator, gpu_library=library, verify=True)
         yield cache
         cache.close()
 
@@ -2727,8 +2739,8 @@ class TestMultiTierCacheWithGPU:
     def test_two_threads_transfers_overlap_on_their_own_streams(self, gpu_cache):
         gpu = gpu_cache.tiers.gpu
         dev = gpu.device
-        if isinstance(dev, _HostDevice):
-            pytest.skip("streams are CUDA's: the host device has none to overlap")
+        if isinstance(dev, _HostDevice) or dev.stream() is None:
+            pytest.skip("streams are CUDA's: a device without CUDA has none to overlap")
         streams, intervals, barrier = {}, [], threading.Barrier(2)
 
         def work(name):

@@ -1436,6 +1436,11 @@ class StorageBackend:
         """The entry's bytes as a uint8 array, for moving it to another tier."""
         raise NotImplementedError
 
+    def can_place(self, nbytes: int) -> bool:
+        """Whether a new entry of `nbytes` would find room where this tier keeps its entries
+        now, beyond its budget (a fixed arena may be full or fragmented)."""
+        return True
+
     def delete(self, key: str) -> bool:
         raise NotImplementedError
 
@@ -1474,11 +1479,20 @@ class HostArena:
         self._used_bytes = 0
         self._lock = threading.Lock()
 
-    def alloc(self, nbytes: int) -> Optional[np.ndarray]:
-        """A view of `nbytes` bytes, or None when no free extent is large enough."""
+    def _rounded(self, nbytes: int) -> int:
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
-        size = max(1, -(-nbytes // self._align)) * self._align  # a 0-byte entry still owns a slot
+        return max(1, -(-nbytes // self._align)) * self._align  # a 0-byte entry still owns a slot
+
+    def can_fit(self, nbytes: int) -> bool:
+        """Whether alloc(nbytes) would succeed now."""
+        size = self._rounded(nbytes)
+        with self._lock:
+            return any(length >= size for length in self._free.values())
+
+    def alloc(self, nbytes: int) -> Optional[np.ndarray]:
+        """A view of `nbytes` bytes, or None when no free extent is large enough."""
+        size = self._rounded(nbytes)
         with self._lock:
             for i, start in enumerate(self._starts):
                 length = self._free[start]
@@ -2236,8 +2250,9 @@ class CPUMemoryBackend(StorageBackend):
 
     With a GPU tier, entries live in one page-locked arena allocated at start-up (`arena`),
     so that copies to and from the GPU run at the bus's speed, and reads are delivered to
-    the GPU (`delivery`). An entry the arena cannot place (fragmentation) falls back to
-    ordinary memory and is counted (`arena_fallbacks`).
+    the GPU (`delivery`). The cache evicts until the arena can place a new entry
+    (`can_place`); one that still finds no room (another writer took it meanwhile) falls
+    back to ordinary memory and is counted (`arena_fallbacks`).
     """
 
     name = "cpu"
@@ -2348,6 +2363,11 @@ class CPUMemoryBackend(StorageBackend):
 
     def take(self, key: str) -> np.ndarray:
         return self.cache[key]
+
+    def can_place(self, nbytes: int) -> bool:
+        """Where the arena cannot place an entry, the cache makes room by evicting (as a server
+        with a fixed pinned pool must) rather than let the tier outgrow its memory."""
+        return self.arena is None or self.arena.can_fit(nbytes)
 
     def _free(self, data: np.ndarray) -> None:
         if self.arena is not None and self.arena.owns(data):
@@ -2679,14 +2699,13 @@ def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
             if available_bytes is not None:
                 size = min(size, int(available_bytes * ARENA_MAX_SHARE_OF_AVAILABLE))
             if size < wanted:
-                logger.warning("the CPU tier's arena is %.2f GB (%.0f %% of the free RAM), less than --cpu-mem-gb "
-                               "%.2f: entries beyond it use pageable memory (counted as arena fallbacks)",
-                               size / GIB, 100 * ARENA_MAX_SHARE_OF_AVAILABLE, cpu_memory_gb)
+                logger.warning("the CPU tier is %.2f GB, its arena's size (%.0f %% of the free RAM), less than "
+                               "--cpu-mem-gb %.2f", size / GIB, 100 * ARENA_MAX_SHARE_OF_AVAILABLE, cpu_memory_gb)
             buffer, how = host_buffer(gpu.device, size)
             arena = HostArena(buffer)
             tiers.cpu_memory = f"{'page-locked' if how == 'pinned' else how} arena of {size / GIB:.2f} GB"
         tiers.backends["cpu"] = CPUMemoryBackend(arena, tiers.delivery)
-        tiers.limits["cpu"] = cpu_memory_gb * GIB
+        tiers.limits["cpu"] = cpu_memory_gb * GIB if arena is None or size == wanted else arena.capacity_bytes
     return tiers
 
 
@@ -3666,14 +3685,15 @@ class MultiTierCache:
         return True, tier, num_tokens, False
 
     def _reserve(self, size: int, first_tier_index: int) -> Optional[str]:
-        """Reserve `size` bytes in the fastest tier from `first_tier_index` on, demoting LRU entries to make room."""
+        """Reserve `size` bytes in the fastest tier from `first_tier_index` on, demoting LRU entries
+        to make room: in its budget and, where its memory is a fixed arena, a place in it."""
         for tier in self._get_tier_order()[first_tier_index:]:
             capacity = self._tier_capacity(tier)
             if size > capacity:
                 continue                                   # too big for this tier: skip it
             while True:
                 with self._lock:
-                    if self._usage[tier] + size <= capacity:
+                    if self._usage[tier] + size <= capacity and self.backends[tier].can_place(size):
                         self._usage[tier] += size
                         return tier
                     victim = self._pick_victim(tier)

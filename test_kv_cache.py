@@ -1591,6 +1591,15 @@ class TestHostArena:
         assert arena.free_bytes() == 13 * BLOCK
         assert base_of(b) - base_of(a) == BLOCK                # first fit, by offset
 
+    def test_can_fit_says_what_alloc_would_do(self):
+        arena = kv.HostArena(kv.aligned_empty(10 * BLOCK))
+        a, _, c = arena.alloc(4 * BLOCK), arena.alloc(2 * BLOCK), arena.alloc(4 * BLOCK)
+        arena.free(a)
+        arena.free(c)                                          # 8 blocks free, in two pieces of 4
+        assert arena.free_bytes() == 8 * BLOCK
+        assert arena.can_fit(4 * BLOCK) and not arena.can_fit(4 * BLOCK + 1)
+        assert arena.alloc(4 * BLOCK + 1) is None and arena.alloc(4 * BLOCK) is not None
+
     def test_allocations_do_not_overlap(self):
         arena = kv.HostArena(kv.aligned_empty(32 * BLOCK))
         views = [arena.alloc(BLOCK * (1 + i % 3)) for i in range(12)]
@@ -2042,6 +2051,7 @@ class TestHostBuffers:
             tiers = kv.open_memory_tiers(0.01, 0.03, "auto", generator, available_bytes=available)
         try:
             assert tiers.backends["cpu"].arena.capacity_bytes == arena_bytes // BLOCK * BLOCK
+            assert tiers.limits["cpu"] == (arena_bytes // BLOCK * BLOCK if warned else 0.03 * GIB)
             assert ("less than --cpu-mem-gb" in caplog.text) is warned
         finally:
             tiers.gpu.close()
@@ -2774,6 +2784,27 @@ class TestMultiTierCacheWithGPU:
         assert (s["offloads_cpu"], s["offloads_nvme"]) == (6, 2)
         np.testing.assert_array_equal(np.load(gpu_cache.run_dir / "k0.npy"), generator.generate(TOKENS, "k0"))
         np.testing.assert_array_equal(gpu_cache.backends["cpu"].cache["k2"], generator.generate(TOKENS, "k2"))
+
+
+class TestCPUTierArena:
+    UNIT = 10                                            # tokens: 245,760 bytes, 60 whole blocks
+
+    def test_the_cpu_tier_evicts_until_its_arena_can_place_an_entry(self, make_cache):
+        cache = make_cache(cpu_entries=5.01, gpu_entries=0.05, gpu="host")   # arena 50.1 units, budget 40.08
+        cpu, unit = cache.backends["cpu"], self.UNIT
+        for i in range(1, 9):
+            cache.allocate_cache(f"k{i}", 5 * unit)      # k1 .. k8 fill units 0-40
+        for i in (2, 4, 6):
+            cache.allocate_cache(f"k{i}", unit)          # rewritten smaller, at units 5, 6 and 7
+        cache.allocate_cache("f", 6 * unit)              # units 40-46; free: 8-10, 15-20, 25-30, 46-50.1
+        needed = int(5.5 * unit) * TOKEN_BYTES
+        assert cache._get_tier_usage("cpu") + needed <= cache._tier_capacity("cpu")   # the budget has room,
+        assert not cpu.arena.can_fit(needed)                                            # the arena has not
+        assert cache.allocate_cache("g", int(5.5 * unit))[1] == "cpu"
+        # LRU first: k1's place (0-5) is still too small; with k3's (10-15) units 8-20 are free
+        assert [cache.entry_location(f"k{i}") for i in range(1, 9)] == ["nvme", "cpu", "nvme"] + ["cpu"] * 5
+        assert cpu.arena.owns(cpu._in_arena["g"]) and cpu.arena_fallbacks == 0
+        assert cache.check_invariants() == []
 
 
 class TestGPUTierFaults:

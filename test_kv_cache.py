@@ -4349,7 +4349,7 @@ class TestBenchmarkWithTheGPUTierOnTheHost:
         assert s["thread_errors"] == [] and s["io_errors"] == 0 and s["stop_reason"] == "max_requests"
         assert s["verify_checked"] > 0 and s["verify_mismatches"] == 0
         assert (cs["tiers"], cs["read_delivery"], cs["gpu_library"]) == (["gpu", "cpu", "nvme"], "gpu", "host numpy")
-        assert cs["cpu_tier_memory"].startswith("page-locked arena")    # (fragmentation may push an entry out)
+        assert cs["cpu_tier_memory"].startswith("page-locked arena")    # (two writers racing for one gap: a fallback)
         assert min(cs["gpu_reads"], cs["cpu_reads"], cs["nvme_reads"], cs["offloads_cpu"]) > 0
         assert results["workload_digest"] == kv.WorkloadPlan("tiny-1b", 16, 7).digest()
         report = kv.format_report(results)

@@ -2808,12 +2808,18 @@ class TestCPUTierArena:
 
 
 class TestGPUTierFaults:
-    @pytest.mark.parametrize("op,counted_as", [("fill", "gpu_write_EIO"), ("d2h", "cpu_write_EIO"),
-                                               ("d2d", "gpu_read_EIO"), ("h2d", "cpu_read_EIO")])
-    def test_a_failed_device_operation_is_one_counted_error(self, make_cache, monkeypatch, op, counted_as):
-        """A CUDA error in a write (fill), a demotion into the CPU tier (d2h), a GPU hit (d2d) or a
-        CPU hit delivered to the GPU (h2d) costs that operation, counted by tier and errno; every
-        other operation still succeeds, verified, and the tiers stay consistent."""
+    class OutOfMemoryError(RuntimeError):                 # the name PyTorch's and CuPy's share
+        pass
+
+    @pytest.mark.parametrize("op,error,counted_as", [
+        ("fill", RuntimeError, "gpu_write_EIO"), ("empty", OutOfMemoryError, "gpu_write_ENOMEM"),
+        ("d2h", RuntimeError, "cpu_write_EIO"), ("d2d", RuntimeError, "gpu_read_EIO"),
+        ("h2d", RuntimeError, "cpu_read_EIO")])
+    def test_a_failed_device_operation_is_one_counted_error(self, make_cache, monkeypatch, op, error, counted_as):
+        """A CUDA error in a write (fill), device memory running out for one (empty), a demotion
+        into the CPU tier (d2h), a GPU hit (d2d) or a CPU hit delivered to the GPU (h2d) costs that
+        operation, counted by tier and errno; every other operation still succeeds, verified, and
+        the tiers stay consistent."""
         cache = make_cache(cpu_entries=5.01, gpu_entries=5.01, gpu="host", verify=True)
         dev = cache.tiers.gpu.device
         real, calls = getattr(dev, op), [0]
@@ -2821,7 +2827,7 @@ class TestGPUTierFaults:
         def fails_once(*args):
             calls[0] += 1
             if calls[0] == 1:
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+                raise error("CUDA error: an illegal memory access was encountered")
             return real(*args)
         monkeypatch.setattr(dev, op, fails_once)
         for i in range(8):                                   # the sixth write demotes the first

@@ -5006,8 +5006,8 @@ class TestDriveViewEndToEnd:
         parsed = subprocess.run(["fio", "--parse-only", str(job)], capture_output=True, text=True)
         assert parsed.returncode == 0, parsed.stderr
         short = tmp_path / "short.fio"
-        short.write_text(re.sub(r"^runtime=\d+$", "runtime=3", text, flags=re.M))
-        result = kv.run_fio(short, runtime_s=3, timeout_s=120)
+        short.write_text(re.sub(r"^runtime=\d+$", "runtime=1", text, flags=re.M))
+        result = kv.run_fio(short, runtime_s=1, timeout_s=120)
         assert result["errors"] == 0 and result["read_bytes_per_sec"] + result["write_bytes_per_sec"] > 0
 
     def test_fio_compare_reports_ours_over_fio_and_leaves_nothing(self, tmp_path):

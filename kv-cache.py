@@ -64,7 +64,7 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -116,6 +116,7 @@ IO_CHUNK_BYTES = 8 * 1024 * 1024        # one pread/pwrite; chosen by measuremen
 IO_DEPTH = 4                            # chunks of one entry in flight at once (docs/performance.md)
 IO_POOL_THREADS = 64                    # threads issuing chunk transfers: STAGING_AREAS x IO_DEPTH
 STAGING_AREAS = 16                      # staging areas for storage transfers in flight: bounds RAM (StagingPool)
+STAGING_BYTES = IO_DEPTH * IO_CHUNK_BYTES   # one staging area: the chunks of one operation in flight
 NPY_DATA_OFFSET = 4096                  # .npy header padded so the array starts block-aligned
 HUGE_PAGE_BYTES = 2 * 1024 * 1024       # transparent huge page (x86-64, arm64 with 4 KiB pages)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)   # Linux only
@@ -1106,8 +1107,11 @@ class KVCacheGenerator:
 
 
 # ============================================================================
-# STORAGE BACKENDS
+# TRANSFERS: ONE OPERATION THAT MOVES BYTES, AND WHAT A TIER SUPPLIES
 # ============================================================================
+# Every cache operation that moves an entry's bytes (a prefill write, a read, a demotion) is
+# one Transfer. The tiers below only move bytes; the Transfer stops them, times them, stages
+# them, checksums them and records what became of them, the same way for every tier.
 
 @dataclass
 class IOTiming:
@@ -1132,8 +1136,9 @@ class IOAborted(Exception):
 
 
 class BusyClock:
-    """Wall time during which at least one operation was in flight (iostat's %util, per
-    operation kind). Summing per-operation times instead would count overlaps N times."""
+    """Wall time during which at least one operation was in flight (iostat's %util). Summing
+    per-operation times instead would count overlaps N times. A Transfer keeps one for its own
+    device time; the storage tier keeps one per direction for the whole run."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -1184,139 +1189,29 @@ class BusyClock:
             return self._inflight_area / busy if busy > 0 else None
 
 
-_IO_POOL: Any = None
-_IO_POOL_LOCK = threading.Lock()
-
-
-def _io_pool() -> Any:
-    """The shared threads that issue chunk transfers, so that one operation keeps several in flight."""
-    global _IO_POOL
-    with _IO_POOL_LOCK:
-        if _IO_POOL is None:
-            from concurrent.futures import ThreadPoolExecutor   # not at import: start-up cost
-            _IO_POOL = ThreadPoolExecutor(max_workers=IO_POOL_THREADS, thread_name_prefix="kv-io")
-        return _IO_POOL
-
-
-class ChunkPipeline:
-    """The chunk transfers of one operation: up to `depth` in flight on the I/O pool, completed
-    in the order they were issued (each completion's callback runs in the caller's thread).
-
-    A deep queue is what lets a drive reach its bandwidth: one 8 MiB request at a time per
-    operation leaves a fast drive idle between requests. `device_s()` is the wall time during
-    which at least one of this operation's transfers was in flight (overlaps counted once).
-    """
-
-    def __init__(self, clock: BusyClock, depth: int):
-        self.clock = clock
-        self.depth = max(1, depth)
-        self._pending: "collections.deque[Tuple[Any, Optional[Callable[[Any], None]]]]" = collections.deque()
-        self._intervals: List[Tuple[float, float]] = []
-
-    def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one transfer here, timed as device time (also used for fdatasync)."""
-        self.clock.start()
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self._intervals.append((t0, time.perf_counter()))
-            self.clock.stop()
-
-    def make_room(self) -> None:
-        """Wait until fewer than `depth` transfers are in flight (the oldest one's buffer is free)."""
-        while len(self._pending) >= self.depth:
-            self._complete_oldest()
-
-    def _timed_request(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """One chunk transfer: timed like any device work, and counted as a request (fio's view)."""
-        t0 = time.perf_counter()
-        try:
-            return self.timed(fn, *args)
-        finally:
-            self.clock.record_request(time.perf_counter() - t0)
-
-    def submit(self, on_done: Optional[Callable[[Any], None]], fn: Callable[..., Any], *args: Any) -> None:
-        self.make_room()
-        if self.depth == 1:                               # nothing to overlap: no hand-off
-            result = self._timed_request(fn, *args)
-            if on_done is not None:
-                on_done(result)
-            return
-        self._pending.append((_io_pool().submit(self._timed_request, fn, *args), on_done))
-
-    def _complete_oldest(self) -> None:
-        future, on_done = self._pending.popleft()
-        result = future.result()
-        if on_done is not None:
-            on_done(result)
-
-    def drain(self) -> None:
-        while self._pending:
-            self._complete_oldest()
-
-    def complete_all(self, issue: Callable[[], None], completed_bytes: Callable[[], int]) -> None:
-        """Run `issue` (which submits the transfers), then wait for every one. On an error, first
-        wait for those still in flight; a stop (IOAborted) then reports `completed_bytes()`."""
-        try:
-            issue()
-            self.drain()
-        except IOAborted:
-            self.abandon()
-            raise IOAborted(completed_bytes()) from None
-        except BaseException:
-            self.abandon()
-            raise
-
-    def abandon(self) -> None:
-        """After an error or an abort: wait for the transfers still in flight (they use our buffers
-        and fd); those that succeeded still complete, so their bytes are counted."""
-        while self._pending:
-            future, on_done = self._pending.popleft()
-            try:
-                result = future.result()
-                if on_done is not None:
-                    on_done(result)
-            except BaseException:
-                pass
-
-    def device_s(self) -> float:
-        total, end = 0.0, float("-inf")
-        for t0, t1 in sorted(self._intervals):
-            if t1 > end:
-                total += t1 - max(t0, end)
-                end = t1
-        return total
-
-
 class StagingPool:
     """A bounded set of page-aligned staging areas (IO_DEPTH chunks each) shared by every request.
 
     A server has a fixed amount of bounce-buffer memory however many users it serves: a
     transfer beyond it waits here for an area, and that wait is part of the operation's
     storage time, as it would be there. Areas are made on first need (small runs stay small);
-    `on_create` may prepare each new one (the GPU tier pins them).
+    `on_create` may prepare each new one (the GPU tier pins them). The same pool holds device
+    scratch areas when `factory` makes device buffers (GPUDelivery).
     """
 
-    def __init__(self, count: int, nbytes: int, abort: Optional[threading.Event] = None,
-                 factory: Callable[[int], Any] = aligned_empty):
+    def __init__(self, count: int, nbytes: int, factory: Callable[[int], Any] = aligned_empty):
         self.count, self.nbytes = count, nbytes
         self.on_create: Optional[Callable[[np.ndarray], None]] = None
         self._factory = factory
-        self._abort = abort
-        self._free: List[np.ndarray] = []
+        self._free: List[Any] = []
         self._made = 0
         self._cond = threading.Condition()
         self.waits = 0                    # leases that had to wait for an area
 
     @contextlib.contextmanager
-    def lease(self, needed: bool = True) -> Iterator[Optional[np.ndarray]]:
-        """An area for one operation (None when not `needed`); IOAborted when the run stops
-        while waiting for one."""
-        if not needed:
-            yield None
-            return
-        area = self._acquire()
+    def lease(self, stop: Optional[threading.Event] = None) -> Iterator[Any]:
+        """An area for one operation; IOAborted when `stop` is set while waiting for one."""
+        area = self._acquire(stop)
         try:
             yield area
         finally:
@@ -1324,12 +1219,12 @@ class StagingPool:
                 self._free.append(area)
                 self._cond.notify()
 
-    def _acquire(self) -> np.ndarray:
+    def _acquire(self, stop: Optional[threading.Event] = None) -> Any:
         with self._cond:
             if not self._free and self._made >= self.count:
                 self.waits += 1
             while not self._free and self._made >= self.count:
-                if self._abort is not None and self._abort.is_set():
+                if stop is not None and stop.is_set():
                     raise IOAborted(0)
                 self._cond.wait(0.05)
             if self._free:
@@ -1359,47 +1254,239 @@ class StagingPool:
             self._free.clear()
 
 
-# A source of entry bytes: fill(entry_offset, out) writes bytes [offset, offset+out.size).
-ByteSource = Callable[[int, np.ndarray], None]
+@dataclass(frozen=True)
+class EntrySource:
+    """What a write stores: the entry's size and array geometry, and where its bytes come from.
+
+    `fill(offset, out)` writes bytes [offset, offset + out.size) into the host array `out`.
+    `layout`: the bytes are the generator's for this layout, so a GPU tier can make them on
+    the device. `copy_whole(out)`: the whole entry into host memory in one copy (an entry
+    that lies in GPU memory: its demotion to the CPU tier is one device-to-host copy).
+    """
+    nbytes: int
+    shape: Tuple[int, ...]
+    dtype: str
+    fill: Callable[[int, np.ndarray], None]
+    layout: Optional[EntryLayout] = None
+    copy_whole: Optional[Callable[[np.ndarray], None]] = None
+
+    @classmethod
+    def generated(cls, generator: KVCacheGenerator, key: str, nbytes: int, shape: Tuple[int, ...],
+                  dtype: str) -> "EntrySource":
+        """The key's KV bytes, as the generator makes them."""
+        layout = generator.layout(key)
+        return cls(nbytes, tuple(shape), dtype, lambda offset, out: generator.fill(layout, offset, out), layout)
+
+    @classmethod
+    def of_array(cls, data: np.ndarray) -> "EntrySource":
+        data = np.ascontiguousarray(data)
+        flat = data.reshape(-1).view(np.uint8)
+
+        def fill(offset: int, out: np.ndarray) -> None:
+            out[:] = flat[offset:offset + out.size]
+        return cls(flat.size, tuple(data.shape), data.dtype.str, fill)
 
 
-def array_source(data: np.ndarray) -> ByteSource:
-    flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+class Transfer:
+    """One operation that moves an entry's bytes, and everything the operation owns:
 
-    def fill(offset: int, out: np.ndarray) -> None:
-        out[:] = flat[offset:offset + out.size]
-    return fill
+    * its stop check: `check_stop()` raises IOAborted once the run's `stop` is set;
+    * its clock: `timed(fn)` runs one device step (a syscall, a memory or PCIe copy) and keeps
+      its interval, feeding a tier's BusyClock too when one is given; `timing()` is the
+      operation's IOTiming (device: the union of those intervals; host: the rest), counted
+      from the moment it holds its staging area;
+    * its staging area: `staging`, leased from `pool` for the operation's life (a wait for it
+      obeys the stop), or, without a pool, a private one made on first use (the public
+      whole-array write()/read(), off the benchmark's path);
+    * the bytes it moved so far (`advance`, `moved`) and, with `verify`, their CRC-32 (`observe`);
+    * the record of its outcome in `stats`: a failure is recorded as it leaves its `with`
+      block (an I/O error counted by errno; a stop as the bytes it had moved), a success by
+      `record()`, which the caller makes once it knows the operation counts.
+    """
+
+    def __init__(self, op: str, nbytes: int, *, tier: str = "", stop: Optional[threading.Event] = None,
+                 pool: Optional[StagingPool] = None, verify: bool = False, stats: Any = None):
+        self.op, self.nbytes, self.tier = op, nbytes, tier
+        self.stop, self.verify = stop, verify
+        self.moved = 0
+        self.crc = 0
+        self._pool, self._stats = pool, stats
+        self._lease: Any = None
+        self._staging: Optional[np.ndarray] = None
+        self._clock = BusyClock()
+        self._t0 = self._t1 = time.perf_counter()
+        self._open = False
+
+    def __enter__(self) -> "Transfer":
+        if self._pool is not None:
+            self._lease = self._pool.lease(self.stop)
+            try:
+                self._staging = self._lease.__enter__()
+            except IOAborted as exc:                      # stopped while waiting for an area
+                self._record_failure(exc)
+                raise
+        self._t0, self._open = time.perf_counter(), True
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> bool:
+        self._t1, self._open = time.perf_counter(), False
+        if self._lease is not None:
+            self._lease.__exit__(None, None, None)
+            self._lease = None
+        if isinstance(exc, (IOAborted, OSError)):
+            self._record_failure(exc)
+        return False
+
+    # --- stopping, time, bytes ---
+    def check_stop(self) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise IOAborted(self.moved)
+
+    def timed(self, fn: Callable[..., Any], *args: Any, busy: Optional[BusyClock] = None) -> Any:
+        """Run one device step, timed (from any thread: an I/O pool thread too)."""
+        self._clock.start()
+        if busy is not None:
+            busy.start()
+        try:
+            return fn(*args)
+        finally:
+            if busy is not None:
+                busy.stop()
+            self._clock.stop()
+
+    def timing(self) -> IOTiming:
+        end = time.perf_counter() if self._open else self._t1
+        return IOTiming.from_device(end - self._t0, self._clock.busy_s())
+
+    def advance(self, nbytes: int) -> None:
+        self.moved += nbytes
+
+    @property
+    def staging(self) -> np.ndarray:
+        if self._staging is None:
+            self._staging = aligned_empty(STAGING_BYTES)
+        return self._staging
+
+    # --- checksum (--verify) ---
+    def observe(self, chunk: np.ndarray) -> None:
+        """Bytes passing through, in entry order: their CRC-32 accumulates when verifying."""
+        if self.verify:
+            self.crc = zlib.crc32(chunk, self.crc)
+
+    def observe_source(self, source: EntrySource) -> None:
+        """With --verify, where the bytes are made elsewhere (on the GPU): make them once more on
+        the host, untimed, for the checksum."""
+        if not self.verify:
+            return
+        room = self.staging
+        for offset in range(0, source.nbytes, room.size):
+            part = room[:min(room.size, source.nbytes - offset)]
+            source.fill(offset, part)
+            self.observe(part)
+
+    # --- the record ---
+    def record(self, tokens: int, reason: str) -> None:
+        """The operation counts: its bytes, tokens and timing go into the statistics. `reason`:
+        'prefill' or 'decode' (a request's own I/O), 'demotion' (waterfall eviction)."""
+        if self._stats is not None:
+            self._stats.record_io(self.tier, self.op, self.nbytes, tokens, self.timing(), reason)
+
+    def _record_failure(self, exc: BaseException) -> None:
+        if self._stats is None:
+            return
+        if isinstance(exc, IOAborted):
+            self._stats.record_partial(self.tier, self.op, self.moved)
+        else:
+            self._stats.record_io_error(self.tier, self.op, exc)
 
 
-def _checksummed(source: ByteSource) -> Tuple[ByteSource, List[int]]:
-    """Wrap a source so that the CRC-32 of what it produced accumulates in the returned cell.
-    It keeps the source's `layout` (a GPU tier fills the entry on the device and then runs
-    this source on the host, untimed, for the checksum: `observes_bytes`)."""
-    crc = [0]
-
-    def fill(offset: int, out: np.ndarray) -> None:
-        source(offset, out)
-        crc[0] = zlib.crc32(out, crc[0])
-    fill.layout = getattr(source, "layout", None)           # type: ignore[attr-defined]
-    fill.observes_bytes = True                               # type: ignore[attr-defined]
-    return fill, crc
+_IO_POOL: Any = None
+_IO_POOL_LOCK = threading.Lock()
 
 
-def generator_source(generator: KVCacheGenerator, key: str) -> ByteSource:
-    """The key's KV bytes; `.layout` lets a GPU tier make the same bytes on the device."""
-    layout = generator.layout(key)
+def _io_pool() -> Any:
+    """The shared threads that issue chunk transfers, so that one operation keeps several in flight."""
+    global _IO_POOL
+    with _IO_POOL_LOCK:
+        if _IO_POOL is None:
+            from concurrent.futures import ThreadPoolExecutor   # not at import: start-up cost
+            _IO_POOL = ThreadPoolExecutor(max_workers=IO_POOL_THREADS, thread_name_prefix="kv-io")
+        return _IO_POOL
 
-    def fill(offset: int, out: np.ndarray) -> None:
-        generator.fill(layout, offset, out)
-    fill.layout = layout                                     # type: ignore[attr-defined]
-    return fill
 
+class ChunkPipeline:
+    """The chunk transfers of one operation: up to `depth` in flight on the I/O pool, completed
+    in the order they were issued (each completion's callback runs in the caller's thread).
 
-def run_source(source: ByteSource, nbytes: int) -> None:
-    """Produce every byte of a source once, in chunks, and drop them (for a checksum it observes)."""
-    scratch = np.empty(min(nbytes, IO_CHUNK_BYTES), dtype=np.uint8)
-    for offset in range(0, nbytes, scratch.size):
-        source(offset, scratch[:min(scratch.size, nbytes - offset)])
+    A deep queue is what lets a drive reach its bandwidth: one 8 MiB request at a time per
+    operation leaves a fast drive idle between requests. Each transfer is timed by the
+    operation's Transfer and counted on the tier's `busy` clock as a request (fio's view).
+    """
+
+    def __init__(self, transfer: Transfer, busy: BusyClock, depth: int):
+        self.transfer, self.busy = transfer, busy
+        self.depth = max(1, depth)
+        self._pending: "collections.deque[Tuple[Any, Optional[Callable[[Any], None]]]]" = collections.deque()
+
+    def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one step here, timed as device time (also used for fdatasync)."""
+        return self.transfer.timed(fn, *args, busy=self.busy)
+
+    def make_room(self) -> None:
+        """Wait until fewer than `depth` transfers are in flight (the oldest one's buffer is free)."""
+        while len(self._pending) >= self.depth:
+            self._complete_oldest()
+
+    def _timed_request(self, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.timed(fn, *args)
+        finally:
+            self.busy.record_request(time.perf_counter() - t0)
+
+    def submit(self, on_done: Optional[Callable[[Any], None]], fn: Callable[..., Any], *args: Any) -> None:
+        self.make_room()
+        if self.depth == 1:                               # nothing to overlap: no hand-off
+            result = self._timed_request(fn, *args)
+            if on_done is not None:
+                on_done(result)
+            return
+        self._pending.append((_io_pool().submit(self._timed_request, fn, *args), on_done))
+
+    def _complete_oldest(self) -> None:
+        future, on_done = self._pending.popleft()
+        result = future.result()
+        if on_done is not None:
+            on_done(result)
+
+    def drain(self) -> None:
+        while self._pending:
+            self._complete_oldest()
+
+    def complete_all(self, issue: Callable[[], None]) -> None:
+        """Run `issue` (which submits the transfers), then wait for every one. On an error, first
+        wait for those still in flight; a stop (IOAborted) then reports the bytes they moved."""
+        try:
+            issue()
+            self.drain()
+        except IOAborted:
+            self.abandon()
+            raise IOAborted(self.transfer.moved) from None
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """After an error or an abort: wait for the transfers still in flight (they use our buffers
+        and fd); those that succeeded still complete, so their bytes are counted."""
+        while self._pending:
+            future, on_done = self._pending.popleft()
+            try:
+                result = future.result()
+                if on_done is not None:
+                    on_done(result)
+            except BaseException:
+                pass
 
 
 @dataclass
@@ -1409,31 +1496,144 @@ class StoredEntry:
     dtype: str
 
 
+class GPUDevice(Protocol):
+    """What the GPU tier and its delivery need of a GPU library: _TorchDevice and _CupyDevice
+    here, and a host-memory stand-in in the tests (so that CI runs the tier's own code).
+
+    Device buffers are flat uint8 arrays of the library (torch.Tensor / cupy.ndarray); host
+    buffers are numpy arrays, copied as bytes. Every copy is enqueued on the CALLING THREAD's
+    own non-default stream and returns at once; `sync()` / `timed()` wait for that stream only
+    (never a device-wide synchronize). Buffers must outlive the copies that use them: callers
+    complete each operation (sync or timed) before freeing or reusing its buffers, which also
+    keeps the libraries' caching allocators from handing a block to another stream while a
+    copy into it is pending.
+    """
+    library: str                      # "torch 2.11.0+cu130" / "cupy 14.2.0"
+    name: str                         # the GPU's name
+    device_index: int
+    pin_refusal: Optional[str]        # why the last pinning was refused (None: never refused)
+
+    def free_bytes(self) -> int: ...
+    def empty(self, nbytes: int) -> Any: ...                      # device uint8 buffer
+    def nbytes(self, buf: Any) -> int: ...
+    def view(self, buf: Any, start: int, stop: int) -> Any: ...   # 1-D slice, no copy
+    def rows(self, buf: Any, count: int, width: int) -> Any: ...
+    def pinned_empty(self, nbytes: int) -> np.ndarray: ...        # page-locked host memory; RuntimeError if refused
+    def register(self, host: np.ndarray) -> bool: ...             # pin an existing buffer until close()
+    def stream(self) -> Any: ...                                  # the calling thread's stream
+    def h2d(self, dst_dev: Any, src_host: np.ndarray) -> None: ...
+    def d2h(self, dst_host: np.ndarray, src_dev: Any) -> None: ...
+    def d2d(self, dst_dev: Any, src_dev: Any) -> None: ...
+    def sync(self) -> None: ...
+    def timed(self, fn: Callable[[], Any]) -> float: ...          # seconds from enqueue to completion
+    def load_pool(self, pool_bytes: np.ndarray) -> None: ...      # KVCacheGenerator's pool, uploaded once
+    def fill(self, layout: EntryLayout, entry_offset: int, out_dev: Any) -> None: ...   # KV made on the device
+    def stamp_bytes(self, first_value: int, count: int) -> Any: ...
+    def close(self) -> None: ...
+
+ChunkConsumer = Callable[[int, np.ndarray], None]     # (offset in the entry, the chunk's bytes)
+
+
+class ReadSink:
+    """Where a read's bytes go. The tier that holds the entry hands them over in the form it
+    has them: a whole entry in host memory, a whole entry in device memory, or a storage
+    read's chunks as they land in the transfer's staging area. The sink moves them on,
+    timed through the transfer, and advances its byte count."""
+
+    def from_host(self, entry: np.ndarray, transfer: Transfer) -> None:
+        raise NotImplementedError
+
+    def from_device(self, dev: "GPUDevice", buf: Any, nbytes: int, transfer: Transfer) -> None:
+        raise NotImplementedError
+
+    def chunks(self, transfer: Transfer) -> ContextManager[ChunkConsumer]:
+        raise NotImplementedError
+
+
+def download_chunks(dev: "GPUDevice", buf: Any, nbytes: int, room: np.ndarray,
+                    run: Callable[[Callable[[], Any]], Any] = lambda fn: fn()) -> Iterator[np.ndarray]:
+    """A device entry copied to host memory `room` at a time; yields each chunk once it is
+    there. `run` runs each copy (a Transfer's `timed`, or plainly)."""
+    if nbytes <= 0:
+        return
+    for start in range(0, nbytes, room.size):
+        part = room[:min(room.size, nbytes - start)]
+        run(lambda: dev.timed(lambda: dev.d2h(part, dev.view(buf, start, start + part.size))))
+        yield part
+
+
+class HostSink(ReadSink):
+    """Reads that end in host memory: in `buffer` (room for the whole entry: the public read()),
+    or, without one, in the transfer's staging area, reused chunk after chunk (the benchmark
+    without a GPU tier: a read costs the copy out of the tier, as a server's bounce buffers do)."""
+
+    def __init__(self, buffer: Optional[np.ndarray] = None):
+        self._buffer = buffer
+
+    def _room(self, transfer: Transfer) -> np.ndarray:
+        return self._buffer if self._buffer is not None else transfer.staging
+
+    @staticmethod
+    def _slot(room: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
+        start = offset % room.size
+        if start + nbytes > room.size:
+            start = 0
+        return room[start:start + nbytes]
+
+    def from_host(self, entry: np.ndarray, transfer: Transfer) -> None:
+        flat, room = entry.reshape(-1).view(np.uint8), self._room(transfer)
+        if flat.size == 0:
+            return
+        step = min(room.size, STAGING_BYTES)
+        for start in range(0, flat.size, step):
+            transfer.check_stop()                          # in steps, so that a stop is obeyed mid-entry
+            part = flat[start:start + step]
+            dst = self._slot(room, start, part.size)
+            transfer.timed(np.copyto, dst, part)
+            transfer.observe(dst)
+            transfer.advance(part.size)
+
+    def from_device(self, dev: "GPUDevice", buf: Any, nbytes: int, transfer: Transfer) -> None:
+        room = self._room(transfer)
+        for part in download_chunks(dev, buf, nbytes, room[:min(room.size, nbytes)], transfer.timed):
+            transfer.observe(part)
+            transfer.advance(part.size)
+            transfer.check_stop()
+
+    @contextlib.contextmanager
+    def chunks(self, transfer: Transfer) -> Iterator[ChunkConsumer]:
+        room = self._room(transfer)
+
+        def land(offset: int, chunk: np.ndarray) -> None:
+            dst = self._slot(room, offset, chunk.size)
+            if dst.ctypes.data != chunk.ctypes.data:       # read into the staging area: already here
+                transfer.timed(np.copyto, dst, chunk)
+        yield land
+
+
 class StorageBackend:
-    """One tier's storage. `write`/`read` move whole arrays (the public interface);
-    `write_from`/`read_through` stream an entry in bounded chunks (the benchmark's path)."""
+    """One tier's storage: what every tier supplies.
+
+    The benchmark moves entries in bounded chunks under a Transfer: `write_from` stores an
+    EntrySource, `read_into` hands the entry to a ReadSink, `source` offers the entry to the
+    next tier down (a demotion is the next tier's `write_from` of it). `write`/`read` move
+    whole arrays: the public interface of the original, built on the same three.
+    """
 
     IOTiming = IOTiming
     name = "base"
 
-    def write(self, key: str, data: np.ndarray) -> IOTiming:
-        data = np.ascontiguousarray(data)
-        return self.write_from(key, array_source(data), data.nbytes, data.shape, data.dtype.str)
-
-    def read(self, key: str) -> Tuple[np.ndarray, IOTiming]:
+    def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
         raise NotImplementedError
 
-    def write_from(self, key: str, source: ByteSource, nbytes: int, shape: Tuple[int, ...],
-                   dtype: str, staging: Optional[np.ndarray] = None) -> IOTiming:
+    def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
+        """KeyError when the entry is not (or no longer) here."""
         raise NotImplementedError
 
-    def read_through(self, key: str, staging: np.ndarray, consume: Optional[Callable[[np.ndarray], None]] = None) -> IOTiming:
-        """Read the whole entry, chunk by chunk, into the reusable `staging` buffer;
-        `consume` (optional, e.g. a checksum) sees each chunk's bytes, untimed."""
+    def source(self, key: str) -> EntrySource:
         raise NotImplementedError
 
-    def take(self, key: str) -> np.ndarray:
-        """The entry's bytes as a uint8 array, for moving it to another tier."""
+    def entry_info(self, key: str) -> StoredEntry:
         raise NotImplementedError
 
     def can_place(self, nbytes: int) -> bool:
@@ -1450,8 +1650,357 @@ class StorageBackend:
     def __contains__(self, key: str) -> bool:
         raise NotImplementedError
 
+    def write(self, key: str, data: np.ndarray) -> IOTiming:
+        source = EntrySource.of_array(data)
+        with Transfer("write", source.nbytes, tier=self.name) as transfer:
+            self.write_from(key, source, transfer)
+        return transfer.timing()
 
-# --- Host memory: one arena, carved into entries ------------------------------------------
+    def read(self, key: str) -> Tuple[np.ndarray, IOTiming]:
+        info = self.entry_info(key)                       # KeyError for a missing or deleted key
+        out = aligned_empty(info.nbytes)
+        with Transfer("read", info.nbytes, tier=self.name) as transfer:
+            self.read_into(key, HostSink(out), transfer)
+        return out.view(np.dtype(info.dtype)).reshape(info.shape), transfer.timing()
+
+
+# ============================================================================
+# STORAGE TIER: ONE FILE PER ENTRY
+# ============================================================================
+
+_SAFE_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,159}$")
+
+
+def safe_file_stem(key: str) -> str:
+    """`key` itself when it is a safe file name, else a hash of it (never a path).
+
+    Hashed names start with '~', which a safe key cannot contain, so a key
+    can never collide with another key's hashed name."""
+    if _SAFE_KEY.match(key) and ".." not in key:
+        return key
+    return "~" + hashlib.sha256(key.encode()).hexdigest()[:40]
+
+
+def npy_header(shape: Sequence[int], dtype: str) -> bytes:
+    """A version-1.0 .npy header padded to NPY_DATA_OFFSET bytes, so the data is block-aligned."""
+    meta = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+            "shape": tuple(int(s) for s in shape)}
+    body = repr(meta)
+    prefix_len = 10                                   # magic (6) + version (2) + header length (2)
+    body = body.ljust(NPY_DATA_OFFSET - prefix_len - 1) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode("latin1")
+
+
+_FALLOCATE: Any = None                  # libc's fallocate(2); False once known to be unavailable
+
+
+def preallocate(fd: int, nbytes: int) -> bool:
+    """Reserve the file's blocks in one go with fallocate(2), so that an entry written by
+    several concurrent transfers, next to other entries being written, is laid out
+    contiguously (reads of interleaved layouts were up to 40 % slower here; docs/performance.md).
+    Not posix_fallocate: its fallback writes zeros. False where the file system cannot;
+    OSError (ENOSPC, EFBIG) when the space or the size is not there."""
+    global _FALLOCATE
+    if _FALLOCATE is None:
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.fallocate
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            fn.restype = ctypes.c_int
+            _FALLOCATE = fn
+        except (OSError, AttributeError):
+            _FALLOCATE = False
+    if not _FALLOCATE or nbytes <= 0:
+        return False
+    if _FALLOCATE(fd, 0, 0, nbytes) == 0:
+        return True
+    err = _ctypes_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
+
+
+def _ctypes_errno() -> int:
+    import ctypes
+    return ctypes.get_errno()
+
+
+def probe_direct_io(directory: Path) -> Tuple[bool, str]:
+    """Whether files in `directory` accept O_DIRECT, and why not."""
+    if not hasattr(os, "O_DIRECT"):
+        return False, "this OS has no O_DIRECT"
+    fd, probe = tempfile.mkstemp(prefix=".kvcache_odirect_probe_", dir=directory)
+    os.close(fd)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_DIRECT)
+        try:
+            os.pwrite(fd, aligned_empty(BLOCK_BYTES), 0)
+        finally:
+            os.close(fd)
+        return True, "O_DIRECT"
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):     # full is full, not "no O_DIRECT"
+            raise
+        return False, f"file system refuses O_DIRECT ({exc.strerror})"
+    finally:
+        os.unlink(probe)
+
+
+
+class NVMeBackend(StorageBackend):
+    """Tier 3: one `<key>.npy` file per entry directly in `base_path`.
+
+    Files are written with O_DIRECT when the file system allows it, else
+    buffered; either way a write counts as done only after fdatasync, and the
+    file's pages are dropped from the page cache (posix_fadvise DONTNEED) so
+    that every read reaches the device. The .npy header is padded to 4096
+    bytes: the array data is block-aligned and the file still loads with
+    numpy.load. An entry moves in IO_CHUNK_BYTES transfers through the
+    Transfer's staging area, IO_DEPTH of them in flight.
+    """
+
+    name = "nvme"
+
+    def __init__(self, base_path: Optional[Any] = None, direct_io: Optional[bool] = None):
+        self._owns_dir = base_path is None
+        self.base_path = Path(tempfile.mkdtemp(prefix="kvcache_")) if base_path is None else Path(base_path)
+        self.base_path.mkdir(parents=True, exist_ok=True)
+        self.metadata: Dict[str, Dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        supported, reason = probe_direct_io(self.base_path)
+        self.direct_io = supported if direct_io is None else (direct_io and supported)
+        self.io_mode = "O_DIRECT" if self.direct_io else f"buffered + fdatasync + fadvise(DONTNEED): {reason}"
+        self.busy = {"read": BusyClock(), "write": BusyClock()}
+        # Sizes of the read and write requests issued to the file system ({bytes: count}), for --fio-job.
+        self.request_sizes: Dict[str, Dict[int, int]] = {"read": defaultdict(int), "write": defaultdict(int)}
+        self._file_sizes: List[int] = [0, 0, 0, 0]            # files written: count, bytes, smallest, largest
+        self._trash_ids = itertools.count(1)
+
+    # --- paths and buffers ---
+    def _path(self, key: str) -> Path:
+        return self.base_path / f"{safe_file_stem(key)}.npy"
+
+    @staticmethod
+    def _chunk_buffers(staging: np.ndarray) -> List[np.ndarray]:
+        """The staging area cut into IO_CHUNK_BYTES buffers, one per transfer in flight (at most
+        IO_DEPTH; a staging area smaller than one chunk is one smaller buffer)."""
+        if staging.size <= IO_CHUNK_BYTES:
+            return [staging]
+        count = min(IO_DEPTH, staging.size // IO_CHUNK_BYTES)
+        return [staging[i * IO_CHUNK_BYTES:(i + 1) * IO_CHUNK_BYTES] for i in range(count)]
+
+    def _io_len(self, n: int) -> int:
+        # O_DIRECT transfers whole blocks; the tail is padded and the file truncated afterwards.
+        return -(-n // BLOCK_BYTES) * BLOCK_BYTES if self.direct_io else n
+
+    def _request(self, op: str, nbytes: int) -> int:
+        with self._lock:
+            self.request_sizes[op][nbytes] += 1
+        return nbytes
+
+    def entry_info(self, key: str) -> StoredEntry:
+        with self._lock:
+            meta = self.metadata[key]
+        return StoredEntry(meta["size"], meta["shape"], meta["dtype"])
+
+    # --- writing ---
+    def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
+        path = self._path(key)
+        self.delete(key)                                  # replacing an entry of ours
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        if self.direct_io:
+            flags |= os.O_DIRECT
+        fd = os.open(path, flags, 0o644)                  # O_EXCL: never overwrite a file we did not create
+        try:
+            self._write_chunks(fd, npy_header(source.shape, source.dtype), source, transfer)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        nbytes = source.nbytes
+        with self._lock:
+            self.metadata[key] = {"path": path, "size": nbytes, "shape": tuple(source.shape), "dtype": source.dtype}
+            sizes = self._file_sizes
+            sizes[2] = min(sizes[2], nbytes) if sizes[0] else nbytes
+            sizes[0], sizes[1], sizes[3] = sizes[0] + 1, sizes[1] + nbytes, max(sizes[3], nbytes)
+
+    def request_profile(self) -> Dict[str, Any]:
+        """What the tier asked of the file system: request sizes, depth kept in flight, file sizes
+        (what an fio job needs to replay the run)."""
+        with self._lock:
+            count, total, smallest, largest = self._file_sizes
+            profile: Dict[str, Any] = {f"{op}_sizes": dict(sizes) for op, sizes in self.request_sizes.items()}
+        for op, clock in self.busy.items():
+            profile[f"{op}_mean_inflight"] = clock.mean_inflight()
+            profile[f"{op}_peak_inflight"] = clock.peak_inflight
+            profile[f"{op}_request_mean_ms"] = clock.request_s / clock.requests * 1000 if clock.requests else None
+        profile.update(files_written=count, file_bytes_mean=total / count if count else None,
+                       file_bytes_min=smallest if count else None, file_bytes_max=largest if count else None)
+        return profile
+
+    def _write_chunks(self, fd: int, header: bytes, source: EntrySource, transfer: Transfer) -> None:
+        total = NPY_DATA_OFFSET + source.nbytes
+        buffers = self._chunk_buffers(transfer.staging)
+        pipe = ChunkPipeline(transfer, self.busy["write"], len(buffers))
+        pipe.timed(preallocate, fd, self._io_len(total))
+
+        def completed(data_bytes: int) -> Callable[[Any], None]:
+            return lambda _: transfer.advance(data_bytes)
+
+        def issue() -> None:
+            file_off = data_off = i = 0
+            while file_off < total:
+                transfer.check_stop()
+                pipe.make_room()                          # buffer i % depth is free again
+                buf = buffers[i % len(buffers)]
+                n = min(buf.size, total - file_off)
+                head = 0
+                if file_off == 0:
+                    buf[:NPY_DATA_OFFSET] = np.frombuffer(header, dtype=np.uint8)
+                    head = NPY_DATA_OFFSET
+                if n > head:
+                    source.fill(data_off, buf[head:n])
+                    transfer.observe(buf[head:n])
+                    data_off += n - head
+                pipe.submit(completed(n - head), _pwrite_all, fd, buf[:self._request("write", self._io_len(n))],
+                            file_off)
+                file_off += n
+                i += 1
+        pipe.complete_all(issue)
+
+        def finish() -> None:
+            if self.direct_io and total % BLOCK_BYTES:
+                os.ftruncate(fd, total)
+            os.fdatasync(fd)                              # durable before we call it written
+            if not self.direct_io:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        pipe.timed(finish)
+
+    # --- reading ---
+    def _open_for_read(self, key: str) -> Tuple[int, Dict[str, Any]]:
+        with self._lock:
+            meta = self.metadata[key]                     # KeyError for a missing or deleted key
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.direct_io else 0)
+        try:
+            return os.open(meta["path"], flags), meta
+        except FileNotFoundError:
+            raise KeyError(key) from None                 # deleted while we looked
+
+    def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
+        fd, meta = self._open_for_read(key)
+        try:
+            with sink.chunks(transfer) as deliver:
+                self._read_chunks(fd, meta["size"], transfer, deliver)
+        finally:
+            os.close(fd)
+
+    def _read_chunks(self, fd: int, nbytes: int, transfer: Transfer, deliver: ChunkConsumer) -> None:
+        """Read the entry's data in IO_CHUNK_BYTES transfers into the staging area's chunk
+        buffers, as many in flight as there are buffers; each is checked, observed and handed
+        to `deliver` in order."""
+        buffers = self._chunk_buffers(transfer.staging)
+        pipe = ChunkPipeline(transfer, self.busy["read"], len(buffers))
+
+        def completed(buf: np.ndarray, offset: int, want: int) -> Callable[[int], None]:
+            def check(got: int) -> None:
+                if got < want:
+                    raise OSError(errno.EIO, f"short read: {got} of {want} bytes")
+                transfer.observe(buf[:want])
+                deliver(offset, buf[:want])
+                transfer.advance(want)
+            return check
+
+        def issue() -> None:
+            issued = i = 0
+            while issued < nbytes:
+                transfer.check_stop()
+                pipe.make_room()
+                buf = buffers[i % len(buffers)]
+                want = min(buf.size, nbytes - issued, IO_CHUNK_BYTES)
+                pipe.submit(completed(buf, issued, want), os.preadv, fd,
+                            [buf[:self._request("read", self._io_len(want))]], NPY_DATA_OFFSET + issued)
+                issued += want
+                i += 1
+        pipe.complete_all(issue)
+        if not self.direct_io:
+            pipe.timed(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_DONTNEED)   # the next read must reach the device too
+
+    # --- removal ---
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            meta = self.metadata.pop(key, None)
+        if meta is None:
+            return False
+        Path(meta["path"]).unlink(missing_ok=True)
+        return True
+
+    def detach(self, key: str) -> Optional[Path]:
+        """Forget an entry but keep its file for later deletion, renamed out of the way so
+        the key can be written again at once. Returns the file's new path."""
+        with self._lock:
+            meta = self.metadata.pop(key, None)
+        if meta is None:
+            return None
+        return self._rename_aside(Path(meta["path"]))
+
+    def _rename_aside(self, path: Path) -> Path:
+        """Rename our file to a fresh `.trash_N_` name that no other file has: a hard link fails
+        on an existing name where a rename would replace someone else's file."""
+        while True:
+            trash = path.with_name(f".trash_{next(self._trash_ids)}_{path.name}")
+            try:
+                os.link(path, trash)
+            except FileExistsError:
+                continue
+            except OSError as exc:                        # no hard links here: rename, checked
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK) or trash.exists():
+                    raise
+                os.rename(path, trash)
+                return trash
+            os.unlink(path)
+            return trash
+
+    def clear(self) -> None:
+        """Remove every file this backend wrote, and its directory if it made it."""
+        with self._lock:
+            paths = [m["path"] for m in self.metadata.values()]
+            self.metadata.clear()
+        failed: List[OSError] = []
+        for path in paths:                                # every one, even when some fail
+            try:
+                Path(path).unlink(missing_ok=True)
+            except OSError as exc:
+                failed.append(exc)
+        if failed:
+            raise failed[0]
+        if self._owns_dir:
+            try:
+                self.base_path.rmdir()
+            except OSError:
+                pass
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self.metadata
+
+
+
+def _pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
+    view = memoryview(buf)
+    while view.nbytes:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "pwrite wrote nothing")
+        view = view[written:]
+        offset += written
+
+
+
+# ============================================================================
+# HOST MEMORY TIER
+# ============================================================================
 
 class HostArena:
     """Entries carved out of one big host buffer (pinned or pageable) with a free list.
@@ -1546,6 +2095,132 @@ class HostArena:
         with self._lock:
             return max(self._free.values(), default=0)
 
+
+
+class CPUMemoryBackend(StorageBackend):
+    """Tier 2: entries in process memory. A write or read costs one memory copy.
+
+    With a GPU tier, entries live in one page-locked arena allocated at start-up (`arena`),
+    so that copies to and from the GPU run at the bus's speed. The cache evicts until the
+    arena can place a new entry (`can_place`); one that still finds no room (another writer
+    took it meanwhile) falls back to ordinary memory and is counted (`arena_fallbacks`).
+    """
+
+    name = "cpu"
+
+    def __init__(self, arena: Optional[HostArena] = None) -> None:
+        self.cache: Dict[str, np.ndarray] = {}
+        self.arena = arena
+        self.arena_fallbacks = 0
+        self._in_arena: Dict[str, np.ndarray] = {}            # key -> its arena allocation (to free)
+        # An arena allocation is reused as soon as it is freed, so an entry being read is freed
+        # only when its last reader leaves (numpy arrays outside an arena live by reference).
+        self._readers: Dict[str, int] = defaultdict(int)
+        self._retiring: Dict[str, List[np.ndarray]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def _destination(self, nbytes: int) -> np.ndarray:
+        """Memory for a new entry of `nbytes` (uint8): from the arena when there is one."""
+        view = self.arena.alloc(nbytes) if self.arena is not None else None
+        if view is None:
+            if self.arena is not None:
+                with self._lock:
+                    self.arena_fallbacks += 1
+            return np.empty(nbytes, dtype=np.uint8)
+        return view
+
+    def _adopt(self, key: str, data: np.ndarray, shape: Tuple[int, ...], dtype: str) -> None:
+        """Keep `data` (from `_destination`) as the entry `key`."""
+        self._release(key)
+        if self.arena is not None and data.base is not None and self.arena.owns(data):
+            with self._lock:
+                self._in_arena[key] = data
+        self.cache[key] = data.view(np.dtype(dtype)).reshape(shape)
+
+    def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
+        data = self._destination(source.nbytes)
+        try:
+            if source.copy_whole is not None:             # an entry in GPU memory: one device-to-host copy
+                transfer.timed(source.copy_whole, data)
+                transfer.observe(data)
+                transfer.advance(data.size)
+            else:
+                self._fill(data, source, transfer)
+        except BaseException:
+            self._free(data)
+            raise
+        self._adopt(key, data, source.shape, source.dtype)
+
+    @staticmethod
+    def _fill(data: np.ndarray, source: EntrySource, transfer: Transfer) -> None:
+        for offset in range(0, source.nbytes, IO_CHUNK_BYTES):
+            transfer.check_stop()                         # in chunks, so that a stop is obeyed mid-entry
+            part = data[offset:offset + IO_CHUNK_BYTES]
+            transfer.timed(source.fill, offset, part)
+            transfer.observe(part)
+            transfer.advance(part.size)
+
+    @contextlib.contextmanager
+    def _reading(self, key: str) -> Iterator[np.ndarray]:
+        with self._lock:
+            entry = self.cache[key]                        # KeyError: gone (the caller retries)
+            self._readers[key] += 1
+        try:
+            yield entry
+        finally:
+            with self._lock:
+                self._readers[key] -= 1
+                done = self._retiring.pop(key, []) if self._readers[key] == 0 else []
+                if self._readers[key] == 0:
+                    del self._readers[key]
+            for view in done:
+                self.arena.free(view)
+
+    def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
+        with self._reading(key) as entry:
+            sink.from_host(entry, transfer)
+
+    def source(self, key: str) -> EntrySource:
+        return EntrySource.of_array(self.cache[key])      # demoted from where it lies: no copy first
+
+    def entry_info(self, key: str) -> StoredEntry:
+        data = self.cache[key]
+        return StoredEntry(data.nbytes, tuple(data.shape), data.dtype.str)
+
+    def can_place(self, nbytes: int) -> bool:
+        """Where the arena cannot place an entry, the cache makes room by evicting (as a server
+        with a fixed pinned pool must) rather than let the tier outgrow its memory."""
+        return self.arena is None or self.arena.can_fit(nbytes)
+
+    def _free(self, data: np.ndarray) -> None:
+        if self.arena is not None and self.arena.owns(data):
+            self.arena.free(data)
+
+    def _release(self, key: str) -> None:
+        with self._lock:
+            held = self._in_arena.pop(key, None)
+            if held is not None and self._readers.get(key):
+                self._retiring[key].append(held)       # freed when the last reader leaves
+                held = None
+        if held is not None:
+            self.arena.free(held)
+
+    def delete(self, key: str) -> bool:
+        found = self.cache.pop(key, None) is not None
+        self._release(key)
+        return found
+
+    def clear(self) -> None:
+        for key in list(self.cache):
+            self.delete(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.cache
+
+
+# ============================================================================
+# GPU DEVICES
+# ============================================================================
 
 # --- KV born on the device ----------------------------------------------------------------
 # fill_on_device is written once over an "array ops" object, so that numpy (the host
@@ -1717,32 +2392,7 @@ def pin_host_buffer(dev: Optional[Any], host: np.ndarray) -> bool:
     return False
 
 
-# --- GPU devices ----------------------------------------------------------------------------
-# _TorchDevice and _CupyDevice have one interface. Device buffers are flat uint8 arrays of
-# the library (torch.Tensor / cupy.ndarray); host buffers are numpy arrays (copied as bytes).
-# Every copy is enqueued on the CALLING THREAD's own non-default stream and returns at once;
-# `sync()` / `timed()` wait for that stream only (never a device-wide synchronize).
-#
-#   library: str              "torch 2.11.0+cu130" / "cupy 14.2.0"
-#   name: str                 GPU name;   device_index: int
-#   pin_refusal: Optional[str]  why the last pinning was refused (None: never refused)
-#   free_bytes() -> int       free device memory
-#   empty(nbytes) -> buf      device uint8 buffer (allocated on the thread's stream)
-#   nbytes(buf) -> int;  view(buf, start, stop) -> buf;  rows(buf, count, width) -> buf
-#   pinned_empty(nbytes) -> np.ndarray   page-locked host memory; RuntimeError if refused
-#   register(host: np.ndarray) -> bool   pin an existing (page-aligned) buffer; unpinned in close()
-#   stream() -> stream        the calling thread's stream (created on first use)
-#   h2d(dst_dev, src_host), d2h(dst_host, src_dev), d2d(dst_dev, src_dev) -> None   (async)
-#   sync() -> None            wait for the calling thread's stream
-#   timed(fn) -> float        run fn on the thread's stream; seconds from enqueue to completion
-#   load_pool(pool_bytes: np.ndarray) -> None   upload KVCacheGenerator's pool once
-#   fill(layout, entry_offset, out_dev) -> None  KV made on the device (async, like a copy)
-#   stamp_bytes(first_value, count) -> buf       fill_on_device's op (see above)
-#   close() -> None           unpin registered buffers, drop the pool (after all ops completed)
-#
-# Buffers must outlive the copies that use them: callers complete each operation (sync or
-# timed) before freeing or reusing its buffers, which also keeps the libraries' caching
-# allocators from handing a block to another stream while a copy into it is pending.
+# --- The two libraries' devices (GPUDevice, above) ----------------------------------
 
 class _GPUDeviceBase:
     """What both libraries' devices keep alike: the pinning bookkeeping (every registered buffer
@@ -2166,233 +2816,76 @@ def gpu_errors_as_io_errors() -> Iterator[None]:
         raise OSError(errno.ENOMEM if oom else errno.EIO, f"GPU: {type(exc).__name__}: {exc}") from exc
 
 
-# --- Delivery to the GPU ---------------------------------------------------------------------
+
+# ============================================================================
+# GPU TIER AND DELIVERY TO THE GPU
+# ============================================================================
 
 GPU_SCRATCH_BYTES = 256 * MIB           # device working memory a hit is delivered into, per transfer in flight
 
 
-class GPUDelivery:
+class GPUDelivery(ReadSink):
     """Where reads go when attention runs on the GPU: every hit ends in GPU memory.
 
     A CPU-tier hit is host-to-device copies from its (pinned) entry; a storage hit is read
     into pinned staging and each chunk copied to the device as it completes, while the next
     chunks' reads are in flight; a GPU hit is device-to-device copies. They land in device
     scratch areas from a bounded pool (as staging areas do on the host), and each operation
-    waits for its own stream only.
+    waits for its own stream only. With --verify the checksum is taken on the host, untimed.
     """
 
-    def __init__(self, dev: Any, abort: Optional[threading.Event] = None):
+    def __init__(self, dev: "GPUDevice"):
         self.dev = dev
-        self._scratch = StagingPool(STAGING_AREAS, GPU_SCRATCH_BYTES, abort, factory=dev.empty)
+        self._scratch = StagingPool(STAGING_AREAS, GPU_SCRATCH_BYTES, factory=dev.empty)
         # Storage reads deliver chunk by chunk and hold their area for the whole (slow) read: a
         # pool of their own, chunk-sized, so that memory-tier hits never wait behind them.
-        self._sink_scratch = StagingPool(STAGING_AREAS, IO_DEPTH * IO_CHUNK_BYTES, abort, factory=dev.empty)
-        self.device_bytes = STAGING_AREAS * (GPU_SCRATCH_BYTES + IO_DEPTH * IO_CHUNK_BYTES)
-
-    def set_abort(self, abort: threading.Event) -> None:
-        """The run's stop: a read still waiting for a scratch area then gives up (IOAborted)."""
-        self._scratch._abort = self._sink_scratch._abort = abort
+        self._chunk_scratch = StagingPool(STAGING_AREAS, STAGING_BYTES, factory=dev.empty)
+        self.device_bytes = STAGING_AREAS * (GPU_SCRATCH_BYTES + STAGING_BYTES)
 
     def prefill(self) -> None:
         self._scratch.prefill()
-        self._sink_scratch.prefill()
+        self._chunk_scratch.prefill()
 
     def close(self) -> None:
         self._scratch.drop()
-        self._sink_scratch.drop()
+        self._chunk_scratch.drop()
 
-    def _copy_in(self, copy: Callable[[Any, Any], None], src: Any, nbytes: int, view: Callable[[Any, int, int], Any]) -> float:
-        with gpu_errors_as_io_errors(), self._scratch.lease() as scratch:
+    def _copy_in(self, copy: Callable[[Any, Any], None], src: Any, nbytes: int,
+                 view: Callable[[Any, int, int], Any], transfer: Transfer) -> None:
+        with gpu_errors_as_io_errors(), self._scratch.lease(transfer.stop) as scratch:
             def enqueue() -> None:
                 for offset in range(0, nbytes, GPU_SCRATCH_BYTES):
                     n = min(GPU_SCRATCH_BYTES, nbytes - offset)
                     copy(self.dev.view(scratch, 0, n), view(src, offset, offset + n))
-            return self.dev.timed(enqueue)
+            transfer.timed(self.dev.timed, enqueue)       # enqueue to completion on our stream
+        transfer.advance(nbytes)
 
-    def from_host(self, host: np.ndarray) -> float:
-        """Seconds until a host entry is in GPU memory (enqueue to completion on our stream)."""
-        flat = host.reshape(-1).view(np.uint8)
-        return self._copy_in(self.dev.h2d, flat, flat.size, lambda a, i, j: a[i:j])
-
-    def from_device(self, buf: Any, nbytes: int) -> float:
-        return self._copy_in(self.dev.d2d, buf, nbytes, self.dev.view)
-
-    @contextlib.contextmanager
-    def chunk_sink(self) -> Iterator[Callable[[np.ndarray], None]]:
-        """A consumer that copies each chunk of a storage read to the device as it arrives. It
-        waits for each copy, so the staging chunk is free for the read after next."""
-        with gpu_errors_as_io_errors(), self._sink_scratch.lease() as scratch:
-            offset, size = [0], self.dev.nbytes(scratch)
-
-            def deliver(chunk: np.ndarray) -> None:
-                n = chunk.size
-                start = offset[0] if offset[0] + n <= size else 0
-                target = self.dev.view(scratch, start, start + n)
-                with gpu_errors_as_io_errors():
-                    self.dev.timed(lambda: self.dev.h2d(target, chunk))
-                offset[0] = start + n
-            yield deliver
-
-
-def _chain(*consumers: Optional[Callable[[np.ndarray], None]]) -> Optional[Callable[[np.ndarray], None]]:
-    present = [c for c in consumers if c is not None]
-    if len(present) <= 1:
-        return present[0] if present else None
-
-    def both(chunk: np.ndarray) -> None:
-        for consume in present:
-            consume(chunk)
-    return both
-
-
-class CPUMemoryBackend(StorageBackend):
-    """Tier 2: entries in process memory. A write or read costs one memory copy.
-
-    With a GPU tier, entries live in one page-locked arena allocated at start-up (`arena`),
-    so that copies to and from the GPU run at the bus's speed, and reads are delivered to
-    the GPU (`delivery`). The cache evicts until the arena can place a new entry
-    (`can_place`); one that still finds no room (another writer took it meanwhile) falls
-    back to ordinary memory and is counted (`arena_fallbacks`).
-    """
-
-    name = "cpu"
-
-    def __init__(self, arena: Optional[HostArena] = None, delivery: Optional[GPUDelivery] = None) -> None:
-        self.cache: Dict[str, np.ndarray] = {}
-        self.abort_event: Optional[threading.Event] = None    # set: a copy gives up at its next chunk
-        self.arena, self.delivery = arena, delivery
-        self.arena_fallbacks = 0
-        self._in_arena: Dict[str, np.ndarray] = {}            # key -> its arena allocation (to free)
-        # An arena allocation is reused as soon as it is freed, so an entry being read is freed
-        # only when its last reader leaves (numpy arrays outside an arena live by reference).
-        self._readers: Dict[str, int] = defaultdict(int)
-        self._retiring: Dict[str, List[np.ndarray]] = defaultdict(list)
-        self._lock = threading.Lock()
-
-    def _check_abort(self, nbytes_done: int) -> None:
-        if self.abort_event is not None and self.abort_event.is_set():
-            raise IOAborted(nbytes_done)
-
-    def destination(self, nbytes: int) -> np.ndarray:
-        """Memory for a new entry of `nbytes` (uint8): from the arena when there is one."""
-        view = self.arena.alloc(nbytes) if self.arena is not None else None
-        if view is None:
-            if self.arena is not None:
-                with self._lock:
-                    self.arena_fallbacks += 1
-            return np.empty(nbytes, dtype=np.uint8)
-        return view
-
-    def adopt(self, key: str, data: np.ndarray, shape: Tuple[int, ...], dtype: str) -> None:
-        """Keep `data` (from `destination`) as the entry `key`."""
-        self._release(key)
-        if self.arena is not None and data.base is not None and self.arena.owns(data):
-            with self._lock:
-                self._in_arena[key] = data
-        self.cache[key] = data.view(np.dtype(dtype)).reshape(shape)
-
-    def write_from(self, key, source, nbytes, shape, dtype, staging=None) -> IOTiming:
-        t0 = time.perf_counter()
-        data = self.destination(nbytes)
-        try:
-            for offset in range(0, nbytes, IO_CHUNK_BYTES):   # in chunks, so that a stop is obeyed mid-entry
-                self._check_abort(offset)
-                source(offset, data[offset:offset + IO_CHUNK_BYTES])
-        except BaseException:
-            self._free(data)
-            raise
-        self.adopt(key, data, shape, dtype)
-        total = time.perf_counter() - t0
-        return IOTiming.from_device(total, total)
-
-    def store(self, key: str, data: np.ndarray) -> IOTiming:
-        """Keep an array that already exists (moved from another tier): no copy."""
-        self._release(key)
-        self.cache[key] = data
-        return IOTiming(0.0, 0.0, 0.0)
-
-    def read(self, key: str) -> Tuple[np.ndarray, IOTiming]:
-        t0 = time.perf_counter()
-        data = self.cache[key].copy()
-        total = time.perf_counter() - t0
-        return data, IOTiming.from_device(total, total)
-
-    @contextlib.contextmanager
-    def _reading(self, key: str) -> Iterator[np.ndarray]:
-        with self._lock:
-            entry = self.cache[key]                        # KeyError: gone (the caller retries)
-            self._readers[key] += 1
-        try:
-            yield entry
-        finally:
-            with self._lock:
-                self._readers[key] -= 1
-                done = self._retiring.pop(key, []) if self._readers[key] == 0 else []
-                if self._readers[key] == 0:
-                    del self._readers[key]
-            for view in done:
-                self.arena.free(view)
-
-    def read_through(self, key: str, staging: np.ndarray, consume: Optional[Callable[[np.ndarray], None]] = None) -> IOTiming:
-        with self._reading(key) as entry:
-            return self._read_entry(entry, staging, consume)
-
-    def _read_entry(self, entry: np.ndarray, staging: Optional[np.ndarray],
-                    consume: Optional[Callable[[np.ndarray], None]]) -> IOTiming:
-        if self.delivery is not None:                  # attention on the GPU: host-to-device copies
-            t0 = time.perf_counter()
-            device_s = self.delivery.from_host(entry)
-            total = time.perf_counter() - t0
-            if consume is not None:                     # verification: untimed
-                flat = entry.reshape(-1).view(np.uint8)
-                for start in range(0, flat.size, staging.size):
-                    consume(flat[start:start + staging.size])
-            return IOTiming.from_device(total, device_s)
+    def from_host(self, entry: np.ndarray, transfer: Transfer) -> None:
         flat = entry.reshape(-1).view(np.uint8)
-        copy_s = 0.0
-        t0 = time.perf_counter()
-        for start in range(0, flat.size, staging.size):
-            self._check_abort(start)
-            part = flat[start:start + staging.size]
-            t = time.perf_counter()
-            np.copyto(staging[:part.size], part)
-            copy_s += time.perf_counter() - t
-            if consume is not None:
-                consume(staging[:part.size])
-        return IOTiming.from_device(time.perf_counter() - t0, copy_s)
+        self._copy_in(self.dev.h2d, flat, flat.size, lambda a, i, j: a[i:j], transfer)
+        transfer.observe(flat)
 
-    def take(self, key: str) -> np.ndarray:
-        return self.cache[key]
+    def from_device(self, dev: "GPUDevice", buf: Any, nbytes: int, transfer: Transfer) -> None:
+        self._copy_in(self.dev.d2d, buf, nbytes, self.dev.view, transfer)
+        if transfer.verify:
+            with gpu_errors_as_io_errors():
+                for part in download_chunks(self.dev, buf, nbytes, transfer.staging):
+                    transfer.observe(part)
 
-    def can_place(self, nbytes: int) -> bool:
-        """Where the arena cannot place an entry, the cache makes room by evicting (as a server
-        with a fixed pinned pool must) rather than let the tier outgrow its memory."""
-        return self.arena is None or self.arena.can_fit(nbytes)
+    @contextlib.contextmanager
+    def chunks(self, transfer: Transfer) -> Iterator[ChunkConsumer]:
+        """Each chunk of a storage read copied to the device as it arrives. Each copy is waited
+        for, so the staging chunk is free for the read after next."""
+        with gpu_errors_as_io_errors(), self._chunk_scratch.lease(transfer.stop) as scratch:
+            size, at = self.dev.nbytes(scratch), [0]
 
-    def _free(self, data: np.ndarray) -> None:
-        if self.arena is not None and self.arena.owns(data):
-            self.arena.free(data)
-
-    def _release(self, key: str) -> None:
-        with self._lock:
-            held = self._in_arena.pop(key, None)
-            if held is not None and self._readers.get(key):
-                self._retiring[key].append(held)       # freed when the last reader leaves
-                held = None
-        if held is not None:
-            self.arena.free(held)
-
-    def delete(self, key: str) -> bool:
-        found = self.cache.pop(key, None) is not None
-        self._release(key)
-        return found
-
-    def clear(self) -> None:
-        for key in list(self.cache):
-            self.delete(key)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.cache
+            def deliver(offset: int, chunk: np.ndarray) -> None:
+                start = at[0] if at[0] + chunk.size <= size else 0
+                target = self.dev.view(scratch, start, start + chunk.size)
+                with gpu_errors_as_io_errors():
+                    transfer.timed(self.dev.timed, lambda: self.dev.h2d(target, chunk))
+                at[0] = start + chunk.size
+            yield deliver
 
 
 class GPUMemoryBackend(StorageBackend):
@@ -2409,7 +2902,7 @@ class GPUMemoryBackend(StorageBackend):
     name = "gpu"
 
     def __init__(self, device_index: int = 0, library: str = "auto"):
-        self._dev = open_gpu_device(device_index, library)
+        self._dev: GPUDevice = open_gpu_device(device_index, library)
         self.library = self._dev.library
         self.device_name = self._dev.name
         self.cache: Dict[str, Any] = {}
@@ -2418,7 +2911,7 @@ class GPUMemoryBackend(StorageBackend):
         self.delivery = GPUDelivery(self._dev)
 
     @property
-    def device(self) -> Any:
+    def device(self) -> "GPUDevice":
         return self._dev
 
     def load_generator(self, generator: KVCacheGenerator) -> None:
@@ -2429,74 +2922,43 @@ class GPUMemoryBackend(StorageBackend):
     def free_bytes(self) -> int:
         return self._dev.free_bytes()
 
-    def write_from(self, key, source, nbytes, shape, dtype, staging=None) -> IOTiming:
+    def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
+        dev = self._dev
         with gpu_errors_as_io_errors():
-            return self._write(key, source, nbytes, shape, dtype)
-
-    def _write(self, key: str, source: ByteSource, nbytes: int, shape: Tuple[int, ...], dtype: str) -> IOTiming:
-        t0 = time.perf_counter()
-        buf = self._dev.empty(nbytes)
-        layout = getattr(source, "layout", None)
-        if layout is not None and self._has_pool:
-            device_s = self._dev.timed(lambda: self._dev.fill(layout, 0, buf))
-            total = time.perf_counter() - t0
-            if getattr(source, "observes_bytes", False):
-                run_source(source, nbytes)                  # --verify's checksum, on the host, untimed
-        else:                                               # bytes from the host (the public write())
-            host = np.empty(nbytes, dtype=np.uint8)
-            source(0, host)
-            device_s = self._dev.timed(lambda: self._dev.h2d(buf, host))
-            total = time.perf_counter() - t0
+            buf = dev.empty(source.nbytes)
+            if source.layout is not None and self._has_pool:
+                transfer.timed(dev.timed, lambda: dev.fill(source.layout, 0, buf))
+                transfer.observe_source(source)           # --verify: the same bytes made on the host, untimed
+            else:                                         # bytes from the host (the public write())
+                host = np.empty(source.nbytes, dtype=np.uint8)
+                source.fill(0, host)
+                transfer.observe(host)
+                transfer.timed(dev.timed, lambda: dev.h2d(buf, host))
+        transfer.advance(source.nbytes)
         self.cache[key] = buf
-        self._meta[key] = StoredEntry(nbytes, tuple(shape), dtype)
-        return IOTiming(total, device_s, total - device_s)
+        self._meta[key] = StoredEntry(source.nbytes, tuple(source.shape), source.dtype)
 
-    def store(self, key: str, data: np.ndarray) -> IOTiming:
-        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        t0 = time.perf_counter()
-        buf = self._dev.empty(flat.size)
-        device_s = self._dev.timed(lambda: self._dev.h2d(buf, flat))
-        self.cache[key] = buf
-        self._meta[key] = StoredEntry(flat.size, tuple(data.shape), data.dtype.str)
-        return IOTiming.from_device(time.perf_counter() - t0, device_s)
-
-    def download_into(self, key: str, host: np.ndarray) -> IOTiming:
-        """One device-to-host copy of the entry into `host` (uint8, the entry's size)."""
-        t0 = time.perf_counter()
+    def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
+        buf, meta = self.cache[key], self._meta[key]
         with gpu_errors_as_io_errors():
-            device_s = self._dev.timed(lambda: self._dev.d2h(host, self.cache[key]))
-        return IOTiming.from_device(time.perf_counter() - t0, device_s)
+            sink.from_device(self._dev, buf, meta.nbytes, transfer)
 
-    def chunk_source(self, key: str) -> ByteSource:
-        """The entry's bytes chunk by chunk into host buffers (a demotion straight to storage)."""
-        buf = self.cache[key]
+    def source(self, key: str) -> EntrySource:
+        """The entry for the next tier: chunk by chunk into host buffers (a demotion straight to
+        storage), or whole in one copy (into the CPU tier's memory)."""
+        buf, meta, dev = self.cache[key], self._meta[key], self._dev
 
         def fill(offset: int, out: np.ndarray) -> None:
             with gpu_errors_as_io_errors():
-                self._dev.timed(lambda: self._dev.d2h(out, self._dev.view(buf, offset, offset + out.size)))
-        return fill
+                dev.timed(lambda: dev.d2h(out, dev.view(buf, offset, offset + out.size)))
 
-    def read(self, key: str) -> Tuple[np.ndarray, IOTiming]:
-        meta = self._meta[key]
-        host = np.empty(meta.nbytes, dtype=np.uint8)
-        timing = self.download_into(key, host)
-        return host.view(np.dtype(meta.dtype)).reshape(meta.shape), timing
+        def copy_whole(out: np.ndarray) -> None:
+            with gpu_errors_as_io_errors():
+                dev.timed(lambda: dev.d2h(out, buf))
+        return EntrySource(meta.nbytes, meta.shape, meta.dtype, fill, copy_whole=copy_whole)
 
-    def read_through(self, key: str, staging: np.ndarray, consume: Optional[Callable[[np.ndarray], None]] = None) -> IOTiming:
-        src, nbytes = self.cache[key], self._meta[key].nbytes
-        t0 = time.perf_counter()
-        device_s = self.delivery.from_device(src, nbytes)
-        total = time.perf_counter() - t0
-        if consume is not None:                          # verification only: untimed host copies
-            source = self.chunk_source(key)
-            for start in range(0, nbytes, staging.size):
-                part = staging[:min(staging.size, nbytes - start)]
-                source(start, part)
-                consume(part)
-        return IOTiming.from_device(total, device_s)
-
-    def take(self, key: str) -> np.ndarray:
-        return self.read(key)[0]
+    def entry_info(self, key: str) -> StoredEntry:
+        return self._meta[key]
 
     def delete(self, key: str) -> bool:
         self._meta.pop(key, None)
@@ -2514,6 +2976,13 @@ class GPUMemoryBackend(StorageBackend):
     def __contains__(self, key: str) -> bool:
         return key in self.cache
 
+
+# ============================================================================
+# MEMORY TIERS, SET UP TOGETHER
+# ============================================================================
+
+# How much memory a run may use (RAM, its cgroup, its share on an MPI node), then the GPU
+# and CPU tiers made together: with a GPU tier the CPU tier is one page-locked arena.
 
 _MPI_NODE_ENV = (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),   # Open MPI
                  ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"))                          # MPICH / Hydra, Intel MPI
@@ -2613,35 +3082,6 @@ def _cgroup_level_headroom(level: Path, limit_file: str, usage_file: str, cache_
     return max(0, int(limit_text) - max(0, used - cache))
 
 
-def move_entry(source: StorageBackend, dest: StorageBackend, key: str, nbytes: int, shape: Tuple[int, ...],
-               dtype: str, staging: Optional[np.ndarray]) -> IOTiming:
-    """Move one entry a tier down by the shortest path (its copy in `source` stays until the
-    caller deletes it): GPU -> CPU is one device-to-host copy into the CPU tier's own memory;
-    GPU -> storage goes chunk by chunk through the (pinned) staging area; a CPU entry is
-    written to storage from where it lies."""
-    t0 = time.perf_counter()
-    if isinstance(source, GPUMemoryBackend) and isinstance(dest, CPUMemoryBackend):
-        host = dest.destination(nbytes)
-        try:
-            timing = source.download_into(key, host)
-        except BaseException:
-            dest._free(host)
-            raise
-        dest.adopt(key, host, shape, dtype)
-        return IOTiming.from_device(time.perf_counter() - t0, timing.device)
-    if isinstance(source, GPUMemoryBackend):
-        timing = dest.write_from(key, source.chunk_source(key), nbytes, shape, dtype, staging)
-        return IOTiming.from_device(time.perf_counter() - t0, timing.device)
-    data = source.take(key)                                 # a memory tier's array: no copy
-    fetch_s = time.perf_counter() - t0
-    if isinstance(dest, (CPUMemoryBackend, GPUMemoryBackend)):
-        timing = dest.store(key, data)
-    else:
-        timing = dest.write_from(key, array_source(data), nbytes, shape, dtype, staging)
-    return IOTiming.from_device(time.perf_counter() - t0, fetch_s + timing.device)
-
-
-# --- The memory tiers, set up together --------------------------------------------------------
 
 ARENA_MAX_SHARE_OF_AVAILABLE = 0.8      # never page-lock more than this share of the free RAM
 
@@ -2704,490 +3144,10 @@ def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
             buffer, how = host_buffer(gpu.device, size)
             arena = HostArena(buffer)
             tiers.cpu_memory = f"{'page-locked' if how == 'pinned' else how} arena of {size / GIB:.2f} GB"
-        tiers.backends["cpu"] = CPUMemoryBackend(arena, tiers.delivery)
+        tiers.backends["cpu"] = CPUMemoryBackend(arena)
         tiers.limits["cpu"] = cpu_memory_gb * GIB if arena is None or size == wanted else arena.capacity_bytes
     return tiers
 
-
-_SAFE_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,159}$")
-
-
-def safe_file_stem(key: str) -> str:
-    """`key` itself when it is a safe file name, else a hash of it (never a path).
-
-    Hashed names start with '~', which a safe key cannot contain, so a key
-    can never collide with another key's hashed name."""
-    if _SAFE_KEY.match(key) and ".." not in key:
-        return key
-    return "~" + hashlib.sha256(key.encode()).hexdigest()[:40]
-
-
-def npy_header(shape: Sequence[int], dtype: str) -> bytes:
-    """A version-1.0 .npy header padded to NPY_DATA_OFFSET bytes, so the data is block-aligned."""
-    meta = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
-            "shape": tuple(int(s) for s in shape)}
-    body = repr(meta)
-    prefix_len = 10                                   # magic (6) + version (2) + header length (2)
-    body = body.ljust(NPY_DATA_OFFSET - prefix_len - 1) + "\n"
-    return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode("latin1")
-
-
-_FALLOCATE: Any = None                  # libc's fallocate(2); False once known to be unavailable
-
-
-def preallocate(fd: int, nbytes: int) -> bool:
-    """Reserve the file's blocks in one go with fallocate(2), so that an entry written by
-    several concurrent transfers, next to other entries being written, is laid out
-    contiguously (reads of interleaved layouts were up to 40 % slower here; docs/performance.md).
-    Not posix_fallocate: its fallback writes zeros. False where the file system cannot;
-    OSError (ENOSPC, EFBIG) when the space or the size is not there."""
-    global _FALLOCATE
-    if _FALLOCATE is None:
-        try:
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.fallocate
-            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-            fn.restype = ctypes.c_int
-            _FALLOCATE = fn
-        except (OSError, AttributeError):
-            _FALLOCATE = False
-    if not _FALLOCATE or nbytes <= 0:
-        return False
-    if _FALLOCATE(fd, 0, 0, nbytes) == 0:
-        return True
-    err = _ctypes_errno()
-    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-        return False
-    raise OSError(err, os.strerror(err))
-
-
-def _ctypes_errno() -> int:
-    import ctypes
-    return ctypes.get_errno()
-
-
-def probe_direct_io(directory: Path) -> Tuple[bool, str]:
-    """Whether files in `directory` accept O_DIRECT, and why not."""
-    if not hasattr(os, "O_DIRECT"):
-        return False, "this OS has no O_DIRECT"
-    fd, probe = tempfile.mkstemp(prefix=".kvcache_odirect_probe_", dir=directory)
-    os.close(fd)
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_DIRECT)
-        try:
-            os.pwrite(fd, aligned_empty(BLOCK_BYTES), 0)
-        finally:
-            os.close(fd)
-        return True, "O_DIRECT"
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):     # full is full, not "no O_DIRECT"
-            raise
-        return False, f"file system refuses O_DIRECT ({exc.strerror})"
-    finally:
-        os.unlink(probe)
-
-
-class NVMeBackend(StorageBackend):
-    """Tier 3: one `<key>.npy` file per entry directly in `base_path`.
-
-    Files are written with O_DIRECT when the file system allows it, else
-    buffered; either way a write counts as done only after fdatasync, and the
-    file's pages are dropped from the page cache (posix_fadvise DONTNEED) so
-    that every read reaches the device. The .npy header is padded to 4096
-    bytes: the array data is block-aligned and the file still loads with
-    numpy.load.
-    """
-
-    name = "nvme"
-
-    def __init__(self, base_path: Optional[Any] = None, direct_io: Optional[bool] = None):
-        self._owns_dir = base_path is None
-        self.base_path = Path(tempfile.mkdtemp(prefix="kvcache_")) if base_path is None else Path(base_path)
-        self.base_path.mkdir(parents=True, exist_ok=True)
-        self.metadata: Dict[str, Dict[str, Any]] = {}
-        self._lock = threading.Lock()
-        supported, reason = probe_direct_io(self.base_path)
-        self.direct_io = supported if direct_io is None else (direct_io and supported)
-        self.io_mode = "O_DIRECT" if self.direct_io else f"buffered + fdatasync + fadvise(DONTNEED): {reason}"
-        self._staging = threading.local()
-        self.busy = {"read": BusyClock(), "write": BusyClock()}
-        # Sizes of the read and write requests issued to the file system ({bytes: count}), for --fio-job.
-        self.request_sizes: Dict[str, Dict[int, int]] = {"read": defaultdict(int), "write": defaultdict(int)}
-        self._file_sizes: List[int] = [0, 0, 0, 0]            # files written: count, bytes, smallest, largest
-        self.abort_event: Optional[threading.Event] = None    # set: give up between chunks
-        self.delivery: Optional[GPUDelivery] = None            # with a GPU tier: each chunk read goes on to the GPU
-        self._trash_ids = itertools.count(1)
-
-    def _check_abort(self, nbytes_done: int) -> None:
-        if self.abort_event is not None and self.abort_event.is_set():
-            raise IOAborted(nbytes_done)
-
-    # --- paths and buffers ---
-    def _path(self, key: str) -> Path:
-        return self.base_path / f"{safe_file_stem(key)}.npy"
-
-    def _thread_staging(self) -> np.ndarray:
-        buf = getattr(self._staging, "buf", None)
-        if buf is None:
-            buf = self._staging.buf = aligned_empty(IO_DEPTH * IO_CHUNK_BYTES)
-        return buf
-
-    @staticmethod
-    def _chunk_buffers(staging: np.ndarray) -> List[np.ndarray]:
-        """The staging area cut into IO_CHUNK_BYTES buffers, one per transfer in flight (at most
-        IO_DEPTH; a staging area smaller than one chunk is one smaller buffer)."""
-        if staging.size <= IO_CHUNK_BYTES:
-            return [staging]
-        count = min(IO_DEPTH, staging.size // IO_CHUNK_BYTES)
-        return [staging[i * IO_CHUNK_BYTES:(i + 1) * IO_CHUNK_BYTES] for i in range(count)]
-
-    def _io_len(self, n: int) -> int:
-        # O_DIRECT transfers whole blocks; the tail is padded and the file truncated afterwards.
-        return -(-n // BLOCK_BYTES) * BLOCK_BYTES if self.direct_io else n
-
-    def _request(self, op: str, nbytes: int) -> int:
-        with self._lock:
-            self.request_sizes[op][nbytes] += 1
-        return nbytes
-
-    # --- writing ---
-    def write_from(self, key, source, nbytes, shape, dtype, staging=None) -> IOTiming:
-        staging = self._thread_staging() if staging is None else staging
-        path = self._path(key)
-        self.delete(key)                                  # replacing an entry of ours
-        t0 = time.perf_counter()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        if self.direct_io:
-            flags |= os.O_DIRECT
-        fd = os.open(path, flags, 0o644)                  # O_EXCL: never overwrite a file we did not create
-        try:
-            device_s = self._write_chunks(fd, npy_header(shape, dtype), source, nbytes, staging)
-        except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        with self._lock:
-            self.metadata[key] = {"path": path, "size": nbytes, "shape": tuple(shape), "dtype": dtype}
-            sizes = self._file_sizes
-            sizes[2] = min(sizes[2], nbytes) if sizes[0] else nbytes
-            sizes[0], sizes[1], sizes[3] = sizes[0] + 1, sizes[1] + nbytes, max(sizes[3], nbytes)
-        return IOTiming.from_device(time.perf_counter() - t0, device_s)
-
-    def request_profile(self) -> Dict[str, Any]:
-        """What the tier asked of the file system: request sizes, depth kept in flight, file sizes
-        (what an fio job needs to replay the run)."""
-        with self._lock:
-            count, total, smallest, largest = self._file_sizes
-            profile: Dict[str, Any] = {f"{op}_sizes": dict(sizes) for op, sizes in self.request_sizes.items()}
-        for op, clock in self.busy.items():
-            profile[f"{op}_mean_inflight"] = clock.mean_inflight()
-            profile[f"{op}_peak_inflight"] = clock.peak_inflight
-            profile[f"{op}_request_mean_ms"] = clock.request_s / clock.requests * 1000 if clock.requests else None
-        profile.update(files_written=count, file_bytes_mean=total / count if count else None,
-                       file_bytes_min=smallest if count else None, file_bytes_max=largest if count else None)
-        return profile
-
-    def _write_chunks(self, fd: int, header: bytes, source: ByteSource, nbytes: int, staging: np.ndarray) -> float:
-        total = NPY_DATA_OFFSET + nbytes
-        buffers = self._chunk_buffers(staging)
-        pipe = ChunkPipeline(self.busy["write"], len(buffers))
-        written = [0]                                     # data bytes of completed transfers
-        pipe.timed(preallocate, fd, self._io_len(total))
-
-        def completed(data_bytes: int) -> Callable[[Any], None]:
-            def done(_: Any) -> None:
-                written[0] += data_bytes
-            return done
-
-        def issue() -> None:
-            file_off = data_off = i = 0
-            while file_off < total:
-                self._check_abort(written[0])
-                pipe.make_room()                          # buffer i % depth is free again
-                buf = buffers[i % len(buffers)]
-                n = min(buf.size, total - file_off)
-                head = 0
-                if file_off == 0:
-                    buf[:NPY_DATA_OFFSET] = np.frombuffer(header, dtype=np.uint8)
-                    head = NPY_DATA_OFFSET
-                if n > head:
-                    source(data_off, buf[head:n])
-                    data_off += n - head
-                pipe.submit(completed(n - head), _pwrite_all, fd, buf[:self._request("write", self._io_len(n))],
-                            file_off)
-                file_off += n
-                i += 1
-        pipe.complete_all(issue, lambda: written[0])
-
-        def finish() -> None:
-            if self.direct_io and total % BLOCK_BYTES:
-                os.ftruncate(fd, total)
-            os.fdatasync(fd)                              # durable before we call it written
-            if not self.direct_io:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        pipe.timed(finish)
-        return pipe.device_s()
-
-    # --- reading ---
-    def _open_for_read(self, key: str) -> Tuple[int, Dict[str, Any]]:
-        with self._lock:
-            meta = self.metadata[key]                     # KeyError for a missing or deleted key
-        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.direct_io else 0)
-        try:
-            return os.open(meta["path"], flags), meta
-        except FileNotFoundError:
-            raise KeyError(key) from None                 # deleted while we looked
-
-    def _read_chunks(self, fd: int, nbytes: int, buffer_for: Callable[[int, int, int], np.ndarray], depth: int,
-                     consume: Optional[Callable[[np.ndarray], None]] = None) -> float:
-        """Read the entry's data in IO_CHUNK_BYTES transfers, `depth` in flight; chunk i lands in
-        buffer_for(i, offset, bytes left) and is handed to `consume` in order."""
-        pipe = ChunkPipeline(self.busy["read"], depth)
-        done = [0]                                        # bytes completed (and consumed)
-
-        def completed(buf: np.ndarray, want: int) -> Callable[[int], None]:
-            def check(got: int) -> None:
-                if got < want:
-                    raise OSError(errno.EIO, f"short read: {got} of {want} bytes")
-                if consume is not None:
-                    consume(buf[:want])
-                done[0] += want
-            return check
-
-        def issue() -> None:
-            issued = i = 0
-            while issued < nbytes:
-                self._check_abort(done[0])
-                pipe.make_room()
-                buf = buffer_for(i, issued, nbytes - issued)
-                want = min(buf.size, nbytes - issued, IO_CHUNK_BYTES)
-                pipe.submit(completed(buf, want), os.preadv, fd, [buf[:self._request("read", self._io_len(want))]],
-                            NPY_DATA_OFFSET + issued)
-                issued += want
-                i += 1
-        pipe.complete_all(issue, lambda: done[0])
-        if not self.direct_io:
-            pipe.timed(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_DONTNEED)   # the next read must reach the device too
-        return pipe.device_s()
-
-    def read_through(self, key: str, staging: np.ndarray, consume: Optional[Callable[[np.ndarray], None]] = None) -> IOTiming:
-        t0 = time.perf_counter()
-        fd, meta = self._open_for_read(key)
-        try:
-            buffers = self._chunk_buffers(staging)
-            with (self.delivery.chunk_sink() if self.delivery is not None else contextlib.nullcontext()) as deliver:
-                device_s = self._read_chunks(fd, meta["size"], lambda i, done, left: buffers[i % len(buffers)],
-                                             len(buffers), _chain(consume, deliver))
-        finally:
-            os.close(fd)
-        return IOTiming.from_device(time.perf_counter() - t0, device_s)
-
-    def read(self, key: str) -> Tuple[np.ndarray, IOTiming]:
-        t0 = time.perf_counter()
-        fd, meta = self._open_for_read(key)
-        nbytes = meta["size"]
-        dest = aligned_empty(nbytes + BLOCK_BYTES)        # room for a padded direct-I/O tail
-        try:
-            device_s = self._read_chunks(fd, nbytes, lambda i, done, left: dest[done:done + min(left + BLOCK_BYTES, IO_CHUNK_BYTES)],
-                                         IO_DEPTH)
-        finally:
-            os.close(fd)
-        data = dest[:nbytes].view(np.dtype(meta["dtype"])).reshape(meta["shape"])
-        return data, IOTiming.from_device(time.perf_counter() - t0, device_s)
-
-    def take(self, key: str) -> np.ndarray:
-        return self.read(key)[0]
-
-    # --- removal ---
-    def delete(self, key: str) -> bool:
-        with self._lock:
-            meta = self.metadata.pop(key, None)
-        if meta is None:
-            return False
-        Path(meta["path"]).unlink(missing_ok=True)
-        return True
-
-    def detach(self, key: str) -> Optional[Path]:
-        """Forget an entry but keep its file for later deletion, renamed out of the way so
-        the key can be written again at once. Returns the file's new path."""
-        with self._lock:
-            meta = self.metadata.pop(key, None)
-        if meta is None:
-            return None
-        return self._rename_aside(Path(meta["path"]))
-
-    def _rename_aside(self, path: Path) -> Path:
-        """Rename our file to a fresh `.trash_N_` name that no other file has: a hard link fails
-        on an existing name where a rename would replace someone else's file."""
-        while True:
-            trash = path.with_name(f".trash_{next(self._trash_ids)}_{path.name}")
-            try:
-                os.link(path, trash)
-            except FileExistsError:
-                continue
-            except OSError as exc:                        # no hard links here: rename, checked
-                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK) or trash.exists():
-                    raise
-                os.rename(path, trash)
-                return trash
-            os.unlink(path)
-            return trash
-
-    def clear(self) -> None:
-        """Remove every file this backend wrote, and its directory if it made it."""
-        with self._lock:
-            paths = [m["path"] for m in self.metadata.values()]
-            self.metadata.clear()
-        failed: List[OSError] = []
-        for path in paths:                                # every one, even when some fail
-            try:
-                Path(path).unlink(missing_ok=True)
-            except OSError as exc:
-                failed.append(exc)
-        if failed:
-            raise failed[0]
-        if self._owns_dir:
-            try:
-                self.base_path.rmdir()
-            except OSError:
-                pass
-
-    def __contains__(self, key: str) -> bool:
-        with self._lock:
-            return key in self.metadata
-
-
-def _pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
-    view = memoryview(buf)
-    while view.nbytes:
-        written = os.pwrite(fd, view, offset)
-        if written <= 0:
-            raise OSError(errno.EIO, "pwrite wrote nothing")
-        view = view[written:]
-        offset += written
-
-
-# --- Device baseline -----------------------------------------------------------
-
-BASELINE_THREADS = 32                   # parallel sequential read streams, like fio numjobs: the queue
-                                        # depth a drive needs for its read ceiling (docs/performance.md)
-BASELINE_WRITE_STREAMS = 8              # write streams: writes here do not gain from more, and each one
-                                        # in flight at the phase's end makes the phase overrun
-BASELINE_PHASE_S = 2.0                  # seconds per phase (write, then cold read)
-BASELINE_MAX_FILE_BYTES = 1 * GIB       # per stream
-BASELINE_PREALLOCATE_BYTES = 64 * MIB   # a stream reserves its file's blocks this much at a time
-
-
-def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: float = BASELINE_PHASE_S,
-                        threads: int = BASELINE_THREADS, max_file_bytes: int = BASELINE_MAX_FILE_BYTES,
-                        should_stop: Callable[[], bool] = lambda: False) -> Dict[str, Any]:
-    """The raw sequential write and cold read bandwidth of `directory`, fio-style.
-
-    min(`threads`, BASELINE_WRITE_STREAMS) streams each write one file with
-    IO_CHUNK_BYTES direct writes for about `phase_s` seconds (then fdatasync),
-    then `threads` streams read those files the same way for about `phase_s`
-    seconds, each from its own starting point (passes over the files, from the
-    device: direct I/O, or buffered with the pages dropped before each pass); the data is
-    incompressible and stamped like KV entries. The files live in a private
-    subdirectory and are removed. Returns GiB/s and the bytes moved, which are
-    never mixed into the workload's figures.
-    """
-    work = Path(tempfile.mkdtemp(prefix="kvcache_baseline_", dir=directory))
-    backend = NVMeBackend(work)
-    writers = min(threads, BASELINE_WRITE_STREAMS)
-    sizes = [0] * writers
-    read_bytes = [0] * max(threads, writers)
-    try:
-        write_s = _run_streams(lambda i: _baseline_write_stream(work / f"stream_{i}.bin", generator.layout(
-            f"__baseline_{i}"), generator, backend.direct_io, phase_s, max_file_bytes, should_stop, sizes, i), writers)
-        if not backend.direct_io:                     # buffered: shared files would be read from the page cache
-            threads = writers
-        read_s = _run_streams(lambda i: _baseline_read_stream(
-            work / f"stream_{i % writers}.bin", sizes[i % writers], backend.direct_io, phase_s, should_stop,
-            (i // writers, -(-threads // writers)), read_bytes, i), threads)
-        total, total_read = sum(sizes), sum(read_bytes)
-    finally:
-        for path in work.glob("stream_*.bin"):
-            path.unlink()
-        backend.clear()
-        work.rmdir()
-    return {
-        "directory": str(directory),
-        "io_mode": backend.io_mode,
-        "threads": threads,
-        "write_threads": writers,
-        "chunk_bytes": IO_CHUNK_BYTES,
-        "write_gib_per_sec": total / GIB / write_s if write_s > 0 else 0.0,
-        "read_gib_per_sec": total_read / GIB / read_s if read_s > 0 else 0.0,
-        "bytes_written": total,
-        "bytes_read": total_read,
-        "write_s": write_s,
-        "read_s": read_s,
-    }
-
-
-def _baseline_write_stream(path: Path, layout: EntryLayout, generator: KVCacheGenerator, direct: bool,
-                           phase_s: float, max_file_bytes: int, should_stop: Callable[[], bool],
-                           sizes: List[int], i: int) -> None:
-    """One baseline writer: IO_CHUNK_BYTES writes of KV-like data to its own file for `phase_s`."""
-    buf = aligned_empty(IO_CHUNK_BYTES)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o644)
-    try:
-        deadline = time.perf_counter() + phase_s
-        reserved = 0
-        while sizes[i] < max_file_bytes and time.perf_counter() < deadline and not should_stop():
-            if sizes[i] >= reserved:                      # laid out like the workload's preallocated entries
-                reserved += BASELINE_PREALLOCATE_BYTES
-                preallocate(fd, reserved)
-            generator.fill(layout, sizes[i], buf)
-            _pwrite_all(fd, buf, sizes[i])
-            sizes[i] += buf.size
-        os.fdatasync(fd)
-        if not direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _baseline_read_stream(path: Path, size: int, direct: bool, phase_s: float, should_stop: Callable[[], bool],
-                          place: Tuple[int, int], read_bytes: List[int], i: int) -> None:
-    """One baseline reader: passes over a written file for `phase_s`, starting at its share
-    `place` = (which reader of the file, readers per file) so that the readers spread over it."""
-    buf = aligned_empty(IO_CHUNK_BYTES)
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-    try:
-        deadline = time.perf_counter() + phase_s
-        start = offset = (size // IO_CHUNK_BYTES) * place[0] // place[1] * IO_CHUNK_BYTES
-        while size and time.perf_counter() < deadline and not should_stop():
-            if offset == start and not direct:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            if os.preadv(fd, [buf], offset) < buf.size:
-                raise OSError(errno.EIO, "short read in the baseline")
-            read_bytes[i] += buf.size
-            offset = (offset + buf.size) % size
-    finally:
-        os.close(fd)
-
-
-def _run_streams(target: Callable[[int], None], threads: int) -> float:
-    errors: List[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            target(i)
-        except BaseException as exc:
-            errors.append(exc)
-    workers = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(threads)]
-    t0 = time.perf_counter()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - t0
 
 
 # ============================================================================
@@ -3402,13 +3362,6 @@ class CacheStats:
         self.count(f"{tier}_bytes_{'read' if op == 'read' else 'written'}", nbytes)
         self.count(f"{tier}_aborted_{op}s")
 
-    def record_failure(self, tier: str, op: str, exc: BaseException) -> None:
-        """An operation that did not complete: the run's stop (bytes moved so far) or an I/O error."""
-        if isinstance(exc, IOAborted):
-            self.record_partial(tier, op, exc.nbytes)
-        else:
-            self.record_io_error(tier, op, exc)
-
     def record_io_error(self, tier: str, op: str, exc: OSError) -> None:
         kind = errno.errorcode.get(exc.errno, "EOTHER") if exc.errno else "EOTHER"
         self.count("io_errors")
@@ -3573,15 +3526,12 @@ class MultiTierCache:
             if self.tiers.gpu is not None:
                 self.tiers.gpu.close()
             raise
-        self.backends["nvme"].delivery = self.tiers.delivery
         self._abort = threading.Event()
-        self.staging_pool = StagingPool(STAGING_AREAS, IO_DEPTH * IO_CHUNK_BYTES, self._abort)
+        self.staging_pool = StagingPool(STAGING_AREAS, STAGING_BYTES)
         if self.tiers.gpu is not None:                 # storage staging crosses PCIe too: pinned
             self.staging_pool.on_create = lambda area: pin_host_buffer(self.tiers.gpu.device, area)
-        for backend in self.backends.values():
-            backend.abort_event = self._abort
-        if self.tiers.delivery is not None:
-            self.tiers.delivery.set_abort(self._abort)
+        # Where reads end: in GPU memory with a GPU tier, else in host memory (the staging area).
+        self._sink: ReadSink = self.tiers.delivery if self.tiers.delivery is not None else HostSink()
         self._retired: set = set()
         self._trash: List[Path] = []
         self._limits["nvme"] = storage_capacity_gb * GIB if storage_capacity_gb else float("inf")
@@ -3616,11 +3566,13 @@ class MultiTierCache:
                     counts[entry.tier] += 1
             return counts
 
-    def _staged(self, tier: str, op: str) -> Any:
-        """A staging area from the shared pool for a transfer that needs one (storage I/O, reads
-        copied out of memory); writes into memory need none."""
-        copies_out = op == "read" and (self.tiers.delivery is None or self.verify)   # else straight to the GPU
-        return self.staging_pool.lease(needed=tier == "nvme" or copies_out)
+    def _transfer(self, tier: str, op: str, nbytes: int, verify: bool) -> Transfer:
+        """One operation on `tier`, stopped by the run's stop and recorded in the statistics. It
+        holds a staging area from the shared pool when it needs one (storage I/O, reads copied
+        out of memory, --verify of a GPU delivery); writes into memory need none."""
+        copies_out = op == "read" and (self.tiers.delivery is None or verify)   # else straight to the GPU
+        pool = self.staging_pool if tier == "nvme" or copies_out else None
+        return Transfer(op, nbytes, tier=tier, stop=self._abort, pool=pool, verify=verify, stats=self.stats)
 
     # --- writes ---
     def allocate_cache(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
@@ -3666,22 +3618,19 @@ class MultiTierCache:
             self._drop(entry, reserved_tier=None)
             self.stats.count("allocation_failures")
             return False, None, 0, False
-        source, crc = generator_source(self.generator, key), None
-        if self.verify:
-            source, crc = _checksummed(source)
+        source = EntrySource.generated(self.generator, key, size, entry.shape, entry.dtype)
         try:
-            with self._staged(tier, "write") as staging:
-                timing = self.backends[tier].write_from(key, source, size, entry.shape, entry.dtype, staging)
-        except (OSError, IOAborted) as exc:
+            with self._transfer(tier, "write", size, self.verify) as transfer:
+                self.backends[tier].write_from(key, source, transfer)
+        except (OSError, IOAborted) as exc:             # counted by the transfer
             self._drop(entry, reserved_tier=tier)
-            self.stats.record_failure(tier, "write", exc)
             return False, None, 0, isinstance(exc, IOAborted)
         with self._lock:
-            entry.checksum = crc[0] if crc is not None else None
+            entry.checksum = transfer.crc if self.verify else None
             entry.tier, entry.state = tier, "ready"
             self._lru[tier][key] = None
-        reason = "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE) else "decode"
-        self.stats.record_io(tier, "write", size, num_tokens, timing, reason)
+        transfer.record(num_tokens, "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE)
+                        else "decode")
         return True, tier, num_tokens, False
 
     def _reserve(self, size: int, first_tier_index: int) -> Optional[str]:
@@ -3725,14 +3674,15 @@ class MultiTierCache:
                 _unlink_counted(self.stats, trash)                 # the capacity cap holds on disk too
             self.stats.count("evictions")
             return
-        try:
-            timing = self._move(victim, source, dest)
-        except (OSError, IOAborted) as exc:
+        try:                                         # the next tier stores the entry from where it lies
+            entry_source = self.backends[source].source(victim.key)
+            with self._transfer(dest, "write", victim.size_bytes, False) as transfer:
+                self.backends[dest].write_from(victim.key, entry_source, transfer)
+        except (OSError, IOAborted):                  # counted by the transfer
             with self._lock:
                 self._usage[dest] -= victim.size_bytes
             self._drop(victim, reserved_tier=source)
             self.backends[source].delete(victim.key)
-            self.stats.record_failure(dest, "write", exc)
             return
         with self._lock:
             victim.tier, victim.state = dest, "ready"
@@ -3740,13 +3690,8 @@ class MultiTierCache:
             self._lru[dest][victim.key] = None
         self.backends[source].delete(victim.key)
         self.stats.count(f"offloads_{dest}")
-        self.stats.record_io(dest, "write", victim.size_bytes, victim.num_tokens, timing, "demotion")
+        transfer.record(victim.num_tokens, "demotion")
         self._tls.demoted_tokens = getattr(self._tls, "demoted_tokens", 0) + victim.num_tokens
-
-    def _move(self, entry: CacheEntry, source: str, dest: str) -> IOTiming:
-        with self._staged(dest, "write") as staging:
-            return move_entry(self.backends[source], self.backends[dest], entry.key, entry.size_bytes,
-                              entry.shape, entry.dtype, staging)
 
     def _forget(self, entry: CacheEntry) -> None:
         """Remove a ready entry's bookkeeping. Caller holds the lock."""
@@ -3799,28 +3744,24 @@ class MultiTierCache:
                 tier = entry.tier
                 if key in self._lru[tier]:
                     self._lru[tier].move_to_end(key)
-            crc = [0] if entry.checksum is not None else None
-            consume = (lambda chunk: crc.__setitem__(0, zlib.crc32(chunk, crc[0]))) if crc is not None else None
+            verify = entry.checksum is not None
             try:
-                with self._staged(tier, "read") as staging:
-                    timing = self.backends[tier].read_through(key, staging, consume)
+                with self._transfer(tier, "read", entry.size_bytes, verify) as transfer:
+                    self.backends[tier].read_into(key, self._sink, transfer)
             except KeyError:
                 continue
-            except IOAborted as exc:                   # the run is stopping: neither hit nor miss
-                self.stats.record_partial(tier, "read", exc.nbytes)
+            except IOAborted:                          # the run is stopping: neither hit nor miss (counted)
                 return CacheResult(False, None, time.perf_counter() - t0, 0, aborted=True)
-            except OSError as exc:
-                self.stats.record_io_error(tier, "read", exc)
+            except OSError:                            # counted by the transfer
                 break
             with self._lock:
                 replaced = self._entries.get(key) is not entry
             if replaced:                               # rewritten while we read: those were another entry's bytes
                 continue
             self.stats.record_lookup(cache_type, hit=True)
-            self.stats.record_io(tier, "read", entry.size_bytes, entry.num_tokens, timing,
-                                 "decode" if phase == InferencePhase.DECODE else "prefill")
-            if crc is not None:
-                self._check_read(key, tier, entry.checksum, crc[0])
+            transfer.record(entry.num_tokens, "decode" if phase == InferencePhase.DECODE else "prefill")
+            if verify:
+                self._check_read(key, tier, entry.checksum, transfer.crc)
             return CacheResult(True, tier, time.perf_counter() - t0, entry.num_tokens)
         self.stats.record_lookup(cache_type, hit=False)
         return CacheResult(False, None, time.perf_counter() - t0, 0)
@@ -4327,6 +4268,128 @@ def _fmt_comparison(c: Dict[str, Any]) -> List[str]:
     if c.get("share_note"):
         lines.append(f"  Note: {c['share_note']}")
     return lines
+
+
+# --- The device's raw bandwidth (--io-baseline) --------------------------------------
+
+BASELINE_THREADS = 32                   # parallel sequential read streams, like fio numjobs: the queue
+                                        # depth a drive needs for its read ceiling (docs/performance.md)
+BASELINE_WRITE_STREAMS = 8              # write streams: writes here do not gain from more, and each one
+                                        # in flight at the phase's end makes the phase overrun
+BASELINE_PHASE_S = 2.0                  # seconds per phase (write, then cold read)
+BASELINE_MAX_FILE_BYTES = 1 * GIB       # per stream
+BASELINE_PREALLOCATE_BYTES = 64 * MIB   # a stream reserves its file's blocks this much at a time
+
+
+def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: float = BASELINE_PHASE_S,
+                        threads: int = BASELINE_THREADS, max_file_bytes: int = BASELINE_MAX_FILE_BYTES,
+                        should_stop: Callable[[], bool] = lambda: False) -> Dict[str, Any]:
+    """The raw sequential write and cold read bandwidth of `directory`, fio-style.
+
+    min(`threads`, BASELINE_WRITE_STREAMS) streams each write one file with
+    IO_CHUNK_BYTES direct writes for about `phase_s` seconds (then fdatasync),
+    then `threads` streams read those files the same way for about `phase_s`
+    seconds, each from its own starting point (passes over the files, from the
+    device: direct I/O, or buffered with the pages dropped before each pass); the data is
+    incompressible and stamped like KV entries. The files live in a private
+    subdirectory and are removed. Returns GiB/s and the bytes moved, which are
+    never mixed into the workload's figures.
+    """
+    work = Path(tempfile.mkdtemp(prefix="kvcache_baseline_", dir=directory))
+    backend = NVMeBackend(work)
+    writers = min(threads, BASELINE_WRITE_STREAMS)
+    sizes = [0] * writers
+    read_bytes = [0] * max(threads, writers)
+    try:
+        write_s = _run_streams(lambda i: _baseline_write_stream(work / f"stream_{i}.bin", generator.layout(
+            f"__baseline_{i}"), generator, backend.direct_io, phase_s, max_file_bytes, should_stop, sizes, i), writers)
+        if not backend.direct_io:                     # buffered: shared files would be read from the page cache
+            threads = writers
+        read_s = _run_streams(lambda i: _baseline_read_stream(
+            work / f"stream_{i % writers}.bin", sizes[i % writers], backend.direct_io, phase_s, should_stop,
+            (i // writers, -(-threads // writers)), read_bytes, i), threads)
+        total, total_read = sum(sizes), sum(read_bytes)
+    finally:
+        for path in work.glob("stream_*.bin"):
+            path.unlink()
+        backend.clear()
+        work.rmdir()
+    return {
+        "directory": str(directory),
+        "io_mode": backend.io_mode,
+        "threads": threads,
+        "write_threads": writers,
+        "chunk_bytes": IO_CHUNK_BYTES,
+        "write_gib_per_sec": total / GIB / write_s if write_s > 0 else 0.0,
+        "read_gib_per_sec": total_read / GIB / read_s if read_s > 0 else 0.0,
+        "bytes_written": total,
+        "bytes_read": total_read,
+        "write_s": write_s,
+        "read_s": read_s,
+    }
+
+
+def _baseline_write_stream(path: Path, layout: EntryLayout, generator: KVCacheGenerator, direct: bool,
+                           phase_s: float, max_file_bytes: int, should_stop: Callable[[], bool],
+                           sizes: List[int], i: int) -> None:
+    """One baseline writer: IO_CHUNK_BYTES writes of KV-like data to its own file for `phase_s`."""
+    buf = aligned_empty(IO_CHUNK_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o644)
+    try:
+        deadline = time.perf_counter() + phase_s
+        reserved = 0
+        while sizes[i] < max_file_bytes and time.perf_counter() < deadline and not should_stop():
+            if sizes[i] >= reserved:                      # laid out like the workload's preallocated entries
+                reserved += BASELINE_PREALLOCATE_BYTES
+                preallocate(fd, reserved)
+            generator.fill(layout, sizes[i], buf)
+            _pwrite_all(fd, buf, sizes[i])
+            sizes[i] += buf.size
+        os.fdatasync(fd)
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _baseline_read_stream(path: Path, size: int, direct: bool, phase_s: float, should_stop: Callable[[], bool],
+                          place: Tuple[int, int], read_bytes: List[int], i: int) -> None:
+    """One baseline reader: passes over a written file for `phase_s`, starting at its share
+    `place` = (which reader of the file, readers per file) so that the readers spread over it."""
+    buf = aligned_empty(IO_CHUNK_BYTES)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        deadline = time.perf_counter() + phase_s
+        start = offset = (size // IO_CHUNK_BYTES) * place[0] // place[1] * IO_CHUNK_BYTES
+        while size and time.perf_counter() < deadline and not should_stop():
+            if offset == start and not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if os.preadv(fd, [buf], offset) < buf.size:
+                raise OSError(errno.EIO, "short read in the baseline")
+            read_bytes[i] += buf.size
+            offset = (offset + buf.size) % size
+    finally:
+        os.close(fd)
+
+
+def _run_streams(target: Callable[[int], None], threads: int) -> float:
+    errors: List[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            target(i)
+        except BaseException as exc:
+            errors.append(exc)
+    workers = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(threads)]
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
+
 
 
 # --- fio: replaying the storage tier's I/O with a standard tool ------------------------

@@ -256,6 +256,232 @@ def _as_random(rng: Any) -> random.Random:
 _DEFAULT_RNG = random.Random()
 
 
+# --- The run's configuration ---------------------------------------------------
+
+class UsageError(Exception):
+    """Bad input: reported as one line on stderr, exit status 2."""
+
+
+@dataclass
+class BenchmarkConfig:
+    """Everything a run is told, in one object: the command line fills it (a flag's value goes
+    into the field of its name; the original's few other names are in _ORIGINAL_FLAGS), it
+    validates itself, the cache and the engine receive it whole, and the results' `config`
+    block is its dataclasses.asdict (config_block). A new flag is written in the parser and
+    here, nowhere else."""
+    # workload
+    model: Any = "llama3.1-8b"                    # a MODEL_CONFIGS key, held as its ModelConfig
+    num_users: int = 100
+    duration_s: Optional[float] = None           # None: 60 s, or no time limit when max_requests is set
+    generation_mode: Any = GenerationMode.REALISTIC   # a GenerationMode (or its value)
+    multi_turn: bool = True
+    prefix_caching: bool = True
+    seed: Optional[int] = None
+    max_requests: int = 0
+    worker_slots: int = 0                         # requests processed at once; 0: min(users, MAX_IN_FLIGHT_REQUESTS)
+    # memory tiers
+    gpu_mem_gb: float = 16.0
+    cpu_mem_gb: float = 32.0
+    gpu_library: str = "auto"                     # 'auto' (PyTorch, then CuPy), 'torch' or 'cupy'
+    cache_dir: Optional[str] = None
+    max_concurrent_allocs: int = 0
+    storage_capacity_gb: float = 0.0              # 0: the storage tier is unbounded
+    io_baseline: bool = False                     # measure the cache directory's raw bandwidth first
+    verify: bool = False
+    # autoscaling
+    autoscaler_mode: Optional[str] = None         # None (off), 'qos' or 'capacity'
+    target_saturation: float = 0.8
+    monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
+    # dataset replay and RAG
+    dataset_path: Optional[str] = None            # ShareGPT JSON to replay instead of synthetic users
+    max_conversations: int = 500
+    request_rate: float = 0.0                     # admissions per second; 0: no pacing
+    enable_rag: bool = False
+    rag_num_docs: int = 10
+    # output
+    performance_profile: str = "latency"
+    progress: bool = False                        # live progress on stderr
+    output: Optional[str] = None
+    xlsx_output: Optional[str] = None
+    plot: Optional[str] = None
+    fio_job: Optional[str] = None
+    fio_compare: bool = False
+    # set by the run, not by a flag
+    requested_cpu_mem_gb: Optional[float] = None  # --cpu-mem-gb as given, before clamping to free RAM
+    gpu_device: int = 0                           # CUDA device, modulo the visible ones (MPI: the node rank)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, str):
+            self.model = MODEL_CONFIGS[self.model]
+        self.generation_mode = GenerationMode(self.generation_mode)
+        if self.duration_s is None and not self.max_requests:
+            self.duration_s = 60.0
+        if self.requested_cpu_mem_gb is None:
+            self.requested_cpu_mem_gb = self.cpu_mem_gb
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "BenchmarkConfig":
+        given = vars(args)
+        values = {f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given}
+        for dest, (name, convert) in _ORIGINAL_FLAGS.items():
+            if dest in given:
+                values[name] = convert(given[dest], given)
+        return cls(**values)
+
+    def validate(self) -> "BenchmarkConfig":
+        """Raise UsageError naming the flag and the accepted range; touches nothing on disk."""
+        _check_range("--num-users", self.num_users, 1, MAX_USERS, f"between 1 and {MAX_USERS:,}")
+        if self.duration_s is not None:
+            _check_range("--duration", self.duration_s, 1e-3, MAX_DURATION_S,
+                         f"above 0 and at most {MAX_DURATION_S} seconds")
+        for flag, value in (("--gpu-mem-gb", self.gpu_mem_gb), ("--cpu-mem-gb", self.cpu_mem_gb)):
+            _check_range(flag, value, 0, MAX_MEMORY_GB, f"between 0 and {MAX_MEMORY_GB:,} GB")
+        _check_range("--target-saturation", self.target_saturation, 0.0, 1.0, "between 0.0 and 1.0")
+        _check_range("--max-conversations", self.max_conversations, 1, 10_000_000, "at least 1")
+        _check_range("--request-rate", self.request_rate, 0, 1e6, "0 (no pacing) or a positive rate up to 1,000,000/s")
+        _check_range("--max-requests", self.max_requests, 0, 10 ** 12, "0 (no limit) or a positive count")
+        _check_range("--max-concurrent-allocs", self.max_concurrent_allocs, 0, 100_000,
+                     "0 (unlimited) or a positive count")
+        _check_range("--rag-num-docs", self.rag_num_docs, 0, 1_000_000, "between 0 and 1,000,000")
+        _check_range("--num-workers", self.worker_slots, 0, 1024, "0 (the default) or between 1 and 1024")
+        _check_range("--monitor-interval", self.monitor_interval_s, 0.1, 3600, "between 0.1 and 3600 seconds")
+        _check_range("--storage-capacity-gb", self.storage_capacity_gb, 0, MAX_MEMORY_GB * 1024,
+                     "0 (unbounded) or a positive size in GiB")
+        _check_dataset(self.dataset_path)
+        if self.seed is not None:
+            _check_range("--seed", self.seed, 0, 2 ** 63 - 1, "a non-negative integer below 2**63")
+        _check_cache_dir(self.cache_dir)
+        _check_outputs(self)
+        if self.fio_compare and shutil.which("fio") is None:
+            raise UsageError("--fio-compare needs fio on the PATH (install it, e.g. apt-get install fio)")
+        return self
+
+
+# The original's flags whose value goes into a field of another name or meaning:
+# dest -> (field, value from (the flag's value, every flag's value)).
+_ORIGINAL_FLAGS: Dict[str, Tuple[str, Callable[[Any, Dict[str, Any]], Any]]] = {
+    "duration": ("duration_s", lambda v, _: v),
+    "disable_multi_turn": ("multi_turn", lambda v, _: not v),
+    "disable_prefix_caching": ("prefix_caching", lambda v, _: not v),
+    "num_workers": ("worker_slots", lambda v, _: v or 0),
+    "monitor_interval": ("monitor_interval_s", lambda v, _: v),
+    "enable_autoscaling": ("autoscaler_mode", lambda v, given: given.get("autoscaler_mode", "qos") if v else None),
+    "quiet": ("progress", lambda v, _: not v),
+}
+
+
+def config_block(config: BenchmarkConfig) -> Dict[str, Any]:
+    """The results' `config`: every field, plus the model's bytes per token and the GPU budget as asked."""
+    block = dataclasses.asdict(config)
+    block.update(model=config.model.name, kv_bytes_per_token=config.model.kv_cache_size_per_token,
+                 generation_mode=config.generation_mode.value, requested_gpu_mem_gb=config.gpu_mem_gb)
+    return block
+
+
+# --- Validation of what the user gave ------------------------------------------
+
+SYSTEM_PATHS = ("/", "/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "/boot", "/lib", "/lib64")
+SYSTEM_TREES = tuple(p for p in SYSTEM_PATHS if p != "/")     # nothing inside these either
+USER_TREES_IN_SYSTEM = ("/dev/shm",)    # shared memory: a tier users measure (tmpfs), not a system file
+SPREADSHEET_SUFFIXES = (".xlsx", ".csv")
+
+
+def _shown(value: float) -> str:
+    """A value for an error message, whatever its size (a 400-digit integer has no float form)."""
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
+
+
+def _check_range(flag: str, value: float, low: float, high: float, what: str) -> None:
+    # Compared before any arithmetic, so that no size or shape of number can raise.
+    if not (low <= value <= high) or (isinstance(value, float) and math.isnan(value)):
+        raise UsageError(f"{flag} must be {what}, got {_shown(value)}")
+
+
+def _check_cache_dir(cache_dir: Optional[str]) -> None:
+    if cache_dir is None:
+        return
+    path = Path(cache_dir).expanduser()
+    try:
+        resolved = str(path.resolve())
+    except (RuntimeError, OSError) as exc:       # a symbolic-link loop, or a path the OS cannot follow
+        raise UsageError(f"--cache-dir {cache_dir}: cannot be resolved ({exc})") from None
+    # Both the path as given and where its symbolic links lead (/bin -> /usr/bin on merged-/usr systems).
+    for candidate in {os.path.abspath(path), resolved}:
+        if any(candidate == tree or candidate.startswith(tree + "/") for tree in USER_TREES_IN_SYSTEM):
+            continue
+        if candidate in SYSTEM_PATHS or any(candidate.startswith(tree + "/") for tree in SYSTEM_TREES):
+            raise UsageError(f"--cache-dir {cache_dir} is a system path; give a directory on the storage under test")
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--cache-dir {cache_dir} exists and is not a directory")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--cache-dir {cache_dir} is not writable (needs write access to {existing})")
+
+
+def _check_dataset(dataset_path: Optional[str]) -> None:
+    if dataset_path is None:
+        return
+    path = Path(dataset_path).expanduser()
+    if path.is_dir():
+        raise UsageError(f"--dataset-path {dataset_path} is a directory; give a ShareGPT JSON file")
+    if not path.is_file():
+        raise UsageError(f"--dataset-path {dataset_path}: no such file")
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"--dataset-path {dataset_path}: not readable")
+    if path.stat().st_size == 0:
+        raise UsageError(f"--dataset-path {dataset_path}: the file is empty (expected ShareGPT JSON)")
+
+
+def _check_output_path(flag: str, output: Optional[str]) -> None:
+    if output is None:
+        return
+    path = Path(output).expanduser()
+    if path.is_dir():
+        raise UsageError(f"{flag} {output} is a directory; give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {output}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{flag} {output}: directory {parent} is not writable")
+
+
+def _check_plot_dir(plot: Optional[str]) -> None:
+    """--plot DIR may not exist yet, but what exists of its path must be directories we can write in."""
+    if plot is None:
+        return
+    path = Path(plot).expanduser().absolute()
+    existing = path
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "exists and is not a directory" if existing == path else f"is under {existing}, which is not a directory"
+        raise UsageError(f"--plot {plot} {where}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--plot {plot}: {existing} is not writable")
+
+
+def _check_outputs(config: "BenchmarkConfig") -> None:
+    """Every file the run will write, checked before it starts: writable, of a known kind, and
+    no two flags naming the same file (one would destroy the other, or the dataset read)."""
+    outputs = (("--output", config.output), ("--xlsx-output", config.xlsx_output), ("--fio-job", config.fio_job))
+    for flag, value in outputs:
+        _check_output_path(flag, value)
+    if config.xlsx_output is not None and Path(config.xlsx_output).suffix.lower() not in SPREADSHEET_SUFFIXES:
+        raise UsageError(f"--xlsx-output {config.xlsx_output}: the name must end in .xlsx or .csv")
+    _check_plot_dir(config.plot)
+    seen: Dict[str, str] = {}
+    for flag, value in outputs + (("--dataset-path", config.dataset_path),):
+        if value is None:
+            continue
+        real = os.path.realpath(Path(value).expanduser())
+        if real in seen:
+            raise UsageError(f"{flag} {value} names the same file as {seen[real]}; give each its own file")
+        seen[real] = flag
+
+
 # ============================================================================
 # WORKLOAD: REQUESTS, USERS, CONVERSATIONS, PREFIXES, PLANS
 # ============================================================================
@@ -3500,25 +3726,38 @@ class MultiTierCache:
 
     def __init__(self, model_config: ModelConfig, gpu_memory_gb: float, cpu_memory_gb: float,
                  seed: Optional[int] = None, cache_dir: Optional[Any] = None,
-                 performance_profile: str = "latency", storage_capacity_gb: Optional[float] = None,
-                 max_concurrent_allocs: int = 0, generator: Optional[KVCacheGenerator] = None,
-                 gpu_library: str = "auto", verify: bool = False, gpu_device: int = 0):
-        self.model_config = model_config
-        self.verify = verify
-        self.performance_profile = performance_profile
-        self.generator = generator if generator is not None else KVCacheGenerator(model_config, seed)
+                 generator: Optional[KVCacheGenerator] = None, **options: Any):
+        """The original's signature; `options` are BenchmarkConfig fields (performance_profile,
+        storage_capacity_gb, max_concurrent_allocs, gpu_library, verify, gpu_device)."""
+        self._open(BenchmarkConfig(model=model_config, gpu_mem_gb=gpu_memory_gb, cpu_mem_gb=cpu_memory_gb, seed=seed,
+                                   cache_dir=None if cache_dir is None else str(cache_dir), **options), generator)
+
+    @classmethod
+    def for_run(cls, config: BenchmarkConfig, generator: Optional[KVCacheGenerator] = None) -> "MultiTierCache":
+        """The cache a run's configuration describes (its `seed` the run's)."""
+        cache = cls.__new__(cls)
+        cache._open(config, generator)
+        return cache
+
+    def _open(self, config: BenchmarkConfig, generator: Optional[KVCacheGenerator]) -> None:
+        self.config = config
+        self.model_config = config.model
+        self.verify = config.verify
+        self.performance_profile = config.performance_profile
+        self.generator = generator if generator is not None else KVCacheGenerator(config.model, config.seed)
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._entries: Dict[str, CacheEntry] = {}
         self._tls = threading.local()
-        self._alloc_slots = threading.BoundedSemaphore(max_concurrent_allocs) if max_concurrent_allocs > 0 else None
+        slots = config.max_concurrent_allocs
+        self._alloc_slots = threading.BoundedSemaphore(slots) if slots > 0 else None
 
-        self.tiers = open_memory_tiers(gpu_memory_gb, cpu_memory_gb, gpu_library, self.generator,
-                                       available_memory_bytes(), gpu_device)
+        self.tiers = open_memory_tiers(config.gpu_mem_gb, config.cpu_mem_gb, config.gpu_library, self.generator,
+                                       available_memory_bytes(), config.gpu_device)
         self.backends: Dict[str, StorageBackend] = self.tiers.backends
         self._limits: Dict[str, float] = self.tiers.limits
         self.gpu_disabled_reason = self.tiers.gpu_disabled_reason
-        self.run_dir = Path(tempfile.mkdtemp(prefix="kvcache_run_", dir=cache_dir))
+        self.run_dir = Path(tempfile.mkdtemp(prefix="kvcache_run_", dir=config.cache_dir))
         try:
             self.backends["nvme"] = NVMeBackend(self.run_dir)
         except OSError:                                # e.g. a full file system: leave nothing behind
@@ -3534,7 +3773,7 @@ class MultiTierCache:
         self._sink: ReadSink = self.tiers.delivery if self.tiers.delivery is not None else HostSink()
         self._retired: set = set()
         self._trash: List[Path] = []
-        self._limits["nvme"] = storage_capacity_gb * GIB if storage_capacity_gb else float("inf")
+        self._limits["nvme"] = config.storage_capacity_gb * GIB if config.storage_capacity_gb else float("inf")
         self._usage: Dict[str, int] = {t: 0 for t in self.backends}
         self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
 
@@ -4915,39 +5154,6 @@ class WorkloadAutoscaler:
 # ============================================================================
 
 @dataclass
-class BenchmarkConfig:
-    model: ModelConfig
-    num_users: int = 100
-    duration_s: Optional[float] = 60.0            # None: no time limit (needs max_requests)
-    gpu_mem_gb: float = 16.0
-    cpu_mem_gb: float = 32.0
-    cache_dir: Optional[str] = None
-    generation_mode: GenerationMode = GenerationMode.REALISTIC
-    performance_profile: str = "latency"
-    enable_multi_turn: bool = True
-    enable_prefix_caching: bool = True
-    seed: Optional[int] = None
-    max_requests: int = 0
-    max_concurrent_allocs: int = 0
-    worker_slots: int = 0                         # requests processed at once; 0: min(users, MAX_IN_FLIGHT_REQUESTS)
-    monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
-    autoscaler_mode: Optional[str] = None         # None, 'qos' or 'capacity'
-    target_saturation: float = 0.8
-    enable_rag: bool = False
-    rag_num_docs: int = 10
-    dataset_path: Optional[str] = None            # ShareGPT JSON to replay instead of synthetic users
-    max_conversations: int = 500
-    request_rate: float = 0.0                     # admissions per second; 0: no pacing
-    progress: bool = False                        # live progress on stderr
-    storage_capacity_gb: float = 0.0              # 0: the storage tier is unbounded
-    verify: bool = False
-    io_baseline: bool = False                     # measure the cache directory's raw bandwidth first
-    requested_cpu_mem_gb: Optional[float] = None  # --cpu-mem-gb as given, before clamping to free RAM
-    gpu_library: str = "auto"                     # 'auto' (PyTorch, then CuPy), 'torch' or 'cupy'
-    gpu_device: int = 0                           # CUDA device, modulo the visible ones (MPI: the node rank)
-
-
-@dataclass
 class RequestRecord:
     """What one completed request measured, in seconds."""
     qos_level: str
@@ -5187,11 +5393,7 @@ class IntegratedBenchmark:
                                  self.dataset.conversations if self.dataset else None, self._stop.is_set)
         self.rag = RAGDocumentManager(config.rag_num_docs, self.seed) if config.enable_rag else None
         self.workload_digest = self.plan.digest(self._stop.is_set)
-        self.cache = MultiTierCache(config.model, config.gpu_mem_gb, config.cpu_mem_gb, seed=self.seed,
-                                    cache_dir=config.cache_dir, performance_profile=config.performance_profile,
-                                    max_concurrent_allocs=config.max_concurrent_allocs,
-                                    storage_capacity_gb=config.storage_capacity_gb or None, verify=config.verify,
-                                    gpu_library=config.gpu_library, gpu_device=config.gpu_device)
+        self.cache = MultiTierCache.for_run(dataclasses.replace(config, seed=self.seed))
         self.conversations = ConversationManager(max_conversations=max(1000, 2 * config.num_users))
         self.prefixes = PrefixCacheManager()
         self.recorder = RunRecorder(config.max_requests)
@@ -5349,7 +5551,7 @@ class IntegratedBenchmark:
         user = self.plan.users[user_index]
         self._request_numbers[user_index] += 1
         conv_id, turn, cache_key, previous = None, 0, None, ()
-        if self.config.enable_multi_turn:
+        if self.config.multi_turn:
             conv_id = self._active_conversation.get(user_index)
             if planned.turn == 1 or conv_id is None or not self.conversations.has_conversation(conv_id):
                 if conv_id is not None and self.conversations.has_conversation(conv_id):
@@ -5408,7 +5610,7 @@ class IntegratedBenchmark:
         req.start_time = time.perf_counter()
         io = RequestIO()
         cache = self.cache
-        if req.prefix_key and self.config.enable_prefix_caching:
+        if req.prefix_key and self.config.prefix_caching:
             found = io.add("prefill", cache.read_entry(req.prefix_key, InferencePhase.PREFILL, req.prefix_type))
             if not found.aborted:
                 self.prefixes.record(req.prefix_type, found.success,
@@ -5609,7 +5811,7 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "seed_given": config.seed is not None,
         "workload_digest": workload_digest,
         "interrupted": stop_reason in ("SIGINT", "SIGTERM"),
-        "config": _config_dict(config),
+        "config": config_block(config),
         **_request_lists(records),
         "throughput_timeline": timeline,
         "timeline": timeline,
@@ -5684,41 +5886,6 @@ def _rag_summary(rag_stats: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]
     out = {k: v for k, v in rag_stats.items() if k != "read_latencies_s"}
     out["read_latency_ms"] = latency_summary_ms(rag_stats["read_latencies_s"])
     return out
-
-
-def _config_dict(config: BenchmarkConfig) -> Dict[str, Any]:
-    return {
-        "model": config.model.name,
-        "kv_bytes_per_token": config.model.kv_cache_size_per_token,
-        "num_users": config.num_users,
-        "duration_s": config.duration_s,
-        "gpu_mem_gb": config.gpu_mem_gb,
-        "cpu_mem_gb": config.cpu_mem_gb,
-        "requested_gpu_mem_gb": config.gpu_mem_gb,
-        "requested_cpu_mem_gb": config.requested_cpu_mem_gb if config.requested_cpu_mem_gb is not None
-        else config.cpu_mem_gb,
-        "cache_dir": config.cache_dir,
-        "generation_mode": config.generation_mode.value,
-        "performance_profile": config.performance_profile,
-        "multi_turn": config.enable_multi_turn,
-        "prefix_caching": config.enable_prefix_caching,
-        "max_requests": config.max_requests,
-        "max_concurrent_allocs": config.max_concurrent_allocs,
-        "worker_slots": config.worker_slots,
-        "monitor_interval_s": config.monitor_interval_s,
-        "autoscaler_mode": config.autoscaler_mode,
-        "target_saturation": config.target_saturation,
-        "enable_rag": config.enable_rag,
-        "rag_num_docs": config.rag_num_docs,
-        "dataset_path": config.dataset_path,
-        "max_conversations": config.max_conversations,
-        "request_rate": config.request_rate,
-        "storage_capacity_gb": config.storage_capacity_gb,
-        "verify": config.verify,
-        "io_baseline": config.io_baseline,
-        "gpu_library": config.gpu_library,
-        "gpu_device": config.gpu_device,
-    }
 
 
 def _fmt_latency(name: str, s: Dict[str, Any]) -> str:
@@ -6585,19 +6752,10 @@ def format_rank_table(results: Dict[str, Any]) -> str:
 # COMMAND LINE
 # ============================================================================
 
-class UsageError(Exception):
-    """Bad input: reported as one line on stderr, exit status 2."""
-
-
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:          # one line, no usage dump
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
-
-
-SYSTEM_PATHS = ("/", "/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "/boot", "/lib", "/lib64")
-SYSTEM_TREES = tuple(p for p in SYSTEM_PATHS if p != "/")     # nothing inside these either
-USER_TREES_IN_SYSTEM = ("/dev/shm",)    # shared memory: a tier users measure (tmpfs), not a system file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -6679,178 +6837,27 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "run took and report ours / fio (needs fio on the PATH)")
 
 
-def _shown(value: float) -> str:
-    """A value for an error message, whatever its size (a 400-digit integer has no float form)."""
-    text = f"{value:g}" if isinstance(value, float) else str(value)
-    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
-
-
-def _check_range(flag: str, value: float, low: float, high: float, what: str) -> None:
-    # Compared before any arithmetic, so that no size or shape of number can raise.
-    if not (low <= value <= high) or (isinstance(value, float) and math.isnan(value)):
-        raise UsageError(f"{flag} must be {what}, got {_shown(value)}")
-
-
 def validate_args(args: argparse.Namespace) -> None:
     """Raise UsageError naming the flag and the accepted range; touches nothing on disk."""
-    _check_range("--num-users", args.num_users, 1, MAX_USERS, f"between 1 and {MAX_USERS:,}")
-    if args.duration is not None:
-        _check_range("--duration", args.duration, 1e-3, MAX_DURATION_S, f"above 0 and at most {MAX_DURATION_S} seconds")
-    for flag, value in (("--gpu-mem-gb", args.gpu_mem_gb), ("--cpu-mem-gb", args.cpu_mem_gb)):
-        _check_range(flag, value, 0, MAX_MEMORY_GB, f"between 0 and {MAX_MEMORY_GB:,} GB")
-    _check_range("--target-saturation", args.target_saturation, 0.0, 1.0, "between 0.0 and 1.0")
-    _check_range("--max-conversations", args.max_conversations, 1, 10_000_000, "at least 1")
-    _check_range("--request-rate", args.request_rate, 0, 1e6, "0 (no pacing) or a positive rate up to 1,000,000/s")
-    _check_range("--max-requests", args.max_requests, 0, 10 ** 12, "0 (no limit) or a positive count")
-    _check_range("--max-concurrent-allocs", args.max_concurrent_allocs, 0, 100_000, "0 (unlimited) or a positive count")
-    _check_range("--rag-num-docs", args.rag_num_docs, 0, 1_000_000, "between 0 and 1,000,000")
-    if args.num_workers is not None:
-        _check_range("--num-workers", args.num_workers, 1, 1024, "between 1 and 1024")
-    _check_range("--monitor-interval", args.monitor_interval, 0.1, 3600, "between 0.1 and 3600 seconds")
-    _check_range("--storage-capacity-gb", args.storage_capacity_gb, 0, MAX_MEMORY_GB * 1024,
-                 "0 (unbounded) or a positive size in GiB")
-    _check_dataset(args.dataset_path)
-    if args.seed is not None:
-        _check_range("--seed", args.seed, 0, 2 ** 63 - 1, "a non-negative integer below 2**63")
-    _check_cache_dir(args.cache_dir)
-    _check_outputs(args)
-    if args.fio_compare and shutil.which("fio") is None:
-        raise UsageError("--fio-compare needs fio on the PATH (install it, e.g. apt-get install fio)")
-
-
-def _check_cache_dir(cache_dir: Optional[str]) -> None:
-    if cache_dir is None:
-        return
-    path = Path(cache_dir).expanduser()
-    try:
-        resolved = str(path.resolve())
-    except (RuntimeError, OSError) as exc:       # a symbolic-link loop, or a path the OS cannot follow
-        raise UsageError(f"--cache-dir {cache_dir}: cannot be resolved ({exc})") from None
-    # Both the path as given and where its symbolic links lead (/bin -> /usr/bin on merged-/usr systems).
-    for candidate in {os.path.abspath(path), resolved}:
-        if any(candidate == tree or candidate.startswith(tree + "/") for tree in USER_TREES_IN_SYSTEM):
-            continue
-        if candidate in SYSTEM_PATHS or any(candidate.startswith(tree + "/") for tree in SYSTEM_TREES):
-            raise UsageError(f"--cache-dir {cache_dir} is a system path; give a directory on the storage under test")
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--cache-dir {cache_dir} exists and is not a directory")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--cache-dir {cache_dir} is not writable (needs write access to {existing})")
-
-
-def _check_dataset(dataset_path: Optional[str]) -> None:
-    if dataset_path is None:
-        return
-    path = Path(dataset_path).expanduser()
-    if path.is_dir():
-        raise UsageError(f"--dataset-path {dataset_path} is a directory; give a ShareGPT JSON file")
-    if not path.is_file():
-        raise UsageError(f"--dataset-path {dataset_path}: no such file")
-    if not os.access(path, os.R_OK):
-        raise UsageError(f"--dataset-path {dataset_path}: not readable")
-    if path.stat().st_size == 0:
-        raise UsageError(f"--dataset-path {dataset_path}: the file is empty (expected ShareGPT JSON)")
-
-
-SPREADSHEET_SUFFIXES = (".xlsx", ".csv")
-
-
-def _check_output_path(flag: str, output: Optional[str]) -> None:
-    if output is None:
-        return
-    path = Path(output).expanduser()
-    if path.is_dir():
-        raise UsageError(f"{flag} {output} is a directory; give a file name")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {output}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"{flag} {output}: directory {parent} is not writable")
-
-
-def _check_plot_dir(plot: Optional[str]) -> None:
-    """--plot DIR may not exist yet, but what exists of its path must be directories we can write in."""
-    if plot is None:
-        return
-    path = Path(plot).expanduser().absolute()
-    existing = path
-    while not os.path.lexists(existing):
-        existing = existing.parent
-    if not existing.is_dir():
-        where = "exists and is not a directory" if existing == path else f"is under {existing}, which is not a directory"
-        raise UsageError(f"--plot {plot} {where}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--plot {plot}: {existing} is not writable")
-
-
-def _check_outputs(args: argparse.Namespace) -> None:
-    """Every file the run will write, checked before it starts: writable, of a known kind, and
-    no two flags naming the same file (one would destroy the other, or the dataset read)."""
-    outputs = (("--output", args.output), ("--xlsx-output", args.xlsx_output), ("--fio-job", args.fio_job))
-    for flag, value in outputs:
-        _check_output_path(flag, value)
-    if args.xlsx_output is not None and Path(args.xlsx_output).suffix.lower() not in SPREADSHEET_SUFFIXES:
-        raise UsageError(f"--xlsx-output {args.xlsx_output}: the name must end in .xlsx or .csv")
-    _check_plot_dir(args.plot)
-    seen: Dict[str, str] = {}
-    for flag, value in outputs + (("--dataset-path", args.dataset_path),):
-        if value is None:
-            continue
-        real = os.path.realpath(Path(value).expanduser())
-        if real in seen:
-            raise UsageError(f"{flag} {value} names the same file as {seen[real]}; give each its own file")
-        seen[real] = flag
+    BenchmarkConfig.from_args(args).validate()
 
 
 def config_from_args(args: argparse.Namespace, notices: Optional[List[str]] = None) -> BenchmarkConfig:
-    """The run's configuration; adjustments worth a warning go to `notices` (logged when None)."""
-    validate_args(args)
-    duration = args.duration
-    if duration is None and not args.max_requests:
-        duration = 60.0
-    cpu_mem_gb = args.cpu_mem_gb
+    """The run's configuration, validated; adjustments worth a warning go to `notices` (logged
+    when None): a --cpu-mem-gb beyond the RAM this process may use is clamped to it."""
+    config = BenchmarkConfig.from_args(args).validate()
     available = available_memory_bytes()
-    if available is not None and cpu_mem_gb * GIB > available:
-        notice = (f"--cpu-mem-gb {cpu_mem_gb:.2f} exceeds the {available / GIB:.2f} GB of available RAM; "
+    if available is not None and config.cpu_mem_gb * GIB > available:
+        notice = (f"--cpu-mem-gb {config.cpu_mem_gb:.2f} exceeds the {available / GIB:.2f} GB of available RAM; "
                   f"using {available / GIB:.2f} GB.")
         if notices is None:
             logger.warning("%s", notice)
         else:
             notices.append(notice)
-        cpu_mem_gb = available / GIB
-    return BenchmarkConfig(
-        model=MODEL_CONFIGS[args.model],
-        num_users=args.num_users,
-        duration_s=duration,
-        gpu_mem_gb=args.gpu_mem_gb,
-        cpu_mem_gb=cpu_mem_gb,
-        cache_dir=str(Path(args.cache_dir).expanduser()) if args.cache_dir else None,
-        generation_mode=GenerationMode(args.generation_mode),
-        performance_profile=args.performance_profile,
-        enable_multi_turn=not args.disable_multi_turn,
-        enable_prefix_caching=not args.disable_prefix_caching,
-        seed=args.seed,
-        max_requests=args.max_requests,
-        max_concurrent_allocs=args.max_concurrent_allocs,
-        worker_slots=args.num_workers or 0,
-        monitor_interval_s=args.monitor_interval,
-        storage_capacity_gb=args.storage_capacity_gb,
-        verify=args.verify,
-        io_baseline=args.io_baseline,
-        autoscaler_mode=args.autoscaler_mode if args.enable_autoscaling else None,
-        target_saturation=args.target_saturation,
-        enable_rag=args.enable_rag,
-        rag_num_docs=args.rag_num_docs,
-        dataset_path=args.dataset_path,
-        max_conversations=args.max_conversations,
-        request_rate=args.request_rate,
-        progress=not args.quiet,
-        requested_cpu_mem_gb=args.cpu_mem_gb,
-        gpu_library=args.gpu_library,
-    )
+        config = dataclasses.replace(config, cpu_mem_gb=available / GIB)
+    if config.cache_dir:
+        config = dataclasses.replace(config, cache_dir=str(Path(config.cache_dir).expanduser()))
+    return config
 
 
 EXIT_OK, EXIT_DEGRADED, EXIT_USAGE = 0, 1, 2
@@ -6927,17 +6934,17 @@ def _remove_created_dirs(created: List[Path], comm: Any = None) -> None:
     remove(created[:-1])
 
 
-def _write_outputs(args: argparse.Namespace, results: Dict[str, Any], bench: IntegratedBenchmark) -> bool:
+def _write_outputs(config: BenchmarkConfig, results: Dict[str, Any], bench: IntegratedBenchmark) -> bool:
     """The report on stdout, then the JSON, charts and spreadsheet; False when any could not be written."""
     print(format_report(results))
     if results.get("ranks"):
         print(format_rank_table(results))
-    output = args.output or default_output_path()
+    output = config.output or default_output_path()
     writers = [("results", output, lambda: write_json(results, output))]
-    if args.plot:
-        writers.append(("charts", args.plot, lambda: make_plots(results, bench.latency_samples, args.plot)))
-    if args.xlsx_output:
-        writers.append(("spreadsheet", args.xlsx_output, lambda: export_results_to_xlsx(results, args, args.xlsx_output)))
+    if config.plot:
+        writers.append(("charts", config.plot, lambda: make_plots(results, bench.latency_samples, config.plot)))
+    if config.xlsx_output:
+        writers.append(("spreadsheet", config.xlsx_output, lambda: export_results_to_xlsx(results, None, config.xlsx_output)))
     ok = True
     for what, where, write in writers:
         try:
@@ -6949,10 +6956,10 @@ def _write_outputs(args: argparse.Namespace, results: Dict[str, Any], bench: Int
     return ok
 
 
-def _fio_steps(args: argparse.Namespace, config: BenchmarkConfig, results: Dict[str, Any]) -> None:
+def _fio_steps(config: BenchmarkConfig, results: Dict[str, Any]) -> None:
     """--fio-job: the replay job next to the results; --fio-compare: fio runs it right away, in a
     directory of its own inside --cache-dir (removed afterwards), for as long as the run took."""
-    if not (args.fio_job or args.fio_compare):
+    if not (config.fio_job or config.fio_compare):
         return
     summary = results["summary"]
     cache_dir = config.cache_dir or tempfile.gettempdir()
@@ -6961,15 +6968,15 @@ def _fio_steps(args: argparse.Namespace, config: BenchmarkConfig, results: Dict[
         summary["fio_job_note"] = "the storage tier moved nothing in this run: no fio job to write or compare"
         logger.warning("%s", summary["fio_job_note"])
         return
-    if args.fio_job:
+    if config.fio_job:
         try:
-            _write_text_file(args.fio_job, fio_job_text(fio_replay_spec(results, cache_dir)))
-            summary["fio_job"] = args.fio_job
-            logger.info("fio job written to %s", args.fio_job)
+            _write_text_file(config.fio_job, fio_job_text(fio_replay_spec(results, cache_dir)))
+            summary["fio_job"] = config.fio_job
+            logger.info("fio job written to %s", config.fio_job)
         except (OSError, ValueError) as exc:
             summary["fio_job_error"] = str(exc)
-            logger.error("could not write the fio job to %s: %s", args.fio_job, exc)
-    if args.fio_compare and not results.get("interrupted"):
+            logger.error("could not write the fio job to %s: %s", config.fio_job, exc)
+    if config.fio_compare and not results.get("interrupted"):
         summary["fio_comparison"] = _run_fio_comparison(results, cache_dir)
 
 
@@ -7133,11 +7140,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise
     merged = _gather_to_rank0(bench, results, setup.world_config, rank) if comm is not None else results
     if merged is not None:                           # rank 0 (or no MPI): fio runs while --cache-dir exists
-        _fio_steps(args, setup.config, merged)
+        _fio_steps(setup.config, merged)
     _remove_created_dirs(created_dirs, comm)
     if merged is None:
         return _exit_status(bench, results, True)
-    return _exit_status(bench, merged, _write_outputs(args, merged, bench))
+    return _exit_status(bench, merged, _write_outputs(setup.config, merged, bench))
 
 
 if __name__ == "__main__":

@@ -4495,7 +4495,7 @@ class TestEngine:
     def test_a_resumed_conversation_reads_every_earlier_turn_still_cached(self, tmp_path):
         config = kv.BenchmarkConfig(model=TINY, num_users=1, duration_s=5, gpu_mem_gb=0, cpu_mem_gb=0.05,
                                     cache_dir=str(tmp_path), seed=3,
-                                    generation_mode=kv.GenerationMode.NONE, enable_prefix_caching=False)
+                                    generation_mode=kv.GenerationMode.NONE, prefix_caching=False)
         bench = kv.IntegratedBenchmark(config)
         try:
             requests = []
@@ -4944,7 +4944,7 @@ class TestCLI:
         config = kv.config_from_args(args)
         assert config.model is kv.MODEL_CONFIGS["tiny-1b"]
         assert (config.num_users, config.seed, config.cpu_mem_gb, config.gpu_mem_gb) == (3, 9, 0.5, 0)
-        assert config.enable_multi_turn is False and config.enable_prefix_caching is True
+        assert config.multi_turn is False and config.prefix_caching is True
         assert config.generation_mode is kv.GenerationMode.FAST
         assert config.cache_dir == str(tmp_path)
 

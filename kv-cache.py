@@ -725,41 +725,6 @@ class PrefixMatcher:
         return None
 
 
-class PrefixCacheManager:
-    """Counts prefix reuse: a *reuse* is a request that carried a shared prefix;
-    a *hit* is one whose prefix entry was found in the cache (seed 000, "Prefix Reuse")."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.prefix_hits = 0
-        self.prefix_misses = 0
-        self.system_prompt_reuse = 0
-        self.common_phrase_reuse = 0
-        self.bytes_saved = 0
-
-    def record(self, prefix_type: str, hit: bool, entry_bytes: int) -> None:
-        with self._lock:
-            if prefix_type == "system":
-                self.system_prompt_reuse += 1
-            else:
-                self.common_phrase_reuse += 1
-            if hit:
-                self.prefix_hits += 1
-                self.bytes_saved += entry_bytes
-            else:
-                self.prefix_misses += 1
-
-    def stats(self) -> Dict[str, int]:
-        with self._lock:
-            return {
-                "prefix_hits": self.prefix_hits,
-                "prefix_misses": self.prefix_misses,
-                "system_prompt_reuse": self.system_prompt_reuse,
-                "common_phrase_reuse": self.common_phrase_reuse,
-                "bytes_saved": self.bytes_saved,
-            }
-
-
 # --- Workload plan --------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -911,10 +876,7 @@ class RAGDocumentManager:
                                        "ingest_seconds": 0.0, "ingest_failures": 0, "ingestion_interrupted": False,
                                        "documents_not_ingested": len(self.documents)}
         self.queries = 0
-        self.chunk_reads = 0
-        self.hits_by_tier: Dict[str, int] = defaultdict(int)
-        self.misses = 0
-        self.read_latencies_s: List[float] = []
+        self.read_latencies_s: List[float] = []     # chunk reads (hits and misses; their counts are the cache's)
 
     def ingest_all(self, cache: Any, should_stop: Callable[[], bool] = lambda: False) -> Dict[str, Any]:
         """Write every chunk's KV through the cache, before any query may read it."""
@@ -946,14 +908,9 @@ class RAGDocumentManager:
             return []
         return random.Random(query_seed).sample(self.chunks, min(top_k, len(self.chunks)))
 
-    def record_read(self, tier: Optional[str], latency_s: float) -> None:
+    def record_read(self, latency_s: float) -> None:
         with self._lock:
-            self.chunk_reads += 1
             self.read_latencies_s.append(latency_s)
-            if tier is None:
-                self.misses += 1
-            else:
-                self.hits_by_tier[tier] += 1
 
     def record_query(self) -> None:
         with self._lock:
@@ -962,9 +919,7 @@ class RAGDocumentManager:
     def stats(self) -> Dict[str, Any]:
         with self._lock:
             return {**self.ingest, "documents": len(self.documents), "chunks": len(self.chunks),
-                    "rag_queries": self.queries, "chunk_reads": self.chunk_reads,
-                    "hits_by_tier": dict(self.hits_by_tier), "misses": self.misses,
-                    "read_latencies_s": list(self.read_latencies_s)}
+                    "rag_queries": self.queries, "read_latencies_s": list(self.read_latencies_s)}
 
 
 # --- ShareGPT replay -------------------------------------------------------------------
@@ -3487,16 +3442,30 @@ def _tier_figures(tier: str, c: Dict[str, int],
     return figures
 
 
-def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str], Tuple[List[float], ...]],
-                        entry_counts: Dict[str, int], model: ModelConfig, duration_s: float,
-                        profile: str, tiers_info: Dict[str, Any],
-                        window_counters: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+CACHE_TYPES = ("system", "common", "multi_turn", "user", "rag")
+_HIT_COUNTER = {"system": "system_prompt_hits", "common": "common_phrase_hits",
+                "multi_turn": "multi_turn_hits", "user": "user_cache_hits", "rag": "rag_chunk_hits"}
+_MISS_COUNTER = {"system": "system_prompt_misses", "common": "common_phrase_misses",
+                 "multi_turn": "multi_turn_misses", "user": "user_cache_misses", "rag": "rag_chunk_misses"}
+
+
+@dataclass
+class CacheReport:
+    """A cache's figures at one moment: every counter and latency sample (CacheStats), the
+    entries each tier holds, and what the tiers are (describe_tiers)."""
+    counters: Dict[str, int]
+    samples: Dict[Tuple[str, str], Tuple[List[float], ...]]
+    entry_counts: Dict[str, int]
+    tiers_info: Dict[str, Any]
+
+
+def cache_stats_summary(report: CacheReport, profile: str,
+                        windows: Sequence[Tuple[Dict[str, int], float]]) -> Dict[str, Any]:
     """The cache's section of the results (`summary.cache_stats`), from counters and samples.
-    Totals count everything; the wall-basis rates divide what was moved up to the stop
-    (`window_counters`, taken then) by the measured window `duration_s`, so that work finishing
-    in the shutdown tail does not inflate them."""
-    c = defaultdict(int, counters)
-    w = defaultdict(int, window_counters if window_counters is not None else counters)
+    Totals count everything; a wall-basis rate divides what was moved up to the stop (the
+    counters taken then) by the measured window, per window (one per MPI rank) and summed,
+    so that work finishing in the shutdown tail does not inflate it."""
+    c, samples, entry_counts = defaultdict(int, report.counters), report.samples, report.entry_counts
     hits, misses = c["cache_hits"], c["cache_misses"]
     stats: Dict[str, Any] = {
         "cache_hits": hits,
@@ -3520,6 +3489,9 @@ def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str],
     for cache_type in CACHE_TYPES:
         stats[_HIT_COUNTER[cache_type]] = c[_HIT_COUNTER[cache_type]]
         stats[_MISS_COUNTER[cache_type]] = c[_MISS_COUNTER[cache_type]]
+    stats["hit_bytes_by_type"] = {t: c[f"hit_bytes_{t}"] for t in CACHE_TYPES if c[f"hit_bytes_{t}"]}
+    stats["hits_by_type_and_tier"] = {t: {tier: c[f"hits_{t}_{tier}"] for tier in TIER_NAMES if c[f"hits_{t}_{tier}"]}
+                                      for t in CACHE_TYPES}
     for tier in TIER_NAMES:
         stats.update(_tier_figures(tier, c, samples))
     total_read = sum(c[f"{tier}_bytes_read"] for tier in TIER_NAMES)
@@ -3528,15 +3500,17 @@ def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str],
     stats["total_write_gb"] = total_written / GIB
     stats["read_write_ratio"] = _ratio(total_read, total_written)
     stats["nvme_tokens_processed"] = c["nvme_tokens_read"] + c["nvme_tokens_written"]
-    stats["nvme_throughput"] = _ratio(w["nvme_tokens_read"] + w["nvme_tokens_written"], duration_s)
-    stats["nvme_read_gib_per_sec_wall"] = _ratio(w["nvme_bytes_read"] / GIB, duration_s)
-    stats["nvme_write_gib_per_sec_wall"] = _ratio(w["nvme_bytes_written"] / GIB, duration_s)
+    def wall_rate(*names: str, scale: float = 1.0) -> float:
+        return sum(_ratio(sum(w.get(n, 0) for n in names) / scale, seconds) for w, seconds in windows)
+    stats["nvme_throughput"] = wall_rate("nvme_tokens_read", "nvme_tokens_written")
+    stats["nvme_read_gib_per_sec_wall"] = wall_rate("nvme_bytes_read", scale=GIB)
+    stats["nvme_write_gib_per_sec_wall"] = wall_rate("nvme_bytes_written", scale=GIB)
     stats["tokens_read"] = sum(c[f"{t}_tokens_read"] for t in TIER_NAMES)
     stats["tokens_written"] = sum(c[f"{t}_tokens_written"] for t in TIER_NAMES)
     stats["retired_entries_deleted"] = c["retired_entries_deleted"]
     stats["verify_checked"] = c["verify_checked"]
     stats["verify_mismatches"] = c["verify_mismatches"]
-    stats.update(tiers_info)
+    stats.update(report.tiers_info)
     # Device-busy basis: bytes over the wall time during which at least one such I/O was in flight.
     stats["nvme_read_gib_per_sec_busy"] = _ratio(c["nvme_bytes_read"] / GIB, stats.get("nvme_read_device_busy_s", 0.0))
     stats["nvme_write_gib_per_sec_busy"] = _ratio(c["nvme_bytes_written"] / GIB, stats.get("nvme_write_device_busy_s", 0.0))
@@ -3544,16 +3518,20 @@ def cache_stats_summary(counters: Dict[str, int], samples: Dict[Tuple[str, str],
     return stats
 
 
+def prefix_cache_stats(cs: Dict[str, Any]) -> Dict[str, int]:
+    """Shared-prefix reuse from the cache's own lookup counts (seed 000, "Prefix Reuse"): a
+    *reuse* is a request that carried a shared prefix (its lookup), a *hit* one whose prefix
+    entry was found; the bytes saved are those found entries' prefill."""
+    return {"prefix_hits": cs["system_prompt_hits"] + cs["common_phrase_hits"],
+            "prefix_misses": cs["system_prompt_misses"] + cs["common_phrase_misses"],
+            "system_prompt_reuse": cs["system_prompt_hits"] + cs["system_prompt_misses"],
+            "common_phrase_reuse": cs["common_phrase_hits"] + cs["common_phrase_misses"],
+            "bytes_saved": cs["hit_bytes_by_type"].get("system", 0) + cs["hit_bytes_by_type"].get("common", 0)}
+
+
 # ============================================================================
 # MULTI-TIER CACHE
 # ============================================================================
-
-CACHE_TYPES = ("system", "common", "multi_turn", "user", "rag")
-_HIT_COUNTER = {"system": "system_prompt_hits", "common": "common_phrase_hits",
-                "multi_turn": "multi_turn_hits", "user": "user_cache_hits", "rag": "rag_chunk_hits"}
-_MISS_COUNTER = {"system": "system_prompt_misses", "common": "common_phrase_misses",
-                 "multi_turn": "multi_turn_misses", "user": "user_cache_misses", "rag": "rag_chunk_misses"}
-
 
 class CacheStats:
     """Every counter and latency sample of the cache, updated in one place under one lock."""
@@ -3594,10 +3572,15 @@ class CacheStats:
         if self.count(f"io_errors_{tier}_{op}_{kind}") == 1:      # log each kind once; the report counts all
             logger.error("%s %s failed: %s (further %s errors are counted, not logged)", tier, op, exc, kind)
 
-    def record_lookup(self, cache_type: str, hit: bool) -> None:
+    def record_lookup(self, cache_type: str, hit: bool, tier: Optional[str] = None, nbytes: int = 0) -> None:
+        """The one place a lookup is counted: hit or miss, by cache type, and a hit's tier and bytes."""
         with self._lock:
-            self.counters["cache_hits" if hit else "cache_misses"] += 1
-            self.counters[(_HIT_COUNTER if hit else _MISS_COUNTER)[cache_type]] += 1
+            c = self.counters
+            c["cache_hits" if hit else "cache_misses"] += 1
+            c[(_HIT_COUNTER if hit else _MISS_COUNTER)[cache_type]] += 1
+            if hit:
+                c[f"hits_{cache_type}_{tier}"] += 1
+                c[f"hit_bytes_{cache_type}"] += nbytes
 
     def count(self, name: str, amount: int = 1) -> int:
         """Add to a counter; returns its new value."""
@@ -3997,7 +3980,7 @@ class MultiTierCache:
                 replaced = self._entries.get(key) is not entry
             if replaced:                               # rewritten while we read: those were another entry's bytes
                 continue
-            self.stats.record_lookup(cache_type, hit=True)
+            self.stats.record_lookup(cache_type, True, tier, entry.size_bytes)
             transfer.record(entry.num_tokens, "decode" if phase == InferencePhase.DECODE else "prefill")
             if verify:
                 self._check_read(key, tier, entry.checksum, transfer.crc)
@@ -4038,7 +4021,7 @@ class MultiTierCache:
             with self._lock:
                 self._trash.append(trash)
 
-    def collect_garbage(self, should_stop: Callable[[], bool] = lambda: False) -> int:
+    def collect_garbage(self, should_stop: Callable[[], bool] = lambda: False, count_retired: bool = True) -> int:
         """Delete retired entries that reached the storage tier and replaced files; returns how
         many retired entries were deleted. Stops early when `should_stop()` says so; what is
         left stays listed for the next call."""
@@ -4062,7 +4045,7 @@ class MultiTierCache:
                     self._trash.extend(trash[i:])
                 break
             _unlink_counted(self.stats, path)
-        if retired:
+        if retired and count_retired:               # the final clean-up's are not the reaper's work
             self.stats.count("retired_entries_deleted", retired)
         return retired
 
@@ -4071,10 +4054,14 @@ class MultiTierCache:
         self._abort.set()
 
     # --- results ---
-    def get_stats(self, duration: float, window_counters: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+    def report(self) -> CacheReport:
         counters, samples = self.stats.snapshot()
-        return cache_stats_summary(counters, samples, self.tier_entry_counts(), self.model_config,
-                                   duration, self.performance_profile, self.describe_tiers(), window_counters)
+        return CacheReport(counters, samples, self.tier_entry_counts(), self.describe_tiers())
+
+    def get_stats(self, duration: float, window_counters: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+        report = self.report()
+        return cache_stats_summary(report, self.performance_profile,
+                                   [(window_counters if window_counters is not None else report.counters, duration)])
 
     def describe_tiers(self) -> Dict[str, Any]:
         """Effective budgets, the GPU library and read delivery, the storage I/O mode: for the results."""
@@ -4083,7 +4070,7 @@ class MultiTierCache:
     def close(self) -> None:
         """Delete everything the cache stored, including the run directory it made. A step that
         fails is counted and the rest still run: a dying file system costs errors, not results."""
-        _cleanup_counted(self.stats, self.collect_garbage)
+        _cleanup_counted(self.stats, lambda: self.collect_garbage(count_retired=False))
         with self._lock:
             trash, self._trash = self._trash, []
         for path in trash:
@@ -4790,12 +4777,11 @@ def fio_job_text(run: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def fio_replay_spec(results: Dict[str, Any], directory: str, runtime_s: Optional[float] = None) -> Dict[str, Any]:
-    """fio_job_text's input for a finished run (pure): the storage tier's request sizes, the
-    depth it kept in flight (streams = mean transfers in flight / IO_DEPTH, per direction,
-    added), its file sizes, and the figures fio's should be compared with."""
-    s, cfg = results["summary"], results.get("config") or {}
-    cs = s["cache_stats"]
+def fio_replay_spec(cs: Dict[str, Any], run_label: str, elapsed_s: float, directory: str,
+                    runtime_s: Optional[float] = None) -> Dict[str, Any]:
+    """fio_job_text's input for a finished run (pure), from its `cache_stats`: the storage tier's
+    request sizes, the depth it kept in flight (streams = mean transfers in flight / IO_DEPTH,
+    per direction, added), its file sizes, and the figures fio's should be compared with."""
     req = cs.get("storage_requests") or {}
     inflight = sum(v for v in (req.get("read_mean_inflight"), req.get("write_mean_inflight")) if v)
     sizes = [v for v in (req.get("file_bytes_min"), req.get("file_bytes_max")) if v]
@@ -4807,10 +4793,9 @@ def fio_replay_spec(results: Dict[str, Any], directory: str, runtime_s: Optional
         "bytes_written": min(int(cs["nvme_bytes_written_gb"] * GIB), FIO_MAX_DATASET_BYTES),
         "streams": max(1, round(inflight / IO_DEPTH)), "depth": IO_DEPTH,
         "file_sizes": sizes, "file_size_bytes": req.get("file_bytes_mean"),
-        "runtime_s": runtime_s or s.get("elapsed_time") or cfg.get("duration_s") or 60,
+        "runtime_s": runtime_s or elapsed_s or 60,
         "header": {
-            "run": f"model {cfg.get('model')}, {cfg.get('num_users')} users, seed {results.get('seed')}, "
-                   f"workload digest {results.get('workload_digest')}",
+            "run": run_label,
             "storage tier, wall basis": f"read {cs['nvme_read_gib_per_sec_wall']:.3f} GiB/s, "
                                         f"write {cs['nvme_write_gib_per_sec_wall']:.3f} GiB/s",
             "storage tier, per request (mean)": f"read {_fmt_ms(req.get('read_request_mean_ms'))}, "
@@ -4819,11 +4804,10 @@ def fio_replay_spec(results: Dict[str, Any], directory: str, runtime_s: Optional
     }
 
 
-def fio_comparison(results: Dict[str, Any], fio: Dict[str, Any]) -> Dict[str, Any]:
-    """Our storage tier beside fio's replay of it (pure). Bandwidth: bytes per second of wall
-    time, each direction and both together; latency: mean time per request (one chunk
-    transfer for us, one I/O for fio). Ratios are ours / fio: below 1, we left the drive idle."""
-    cs = results["summary"]["cache_stats"]
+def fio_comparison(cs: Dict[str, Any], fio: Dict[str, Any]) -> Dict[str, Any]:
+    """Our storage tier (its `cache_stats`) beside fio's replay of it (pure). Bandwidth: bytes per
+    second of wall time, each direction and both together; latency: mean time per request (one
+    chunk transfer for us, one I/O for fio). Ratios are ours / fio: below 1, we left the drive idle."""
     req = cs.get("storage_requests") or {}
     ours = {"read": cs["nvme_read_gib_per_sec_wall"], "write": cs["nvme_write_gib_per_sec_wall"]}
     out: Dict[str, Any] = {"fio": fio}
@@ -5238,6 +5222,48 @@ class RunRecorder:
             return len(self.records), self.tokens_generated
 
 
+@dataclass
+class RunMeasurements:
+    """What a run measured, before its results are put together: the one input of
+    assemble_results. Under MPI each rank sends its own to rank 0, which merges them into the
+    world's (`ranks`: the merged ones, in rank order); --fio-compare adds `fio`."""
+    config: BenchmarkConfig
+    seed: Optional[int]
+    records: List[RequestRecord]
+    cache: CacheReport                        # counters taken after the clean-up (its errors count)
+    window_counters: Optional[Dict[str, int]]  # the cache's counters at the stop: what the wall-basis rates divide
+    elapsed_s: float
+    timeline: List[Dict[str, Any]]
+    workload_digest: str
+    admitted: int
+    abandoned: int
+    peak_in_flight: int
+    stop_reason: Optional[str]
+    thread_errors: List[str]
+    conversations_evicted: int = 0
+    io_baseline: Optional[Dict[str, Any]] = None
+    process_cpu_s: float = 0.0
+    shutdown_tail_s: float = 0.0
+    autoscaling: Optional[Tuple[List[Dict[str, Any]], Dict[str, Any]]] = None
+    rag_stats: Optional[Dict[str, Any]] = None
+    dataset_stats: Optional[Dict[str, Any]] = None
+    device_stats: Optional[Dict[str, Any]] = None
+    fio: Dict[str, Any] = field(default_factory=dict)
+    ranks: List["RunMeasurements"] = field(default_factory=list)
+    rank: Optional[int] = None
+
+    @property
+    def interrupted(self) -> bool:
+        return any(p.stop_reason in EXIT_SIGNAL for p in (self.ranks or [self]))
+
+    def latency_samples(self) -> Dict[str, List[float]]:
+        """Every operation's total latency per tier and operation, seconds (for --plot)."""
+        return {f"{tier} {op}": list(totals) for (tier, op), (totals, *_) in self.cache.samples.items()}
+
+
+EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
+
+
 class ArrivalScheduler:
     """Releases each user's next request `think_time` after its previous one completed.
 
@@ -5395,7 +5421,6 @@ class IntegratedBenchmark:
         self.workload_digest = self.plan.digest(self._stop.is_set)
         self.cache = MultiTierCache.for_run(dataclasses.replace(config, seed=self.seed))
         self.conversations = ConversationManager(max_conversations=max(1000, 2 * config.num_users))
-        self.prefixes = PrefixCacheManager()
         self.recorder = RunRecorder(config.max_requests)
         self.request_queue: "queue.PriorityQueue" = queue.PriorityQueue()
         self.stop_reason: Optional[str] = None
@@ -5407,7 +5432,6 @@ class IntegratedBenchmark:
         self.shutdown_tail_s = 0.0
         self.stop_counters: Optional[Dict[str, int]] = None
         self.latency_samples: Dict[str, List[float]] = {}     # per tier and operation, seconds (for --plot)
-        self.raw: Dict[str, Any] = {}
         self.scheduler = ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop,
                                           config.max_requests, config.request_rate)
         self.device_monitor = BlockDeviceMonitor(self.cache.run_dir)
@@ -5426,32 +5450,38 @@ class IntegratedBenchmark:
 
     def run(self) -> Dict[str, Any]:
         """Run the workload, then return the results; the cache's files are removed either way."""
+        return assemble_results(self.measure())
+
+    def measure(self) -> RunMeasurements:
+        """Run the workload and remove the cache's files; what it measured. The cache's entry
+        counts are taken before the clean-up, its counters after (a clean-up error counts)."""
         try:
-            if self.config.io_baseline and not self._stop.is_set():
-                logger.info("Measuring the raw bandwidth of %s (about %.0f s)...", self.cache.run_dir,
-                            3 * BASELINE_PHASE_S)
-                try:
-                    self.io_baseline = measure_io_baseline(self.cache.run_dir, self.cache.generator,
-                                                           should_stop=self._stop.is_set)
-                except OSError as exc:
-                    logger.error("--io-baseline failed, the run goes on without it: %s", exc)
-                    self.io_baseline = {"error": str(exc)}
+            self._measure_baseline()
             if self._stop.is_set():                    # stopped before the workload began: no results
                 raise Interrupted()
             cpu0 = time.process_time()
             elapsed = self._drive()
             self.process_cpu_s = time.process_time() - cpu0
-            results = self._results(elapsed)
+            report = self.cache.report()
         finally:
             t0 = time.perf_counter()
             self.cache.close()
             logger.info("Removed the run's cache files from %s in %.1fs", self.cache.run_dir, time.perf_counter() - t0)
-        # Clean-up failures (a dying file system) happened after the results were put together: add them.
-        cs = results["summary"]["cache_stats"]
-        counters = self.cache.stats.snapshot()[0]
-        cs["io_errors"] = results["summary"]["io_errors"] = counters.get("io_errors", 0)
-        cs["io_errors_by_kind"] = {k[len("io_errors_"):]: v for k, v in counters.items() if k.startswith("io_errors_")}
-        return results
+        report.counters = self.cache.stats.snapshot()[0]
+        measured = self._measurements(elapsed, report)
+        self.latency_samples = measured.latency_samples()
+        return measured
+
+    def _measure_baseline(self) -> None:
+        if not self.config.io_baseline or self._stop.is_set():
+            return
+        logger.info("Measuring the raw bandwidth of %s (about %.0f s)...", self.cache.run_dir, 3 * BASELINE_PHASE_S)
+        try:
+            self.io_baseline = measure_io_baseline(self.cache.run_dir, self.cache.generator,
+                                                   should_stop=self._stop.is_set)
+        except OSError as exc:
+            logger.error("--io-baseline failed, the run goes on without it: %s", exc)
+            self.io_baseline = {"error": str(exc)}
 
     def _drive(self) -> float:
         """Run the workload; returns the measured window (start to stop) in seconds. The shutdown
@@ -5612,9 +5642,6 @@ class IntegratedBenchmark:
         cache = self.cache
         if req.prefix_key and self.config.prefix_caching:
             found = io.add("prefill", cache.read_entry(req.prefix_key, InferencePhase.PREFILL, req.prefix_type))
-            if not found.aborted:
-                self.prefixes.record(req.prefix_type, found.success,
-                                     req.prefix_tokens * self.config.model.kv_cache_size_per_token)
             if not found.success:                  # evicted or never written: prefill it again
                 io.add("prefill", cache.write_entry(req.prefix_key, req.prefix_tokens, InferencePhase.PREFILL))
         if req.previous_cache_keys:                 # resume: every earlier turn still cached (a miss costs no I/O)
@@ -5626,7 +5653,7 @@ class IntegratedBenchmark:
             for key, _ in req.rag_chunks:
                 read = io.add("prefill", cache.read_entry(key, InferencePhase.PREFILL, "rag"))
                 if not read.aborted:
-                    self.rag.record_read(read.tier, read.latency_s)
+                    self.rag.record_read(read.latency_s)
         io.add("prefill", cache.write_entry(req.cache_key, req.context_tokens, InferencePhase.PREFILL))
         generation_s = self._decode(req, io)
         if generation_s is None or io.aborted:
@@ -5659,22 +5686,16 @@ class IntegratedBenchmark:
         return generation_s
 
     # --- results ---
-    def _results(self, elapsed_s: float) -> Dict[str, Any]:
-        cache_stats = self.cache.get_stats(elapsed_s, self.stop_counters)   # tier counts: before cleanup
-        counters, samples = self.cache.stats.snapshot()
-        self.latency_samples = {f"{tier} {op}": totals for (tier, op), (totals, _, _) in samples.items()}
-        # What an MPI aggregate needs to merge this run with others.
-        self.raw = {"records": list(self.recorder.records), "counters": counters, "samples": samples,
-                    "entry_counts": self.cache.tier_entry_counts(), "tiers_info": self.cache.describe_tiers()}
-        return assemble_results(
-            config=self.config, seed=self.seed, records=list(self.recorder.records),
-            recorder=self.recorder, cache_stats=cache_stats, prefix_stats=self.prefixes.stats(),
-            timeline=self.monitor.timeline, elapsed_s=elapsed_s, workload_digest=self.workload_digest,
-            admitted=self.scheduler.admitted, stop_reason=self.stop_reason, thread_errors=self.thread_errors,
-            conversations_evicted=self.conversations.evicted_conversations, io_baseline=self.io_baseline,
-            process_cpu_s=self.process_cpu_s, shutdown_tail_s=self.shutdown_tail_s,
-            autoscaling=(self.autoscaler.history, self.autoscaler.summary(self.scheduler.active_users))
-            if self.autoscaler else None,
+    def _measurements(self, elapsed_s: float, report: CacheReport) -> RunMeasurements:
+        scaling = self.autoscaler
+        return RunMeasurements(
+            config=self.config, seed=self.seed, records=list(self.recorder.records), cache=report,
+            window_counters=self.stop_counters, elapsed_s=elapsed_s, timeline=self.monitor.timeline,
+            workload_digest=self.workload_digest, admitted=self.scheduler.admitted, abandoned=self.recorder.abandoned,
+            peak_in_flight=self.recorder.peak_in_flight, stop_reason=self.stop_reason,
+            thread_errors=list(self.thread_errors), conversations_evicted=self.conversations.evicted_conversations,
+            io_baseline=self.io_baseline, process_cpu_s=self.process_cpu_s, shutdown_tail_s=self.shutdown_tail_s,
+            autoscaling=(scaling.history, scaling.summary(self.scheduler.active_users)) if scaling else None,
             rag_stats=self.rag.stats() if self.rag else None,
             dataset_stats=self.dataset.stats() if self.dataset else None, device_stats=self.device_stats)
 
@@ -5759,25 +5780,25 @@ def diagnose_bottlenecks(e2e: Dict[str, Any], queue_wait: Dict[str, Any], storag
     return notes
 
 
-def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequence[RequestRecord],
-                     recorder: RunRecorder, cache_stats: Dict[str, Any], prefix_stats: Dict[str, int],
-                     timeline: List[Dict[str, Any]], elapsed_s: float, workload_digest: str, admitted: int,
-                     stop_reason: Optional[str], thread_errors: List[str],
-                     conversations_evicted: int = 0, io_baseline: Optional[Dict[str, Any]] = None,
-                     process_cpu_s: float = 0.0,
-                     autoscaling: Optional[Tuple[List[Dict[str, Any]], Dict[str, Any]]] = None,
-                     rag_stats: Optional[Dict[str, Any]] = None,
-                     dataset_stats: Optional[Dict[str, Any]] = None,
-                     device_stats: Optional[Dict[str, Any]] = None,
-                     shutdown_tail_s: float = 0.0) -> Dict[str, Any]:
-    """The one place the results dict (and so the JSON) is put together."""
+def cache_figures(m: RunMeasurements) -> Dict[str, Any]:
+    """`summary.cache_stats` of a run (of the world, under MPI: its wall-basis rates are the
+    sums of the ranks')."""
+    windows = [(p.window_counters if p.window_counters is not None else p.cache.counters, p.elapsed_s)
+               for p in (m.ranks or [m])]
+    return cache_stats_summary(m.cache, m.config.performance_profile, windows)
+
+
+def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
+    """The one place the results dict (and so the JSON) is put together, once every contributor
+    (the workload, the clean-up, the MPI ranks, fio) has reported into `m`."""
+    records, cache_stats = m.records, cache_figures(m)
     e2e, storage = [r.end_to_end_s for r in records], [r.storage_s for r in records]
     generation, queue_wait = [r.generation_s for r in records], [r.queue_wait_s for r in records]
     summaries = {name: latency_summary_ms(values) for name, values in
                  (("e2e", e2e), ("storage", storage), ("generation", generation), ("queue", queue_wait))}
     multi_hits, multi_misses = cache_stats["multi_turn_hits"], cache_stats["multi_turn_misses"]
     summary = {
-        **_request_figures(records, summaries, elapsed_s, shutdown_tail_s),
+        **_request_figures(m, summaries),
         "nvme_throughput": cache_stats["nvme_throughput"],
         "end_to_end_latency_ms": summaries["e2e"],
         "storage_io_latency_ms": summaries["storage"],
@@ -5785,40 +5806,47 @@ def assemble_results(config: BenchmarkConfig, seed: Optional[int], records: Sequ
         "queue_wait_latency_ms": summaries["queue"],
         "cache_stats": cache_stats,
         "qos_metrics": qos_metrics(records),
-        "prefix_cache_stats": prefix_stats,
-        "autoscaling_stats": autoscaling[0] if autoscaling else [],
-        "autoscaling_summary": autoscaling[1] if autoscaling else None,
-        "rag_stats": _rag_summary(rag_stats),
-        "dataset_stats": dataset_stats,
+        "prefix_cache_stats": prefix_cache_stats(cache_stats),
+        "autoscaling_stats": m.autoscaling[0] if m.autoscaling else [],
+        "autoscaling_summary": m.autoscaling[1] if m.autoscaling else None,
+        "rag_stats": rag_summary(m.rag_stats, cache_stats),
+        "dataset_stats": m.dataset_stats,
         "multi_turn_stats": {"cache_hits": multi_hits, "cache_misses": multi_misses,
                              "hit_rate": _ratio(multi_hits, multi_hits + multi_misses),
                              "resumes": cache_stats["multi_turn_resumes"]},
         "bottlenecks": diagnose_bottlenecks(summaries["e2e"], summaries["queue"], summaries["storage"],
                                             summaries["generation"], cache_stats),
-        "workload_digest": workload_digest,
-        "requests_admitted": admitted,
-        "requests_abandoned": recorder.abandoned,
-        "peak_in_flight": recorder.peak_in_flight,
-        "conversations_evicted": conversations_evicted,
-        "stop_reason": stop_reason,
-        "thread_errors": list(thread_errors),
-        **_storage_figures(cache_stats, io_baseline, elapsed_s, process_cpu_s, device_stats),
+        "workload_digest": m.workload_digest,
+        "requests_admitted": m.admitted,
+        "requests_abandoned": m.abandoned,
+        "peak_in_flight": m.peak_in_flight,
+        "conversations_evicted": m.conversations_evicted,
+        "stop_reason": m.stop_reason,
+        "thread_errors": list(m.thread_errors),
+        **_storage_figures(cache_stats, m),
+        **m.fio,
     }
-    return {
+    results = {
         "benchmark": "kv-cache",
         "version": __version__,
-        "seed": seed,
-        "seed_given": config.seed is not None,
-        "workload_digest": workload_digest,
-        "interrupted": stop_reason in ("SIGINT", "SIGTERM"),
-        "config": config_block(config),
+        "seed": m.seed,
+        "seed_given": m.config.seed is not None,
+        "workload_digest": m.workload_digest,
+        "interrupted": m.interrupted,
+        "config": config_block(m.config),
         **_request_lists(records),
-        "throughput_timeline": timeline,
-        "timeline": timeline,
+        "throughput_timeline": m.timeline,
+        "timeline": m.timeline,
         "multi_turn_cache_hits": multi_hits,
         "multi_turn_cache_misses": multi_misses,
         "summary": summary,
     }
+    if m.ranks:
+        results["world_size"] = len(m.ranks)
+        results["ranks"] = [{"rank": p.rank, "seed": p.seed, "config": config_block(p.config),
+                             "workload_digest": p.workload_digest, "summary": assemble_results(p)["summary"]}
+                            for p in m.ranks]
+    return results
 
 
 def _request_lists(records: Sequence[RequestRecord]) -> Dict[str, Any]:
@@ -5838,35 +5866,42 @@ def _request_lists(records: Sequence[RequestRecord]) -> Dict[str, Any]:
     }
 
 
-def _request_figures(records: Sequence[RequestRecord], summaries: Dict[str, Dict[str, Any]], elapsed_s: float,
-                     shutdown_tail_s: float) -> Dict[str, Any]:
-    """Counts and rates of the completed requests, over the measured window."""
-    tokens_generated = sum(r.generate_tokens for r in records)
+def _request_figures(m: RunMeasurements, summaries: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """Counts and rates of the completed requests over the measured window (under MPI: each
+    rank's over its own window, summed)."""
+    parts = m.ranks or [m]
+
+    def per_second(value: Callable[[RunMeasurements], float]) -> float:
+        return sum(_ratio(value(p), p.elapsed_s) for p in parts)
+
+    def tokens_generated(p: RunMeasurements) -> int:
+        return sum(r.generate_tokens for r in p.records)
+    records = m.records
     return {
         "total_requests": len(records),
-        "total_tokens": tokens_generated,
-        "elapsed_time": elapsed_s,
-        "shutdown_tail_s": shutdown_tail_s,
-        "avg_throughput_tokens_per_sec": _ratio(tokens_generated, elapsed_s),
-        "total_tokens_per_sec": _ratio(tokens_generated, elapsed_s),
+        "total_tokens": tokens_generated(m),
+        "elapsed_time": m.elapsed_s,
+        "shutdown_tail_s": m.shutdown_tail_s,
+        "avg_throughput_tokens_per_sec": per_second(tokens_generated),
+        "total_tokens_per_sec": per_second(tokens_generated),
         "storage_throughput_tokens_per_sec": _ratio(sum(r.tokens_moved for r in records),
                                                     sum(r.storage_s for r in records)),
-        "requests_per_second": _ratio(len(records), elapsed_s),
+        "requests_per_second": per_second(lambda p: len(p.records)),
     }
 
 
-def _storage_figures(cs: Dict[str, Any], io_baseline: Optional[Dict[str, Any]], elapsed_s: float,
-                     process_cpu_s: float, device_stats: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def _storage_figures(cs: Dict[str, Any], m: RunMeasurements) -> Dict[str, Any]:
     """Errors, checks, CPU per GB, efficiency against the baseline, and the device's view."""
     storage_gb = cs["nvme_bytes_read_gb"] + cs["nvme_bytes_written_gb"]
+    device_stats = m.device_stats
     return {
         "verify_checked": cs["verify_checked"],
         "verify_mismatches": cs["verify_mismatches"],
         "io_errors": cs["io_errors"],
-        "process_cpu_seconds": process_cpu_s,
-        "cpu_seconds_per_storage_gb": process_cpu_s / storage_gb if storage_gb else None,
-        "io_baseline": io_baseline,
-        "storage_efficiency": storage_efficiency(cs, io_baseline, elapsed_s),
+        "process_cpu_seconds": m.process_cpu_s,
+        "cpu_seconds_per_storage_gb": m.process_cpu_s / storage_gb if storage_gb else None,
+        "io_baseline": m.io_baseline,
+        "storage_efficiency": storage_efficiency(cs, m.io_baseline, m.elapsed_s),
         "device_stats": device_stats or {"available": False, "device": None, "reason": "not sampled"},
         "device_comparison": compare_app_with_device(_storage_app_figures(cs), device_stats) if device_stats else None,
     }
@@ -5880,11 +5915,15 @@ def _storage_app_figures(cs: Dict[str, Any]) -> Dict[str, Any]:
             "bytes_read": cs["nvme_bytes_read_gb"] * GIB, "bytes_written": cs["nvme_bytes_written_gb"] * GIB}
 
 
-def _rag_summary(rag_stats: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+def rag_summary(rag_stats: Optional[Dict[str, Any]], cs: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """RAG's own figures (ingestion, queries, read latencies) with its chunk lookups as the cache
+    counted them."""
     if rag_stats is None:
         return None
     out = {k: v for k, v in rag_stats.items() if k != "read_latencies_s"}
-    out["read_latency_ms"] = latency_summary_ms(rag_stats["read_latencies_s"])
+    hits_by_tier = cs["hits_by_type_and_tier"].get("rag", {})
+    out.update(chunk_reads=cs["rag_chunk_hits"] + cs["rag_chunk_misses"], hits_by_tier=dict(hits_by_tier),
+               misses=cs["rag_chunk_misses"], read_latency_ms=latency_summary_ms(rag_stats["read_latencies_s"]))
     return out
 
 
@@ -6688,51 +6727,32 @@ def _sum_timelines(timelines: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]
     return merged
 
 
-def merge_rank_results(config: BenchmarkConfig, gathered: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """One results dict for the whole world: request records and cache samples merged (so
-    percentiles come from all samples), throughputs and bytes the sums of the ranks'."""
-    records = [r for g in gathered for r in g["raw"]["records"]]
+def merge_measurements(config: BenchmarkConfig, parts: List[RunMeasurements]) -> RunMeasurements:
+    """The world's measurements from the ranks' (in rank order): request records and cache
+    samples pooled (so percentiles come from all samples), counts and bytes added up; each
+    rank's stays in `ranks`, for the per-rank table and the rates summed over the ranks."""
     counters: Dict[str, int] = defaultdict(int)
-    samples: Dict[Tuple[str, str], Tuple[List[float], List[float], List[float]]] = defaultdict(lambda: ([], [], []))
+    samples: Dict[Tuple[str, str], Tuple[List[float], ...]] = defaultdict(lambda: ([], [], []))
     entry_counts: Dict[str, int] = defaultdict(int)
-    for g in gathered:
-        for name, value in g["raw"]["counters"].items():
+    for p in parts:
+        for name, value in p.cache.counters.items():
             counters[name] += value
-        for key, lists in g["raw"]["samples"].items():
+        for key, lists in p.cache.samples.items():
             for merged, part in zip(samples[key], lists):
                 merged.extend(part)
-        for tier, n in g["raw"]["entry_counts"].items():
+        for tier, n in p.cache.entry_counts.items():
             entry_counts[tier] += n
-    elapsed = max(g["results"]["summary"]["elapsed_time"] for g in gathered)
-    rank_summaries = [g["results"]["summary"] for g in gathered]
-    cache_stats = cache_stats_summary(dict(counters), samples, entry_counts, config.model, elapsed,
-                                      config.performance_profile, gathered[0]["raw"]["tiers_info"])
-    prefix = {k: sum(s["prefix_cache_stats"][k] for s in rank_summaries) for k in rank_summaries[0]["prefix_cache_stats"]}
-    digest = hashlib.sha256("|".join(g["results"]["workload_digest"] for g in gathered).encode()).hexdigest()[:16]
-    results = assemble_results(
-        config=config, seed=config.seed, records=records,
-        recorder=argparse.Namespace(abandoned=sum(s["requests_abandoned"] for s in rank_summaries),
-                                    peak_in_flight=sum(s.get("peak_in_flight") or 0 for s in rank_summaries)),
-        shutdown_tail_s=max(s.get("shutdown_tail_s") or 0.0 for s in rank_summaries),
-        cache_stats=cache_stats, prefix_stats=prefix,
-        timeline=_sum_timelines([g["results"]["timeline"] for g in gathered]), elapsed_s=elapsed,
-        workload_digest=digest, admitted=sum(s["requests_admitted"] for s in rank_summaries),
-        stop_reason=gathered[0]["results"]["summary"]["stop_reason"],
-        thread_errors=[f"rank {g['rank']}: {e}" for g in gathered for e in g["results"]["summary"]["thread_errors"]],
-        process_cpu_s=sum(s["process_cpu_seconds"] for s in rank_summaries))
-    s = results["summary"]
-    for field_name in ("avg_throughput_tokens_per_sec", "total_tokens_per_sec", "requests_per_second",
-                       "nvme_throughput"):
-        s[field_name] = sum(r[field_name] for r in rank_summaries)        # sums of the ranks' rates
-    for field_name in ("nvme_read_gib_per_sec_wall", "nvme_write_gib_per_sec_wall"):
-        s["cache_stats"][field_name] = sum(r["cache_stats"][field_name] for r in rank_summaries)
-    s["cache_stats"]["nvme_throughput"] = s["nvme_throughput"]
-    results["interrupted"] = any(g["results"]["interrupted"] for g in gathered)
-    results["world_size"] = len(gathered)
-    results["ranks"] = [{"rank": g["rank"], "seed": g["results"]["seed"], "config": g["results"]["config"],
-                         "workload_digest": g["results"]["workload_digest"], "summary": g["results"]["summary"]}
-                        for g in gathered]
-    return results
+    digest = hashlib.sha256("|".join(p.workload_digest for p in parts).encode()).hexdigest()[:16]
+    return RunMeasurements(
+        config=config, seed=config.seed, records=[r for p in parts for r in p.records],
+        cache=CacheReport(dict(counters), dict(samples), dict(entry_counts), parts[0].cache.tiers_info),
+        window_counters=None, elapsed_s=max(p.elapsed_s for p in parts),
+        timeline=_sum_timelines([p.timeline for p in parts]), workload_digest=digest,
+        admitted=sum(p.admitted for p in parts), abandoned=sum(p.abandoned for p in parts),
+        peak_in_flight=sum(p.peak_in_flight for p in parts), stop_reason=parts[0].stop_reason,
+        thread_errors=[f"rank {p.rank}: {e}" for p in parts for e in p.thread_errors],
+        process_cpu_s=sum(p.process_cpu_s for p in parts), shutdown_tail_s=max(p.shutdown_tail_s for p in parts),
+        ranks=list(parts))
 
 
 def format_rank_table(results: Dict[str, Any]) -> str:
@@ -6861,7 +6881,6 @@ def config_from_args(args: argparse.Namespace, notices: Optional[List[str]] = No
 
 
 EXIT_OK, EXIT_DEGRADED, EXIT_USAGE = 0, 1, 2
-EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
 
 
 class StopRequest:
@@ -6956,38 +6975,41 @@ def _write_outputs(config: BenchmarkConfig, results: Dict[str, Any], bench: Inte
     return ok
 
 
-def _fio_steps(config: BenchmarkConfig, results: Dict[str, Any]) -> None:
+def _fio_steps(config: BenchmarkConfig, m: RunMeasurements) -> Dict[str, Any]:
     """--fio-job: the replay job next to the results; --fio-compare: fio runs it right away, in a
-    directory of its own inside --cache-dir (removed afterwards), for as long as the run took."""
+    directory of its own inside --cache-dir (removed afterwards), for as long as the run took.
+    Returns what they add to the summary."""
     if not (config.fio_job or config.fio_compare):
-        return
-    summary = results["summary"]
-    cache_dir = config.cache_dir or tempfile.gettempdir()
-    moved = summary["cache_stats"]["nvme_reads"] + summary["cache_stats"]["nvme_writes"]
-    if not moved:                                    # nothing reached storage: nothing to replay (not a failure)
-        summary["fio_job_note"] = "the storage tier moved nothing in this run: no fio job to write or compare"
-        logger.warning("%s", summary["fio_job_note"])
-        return
+        return {}
+    cs, cache_dir = cache_figures(m), config.cache_dir or tempfile.gettempdir()
+    if not cs["nvme_reads"] + cs["nvme_writes"]:     # nothing reached storage: nothing to replay (not a failure)
+        note = "the storage tier moved nothing in this run: no fio job to write or compare"
+        logger.warning("%s", note)
+        return {"fio_job_note": note}
+    label = (f"model {config.model.name}, {config.num_users} users, seed {m.seed}, "
+             f"workload digest {m.workload_digest}")
+    added: Dict[str, Any] = {}
     if config.fio_job:
         try:
-            _write_text_file(config.fio_job, fio_job_text(fio_replay_spec(results, cache_dir)))
-            summary["fio_job"] = config.fio_job
+            _write_text_file(config.fio_job, fio_job_text(fio_replay_spec(cs, label, m.elapsed_s, cache_dir)))
+            added["fio_job"] = config.fio_job
             logger.info("fio job written to %s", config.fio_job)
         except (OSError, ValueError) as exc:
-            summary["fio_job_error"] = str(exc)
+            added["fio_job_error"] = str(exc)
             logger.error("could not write the fio job to %s: %s", config.fio_job, exc)
-    if config.fio_compare and not results.get("interrupted"):
-        summary["fio_comparison"] = _run_fio_comparison(results, cache_dir)
+    if config.fio_compare and not m.interrupted:
+        added["fio_comparison"] = _run_fio_comparison(cs, label, m.elapsed_s, cache_dir)
+    return added
 
 
-def _run_fio_comparison(results: Dict[str, Any], cache_dir: str) -> Dict[str, Any]:
-    runtime_s = max(1.0, results["summary"]["elapsed_time"])
+def _run_fio_comparison(cs: Dict[str, Any], label: str, elapsed_s: float, cache_dir: str) -> Dict[str, Any]:
+    runtime_s = max(1.0, elapsed_s)
     workdir = Path(tempfile.mkdtemp(prefix="kvcache_fio_", dir=cache_dir))
     try:
         job = workdir / "replay.fio"
-        job.write_text(fio_job_text(fio_replay_spec(results, str(workdir), runtime_s)))
+        job.write_text(fio_job_text(fio_replay_spec(cs, label, elapsed_s, str(workdir), runtime_s)))
         logger.info("--fio-compare: replaying the storage I/O with fio for %.0f s...", runtime_s)
-        return fio_comparison(results, run_fio(job, runtime_s, timeout_s=runtime_s + FIO_LAYOUT_ALLOWANCE_S))
+        return fio_comparison(cs, run_fio(job, runtime_s, timeout_s=runtime_s + FIO_LAYOUT_ALLOWANCE_S))
     except (OSError, ValueError, RuntimeError) as exc:
         logger.error("--fio-compare failed: %s", exc)
         return {"error": str(exc)}
@@ -7021,19 +7043,13 @@ def _mpi_config(config: BenchmarkConfig, launch: Tuple[int, int]) -> BenchmarkCo
     return rank_config(config, rank, size)
 
 
-def _gather_to_rank0(bench: IntegratedBenchmark, results: Dict[str, Any], world_config: BenchmarkConfig,
-                     rank: int) -> Optional[Dict[str, Any]]:
-    """Every rank sends its results to rank 0, which returns the merged results (others: None)."""
+def _gather_to_rank0(measured: RunMeasurements, world_config: BenchmarkConfig,
+                     rank: int) -> Optional[RunMeasurements]:
+    """Every rank sends what it measured to rank 0, which returns the world's (others: None)."""
     from mpi4py import MPI                           # initialised already by the import in main
-    gathered = MPI.COMM_WORLD.gather({"rank": rank, "results": results, "raw": bench.raw}, root=0)
-    if rank != 0:
-        return None
-    merged: Dict[str, List[float]] = defaultdict(list)
-    for g in gathered:
-        for (tier, op), (totals, _, _) in g["raw"]["samples"].items():
-            merged[f"{tier} {op}"].extend(totals)
-    bench.latency_samples = dict(merged)
-    return merge_rank_results(world_config, gathered)
+    measured.rank = rank
+    gathered = MPI.COMM_WORLD.gather(measured, root=0)
+    return merge_measurements(world_config, gathered) if rank == 0 else None
 
 
 @dataclass
@@ -7126,7 +7142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if comm is not None:
             logger.info("MPI: %d ranks; rank 0 gathers the results", comm.Get_size())
             comm.Barrier()                           # all ranks start together
-        results = bench.run()
+        measured = bench.measure()
     except Interrupted:                              # before the workload began: nothing to report
         _remove_created_dirs(created_dirs)
         print(f"kv-cache.py: interrupted by {stop.signal_name} before the workload began; nothing written",
@@ -7138,13 +7154,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             comm.Abort(1)
         _remove_created_dirs(created_dirs)
         raise
-    merged = _gather_to_rank0(bench, results, setup.world_config, rank) if comm is not None else results
-    if merged is not None:                           # rank 0 (or no MPI): fio runs while --cache-dir exists
-        _fio_steps(setup.config, merged)
+    world = _gather_to_rank0(measured, setup.world_config, rank) if comm is not None else measured
+    if world is None:                                # another rank than 0: its part is reported by rank 0
+        _remove_created_dirs(created_dirs, comm)
+        return _exit_status(bench, assemble_results(measured), True)
+    bench.latency_samples = world.latency_samples()
+    world.fio = _fio_steps(setup.config, world)      # while --cache-dir still exists
     _remove_created_dirs(created_dirs, comm)
-    if merged is None:
-        return _exit_status(bench, results, True)
-    return _exit_status(bench, merged, _write_outputs(setup.config, merged, bench))
+    results = assemble_results(world)
+    return _exit_status(bench, results, _write_outputs(setup.config, results, bench))
 
 
 if __name__ == "__main__":

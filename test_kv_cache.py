@@ -443,13 +443,16 @@ class TestPrefixCaching:
         assert system == pytest.approx(0.20, abs=0.015)
         assert common == pytest.approx(0.10, abs=0.01)
 
-    def test_manager_counts_reuse_hits_and_bytes(self):
-        mgr = kv.PrefixCacheManager()
-        mgr.record("system", hit=False, entry_bytes=100)
-        mgr.record("system", hit=True, entry_bytes=100)
-        mgr.record("common", hit=True, entry_bytes=7)
-        assert mgr.stats() == {"prefix_hits": 2, "prefix_misses": 1, "system_prompt_reuse": 2,
-                               "common_phrase_reuse": 1, "bytes_saved": 107}
+    def test_reuse_hits_and_bytes_come_from_the_caches_lookups(self, make_cache):
+        cache = make_cache()
+        assert cache.read_entry("kv_system_a", kv.InferencePhase.PREFILL, "system").success is False
+        cache.allocate_cache("kv_system_a", 10)
+        assert cache.read_entry("kv_system_a", kv.InferencePhase.PREFILL, "system").success
+        cache.allocate_cache("kv_common_b", 3)
+        assert cache.read_entry("kv_common_b", kv.InferencePhase.PREFILL, "common").success
+        assert kv.prefix_cache_stats(cache.get_stats(1.0)) == {
+            "prefix_hits": 2, "prefix_misses": 1, "system_prompt_reuse": 2, "common_phrase_reuse": 1,
+            "bytes_saved": 13 * TOKEN_BYTES}
 
     def test_one_entry_serves_every_user(self, make_cache):
         cache = make_cache()
@@ -606,14 +609,16 @@ class TestRAG:
         for key, _ in m.retrieve_chunks(kv.derive_seed(11, "rag-query", 0, 1)):
             read = cache.read_entry(key, kv.InferencePhase.PREFILL, "rag")
             assert read.success and read.tier == where[key]
-            m.record_read(read.tier, read.latency_s)
-        m.record_read(None, 0.001)                                          # a miss is counted apart
-        s = m.stats()
+            m.record_read(read.latency_s)
+        missed = cache.read_entry("rag_doc9_chunk_0", kv.InferencePhase.PREFILL, "rag")   # never ingested
+        assert not missed.success
+        m.record_read(missed.latency_s)
+        cs = cache.get_stats(1.0)
+        assert (cs["rag_chunk_hits"], cs["rag_chunk_misses"]) == (kv.RAG_TOP_K, 1)
+        s = kv.rag_summary(m.stats(), cs)                                   # the cache counted each lookup once
         assert (s["rag_queries"], s["chunk_reads"], s["misses"]) == (1, kv.RAG_TOP_K + 1, 1)
         assert sum(s["hits_by_tier"].values()) == kv.RAG_TOP_K and set(s["hits_by_tier"]) <= {"cpu", "nvme"}
-        assert len(s["read_latencies_s"]) == kv.RAG_TOP_K + 1
-        cs = cache.get_stats(1.0)
-        assert (cs["rag_chunk_hits"], cs["rag_chunk_misses"]) == (kv.RAG_TOP_K, 0)
+        assert s["read_latency_ms"]["count"] == kv.RAG_TOP_K + 1
 
     def test_a_failed_chunk_write_leaves_its_document_not_ingested(self):
         m = kv.RAGDocumentManager(3, seed=5)
@@ -3106,6 +3111,13 @@ class TestConcurrency:
 # STATISTICS
 # ============================================================================
 
+def measured(config, cache, records, **figures):
+    """What a one-second run over `cache` measured, with these request records."""
+    return kv.RunMeasurements(config=config, seed=1, records=records, cache=cache.report(), window_counters=None,
+                              elapsed_s=1.0, timeline=[], workload_digest="0123456789abcdef", admitted=len(records),
+                              abandoned=0, peak_in_flight=1, stop_reason="duration", thread_errors=[], **figures)
+
+
 def record(qos="batch", e2e=0.1, gen=0.0, storage=0.05, queue_wait=0.0, tokens=10):
     return kv.RequestRecord(qos, 100, tokens, e2e, queue_wait, storage, storage, 0.0, gen)
 
@@ -3191,8 +3203,9 @@ class TestMetrics:
                     "nvme_bytes_read": GIB, "nvme_bytes_written": GIB // 2, "cpu_bytes_read": GIB,
                     "cpu_tokens_read": 50, "offloads_nvme": 7}
         samples = {("nvme", "read"): ([0.010, 0.020], [0.009, 0.018], [0.001, 0.002])}
-        stats = kv.cache_stats_summary(counters, samples, {"cpu": 2, "nvme": 5}, TINY, 2.0, "latency",
-                                       {"nvme_read_device_busy_s": 0.5, "nvme_write_device_busy_s": 0.25})
+        report = kv.CacheReport(counters, samples, {"cpu": 2, "nvme": 5},
+                                {"nvme_read_device_busy_s": 0.5, "nvme_write_device_busy_s": 0.25})
+        stats = kv.cache_stats_summary(report, "latency", [(counters, 2.0)])
         assert stats["cache_hit_rate"] == pytest.approx(0.75)
         assert (stats["cpu_entries"], stats["nvme_entries"], stats["gpu_entries"]) == (2, 5, 0)
         assert stats["nvme_tokens_processed"] == 400
@@ -3203,10 +3216,15 @@ class TestMetrics:
         assert stats["nvme_read_gib_per_sec_wall"] == pytest.approx(0.5)
         # Rates over the measured window count what was moved up to the stop; totals count everything.
         at_stop = {**counters, "nvme_bytes_read": GIB // 2, "nvme_tokens_read": 50, "nvme_tokens_written": 150}
-        windowed = kv.cache_stats_summary(counters, samples, {}, TINY, 2.0, "latency",
-                                          {"nvme_read_device_busy_s": 0.5}, window_counters=at_stop)
+        windowed = kv.cache_stats_summary(kv.CacheReport(counters, samples, {}, {"nvme_read_device_busy_s": 0.5}),
+                                          "latency", [(at_stop, 2.0)])
         assert windowed["nvme_read_gib_per_sec_wall"] == pytest.approx(0.25)
         assert windowed["nvme_throughput"] == pytest.approx(100.0)
+        # Two ranks' windows: each rank's rate over its own window, added.
+        ranks = kv.cache_stats_summary(kv.CacheReport(counters, samples, {}, {}), "latency",
+                                       [(at_stop, 2.0), (counters, 4.0)])
+        assert ranks["nvme_read_gib_per_sec_wall"] == pytest.approx(0.25 + 0.25)
+        assert ranks["nvme_throughput"] == pytest.approx(100.0 + 100.0)
         assert windowed["nvme_bytes_read_gb"] == pytest.approx(1.0) and windowed["nvme_tokens_processed"] == 400
         assert stats["nvme_read_gib_per_sec_busy"] == pytest.approx(2.0)
         assert stats["nvme_write_gib_per_sec_busy"] == pytest.approx(2.0)
@@ -4484,9 +4502,7 @@ class TestIOBaseline:
         baseline = {"directory": "/x", "io_mode": "O_DIRECT", "threads": 8, "chunk_bytes": kv.IO_CHUNK_BYTES,
                     "write_gib_per_sec": 1.0, "read_gib_per_sec": 2.0, "bytes_written": 1, "bytes_read": 1,
                     "write_s": 1.0, "read_s": 1.0}
-        results = kv.assemble_results(config, 1, [record()], kv.RunRecorder(0), cache.get_stats(1.0),
-                                      kv.PrefixCacheManager().stats(), [], 1.0, "0123456789abcdef", 1,
-                                      "duration", [], io_baseline=baseline)
+        results = kv.assemble_results(measured(config, cache, [record()], io_baseline=baseline))
         assert results["summary"]["storage_efficiency"]["read_efficiency_wall_basis"] > 0
         assert "STORAGE EFFICIENCY" in kv.format_report(results)
 
@@ -4693,9 +4709,7 @@ class TestReport:
         cache = make_cache()
         config = kv.BenchmarkConfig(model=TINY, num_users=1, duration_s=1.0, gpu_mem_gb=0, cpu_mem_gb=0.01,
                                     generation_mode=kv.GenerationMode.NONE)
-        results = kv.assemble_results(config, None, [], kv.RunRecorder(0), cache.get_stats(1.0),
-                                      kv.PrefixCacheManager().stats(), [], 1.0, "0123456789abcdef", 0,
-                                      "duration", [])
+        results = kv.assemble_results(measured(config, cache, []))
         report = kv.format_report(results)
         assert "STORAGE PERFORMANCE ASSESSMENT: INCONCLUSIVE" in report
         assert "Total Requests: 0" in report

@@ -1683,9 +1683,9 @@ class GPUDevice(Protocol):
 
     Device buffers are flat uint8 arrays of the library (torch.Tensor / cupy.ndarray); host
     buffers are numpy arrays, copied as bytes. Every copy is enqueued on the CALLING THREAD's
-    own non-default stream and returns at once; `sync()` / `timed()` wait for that stream only
+    own non-default stream and returns at once; `sync()` / `wait_for()` wait for that stream only
     (never a device-wide synchronize). Buffers must outlive the copies that use them: callers
-    complete each operation (sync or timed) before freeing or reusing its buffers, which also
+    complete each operation (sync or wait_for) before freeing or reusing its buffers, which also
     keeps the libraries' caching allocators from handing a block to another stream while a
     copy into it is pending.
     """
@@ -1706,7 +1706,7 @@ class GPUDevice(Protocol):
     def d2h(self, dst_host: np.ndarray, src_dev: Any) -> None: ...
     def d2d(self, dst_dev: Any, src_dev: Any) -> None: ...
     def sync(self) -> None: ...
-    def timed(self, fn: Callable[[], Any]) -> float: ...          # seconds from enqueue to completion
+    def wait_for(self, fn: Callable[[], Any]) -> None: ...        # run on the thread's stream, wait for it
     def load_pool(self, pool_bytes: np.ndarray) -> None: ...      # KVCacheGenerator's pool, uploaded once
     def fill(self, layout: EntryLayout, entry_offset: int, out_dev: Any) -> None: ...   # KV made on the device
     def stamp_bytes(self, first_value: int, count: int) -> Any: ...
@@ -1739,7 +1739,7 @@ def download_chunks(dev: "GPUDevice", buf: Any, nbytes: int, room: np.ndarray,
         return
     for start in range(0, nbytes, room.size):
         part = room[:min(room.size, nbytes - start)]
-        run(lambda: dev.timed(lambda: dev.d2h(part, dev.view(buf, start, start + part.size))))
+        run(lambda: dev.wait_for(lambda: dev.d2h(part, dev.view(buf, start, start + part.size))))
         yield part
 
 
@@ -2479,36 +2479,6 @@ class _FillOps(NamedTuple):
     stamp_bytes: Callable[[int, int], Any]
 
 
-class _NumpyOps:
-    """fill_on_device's ops over host numpy arrays: the reference the GPU ops must match."""
-
-    SHIFTS_IN = np.array(_LANE_SHIFTS_IN, dtype=np.uint64)
-    SHIFTS_OUT = np.array(_LANE_SHIFTS_OUT, dtype=np.uint64)
-
-    @staticmethod
-    def nbytes(buf: np.ndarray) -> int:
-        return buf.nbytes
-
-    @staticmethod
-    def view(buf: np.ndarray, start: int, stop: int) -> np.ndarray:
-        return buf[start:stop]
-
-    @staticmethod
-    def rows(buf: np.ndarray, count: int, width: int) -> np.ndarray:
-        return buf.reshape(count, width)
-
-    @staticmethod
-    def d2d(dst: np.ndarray, src: np.ndarray) -> None:
-        _same_nbytes(dst.nbytes, src.nbytes)
-        np.copyto(dst, src)
-
-    @classmethod
-    def stamp_bytes(cls, first_value: int, count: int) -> np.ndarray:
-        numbers = np.arange(count, dtype=np.uint64) + np.uint64(first_value)
-        stamps = lane_stamps(numbers, cls.SHIFTS_IN, cls.SHIFTS_OUT)
-        return stamps.astype("<u8", copy=False).view(np.uint8).reshape(count, STAMP_BYTES)
-
-
 # --- Pinning helpers ----------------------------------------------------------------------
 
 _HOST_REGISTER_PORTABLE = 1       # cudaHostRegisterPortable / cudaHostAllocPortable: pinned for every context
@@ -2617,17 +2587,15 @@ class _GPUDeviceBase:
         done.record(self.stream())
         done.synchronize()                            # releases the GIL while it waits
 
-    def timed(self, fn: Callable[[], Any]) -> float:
-        """Run `fn` (which enqueues work) on the thread's stream; seconds from before the
-        enqueue until the stream has completed it. When `fn` raises, its work already enqueued
+    def wait_for(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` (which enqueues work) on the thread's stream and wait until the stream has
+        completed it (a Transfer times the whole). When `fn` raises, its work already enqueued
         is still waited for: the caller may then free the buffers it used."""
-        t0 = time.perf_counter()
         try:
             with self._on_stream():
                 fn()
         finally:
             self.sync()
-        return time.perf_counter() - t0
 
     def _keep_registered(self, ptr: int, host: np.ndarray) -> bool:
         with self._lock:
@@ -2668,7 +2636,7 @@ class _TorchDevice(_GPUDeviceBase):
         # The caching allocator gives a freed block back only to the stream it was allocated
         # under: entries and scratch all share one, so any writer reuses an evicted entry's
         # memory (else each stream hoards its own, until a cudaFree stalls the whole device).
-        # Safe because every operation completes before its buffers are let go (timed()).
+        # Safe because every operation completes before its buffers are let go (wait_for()).
         with self._torch.cuda.stream(self._alloc_stream):
             return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
 
@@ -3038,7 +3006,7 @@ class GPUDelivery(ReadSink):
                 for offset in range(0, nbytes, GPU_SCRATCH_BYTES):
                     n = min(GPU_SCRATCH_BYTES, nbytes - offset)
                     copy(self.dev.view(scratch, 0, n), view(src, offset, offset + n))
-            transfer.timed(self.dev.timed, enqueue)       # enqueue to completion on our stream
+            transfer.timed(self.dev.wait_for, enqueue)       # enqueue to completion on our stream
         transfer.advance(nbytes)
 
     def from_host(self, entry: np.ndarray, transfer: Transfer) -> None:
@@ -3064,7 +3032,7 @@ class GPUDelivery(ReadSink):
                 start = at[0] if at[0] + chunk.size <= size else 0
                 target = self.dev.view(scratch, start, start + chunk.size)
                 with gpu_errors_as_io_errors():
-                    transfer.timed(self.dev.timed, lambda: self.dev.h2d(target, chunk))
+                    transfer.timed(self.dev.wait_for, lambda: self.dev.h2d(target, chunk))
                 at[0] = start + chunk.size
             yield deliver
 
@@ -3108,13 +3076,13 @@ class GPUMemoryBackend(StorageBackend):
         with gpu_errors_as_io_errors():
             buf = dev.empty(source.nbytes)
             if source.layout is not None and self._has_pool:
-                transfer.timed(dev.timed, lambda: dev.fill(source.layout, 0, buf))
+                transfer.timed(dev.wait_for, lambda: dev.fill(source.layout, 0, buf))
                 transfer.observe_source(source)           # --verify: the same bytes made on the host, untimed
             else:                                         # bytes from the host (the public write())
                 host = np.empty(source.nbytes, dtype=np.uint8)
                 source.fill(0, host)
                 transfer.observe(host)
-                transfer.timed(dev.timed, lambda: dev.h2d(buf, host))
+                transfer.timed(dev.wait_for, lambda: dev.h2d(buf, host))
         transfer.advance(source.nbytes)
         self.cache[key] = buf
         self._meta[key] = StoredEntry(source.nbytes, tuple(source.shape), source.dtype)
@@ -3131,11 +3099,11 @@ class GPUMemoryBackend(StorageBackend):
 
         def fill(offset: int, out: np.ndarray) -> None:
             with gpu_errors_as_io_errors():
-                dev.timed(lambda: dev.d2h(out, dev.view(buf, offset, offset + out.size)))
+                dev.wait_for(lambda: dev.d2h(out, dev.view(buf, offset, offset + out.size)))
 
         def copy_whole(out: np.ndarray) -> None:
             with gpu_errors_as_io_errors():
-                dev.timed(lambda: dev.d2h(out, buf))
+                dev.wait_for(lambda: dev.d2h(out, buf))
         return EntrySource(meta.nbytes, meta.shape, meta.dtype, fill, copy_whole=copy_whole)
 
     def entry_info(self, key: str) -> StoredEntry:
@@ -5179,7 +5147,6 @@ class RunRecorder:
         self._lock = threading.Lock()
         self._max_requests = max_requests
         self.records: List[RequestRecord] = []
-        self.tokens_generated = 0
         self.abandoned = 0
         self.in_flight = 0                # requests being processed now, and the most at once
         self._closed = False              # the run stopped: later completions fall outside the window
@@ -5205,7 +5172,6 @@ class RunRecorder:
                 self.abandoned += 1
                 return
             self.records.append(record)
-            self.tokens_generated += record.generate_tokens
             if self._max_requests and len(self.records) >= self._max_requests:
                 self.reached_max_requests.set()
 
@@ -5216,10 +5182,6 @@ class RunRecorder:
     def records_since(self, index: int) -> List[RequestRecord]:
         with self._lock:
             return self.records[index:]
-
-    def progress(self) -> Tuple[int, int]:
-        with self._lock:
-            return len(self.records), self.tokens_generated
 
 
 @dataclass

@@ -1640,6 +1640,39 @@ class TestPipelinedStorageIO:
 BLOCK = kv.BLOCK_BYTES
 
 
+class NumpyOps:
+    """fill_on_device's ops over host numpy arrays: the reference the GPU libraries' ops must
+    match (kv-cache.py runs the same steps through PyTorch or CuPy)."""
+
+    SHIFTS_IN = np.array(kv._LANE_SHIFTS_IN, dtype=np.uint64)
+    SHIFTS_OUT = np.array(kv._LANE_SHIFTS_OUT, dtype=np.uint64)
+
+    @staticmethod
+    def nbytes(buf: np.ndarray) -> int:
+        return buf.nbytes
+
+    @staticmethod
+    def view(buf: np.ndarray, start: int, stop: int) -> np.ndarray:
+        return buf[start:stop]
+
+    @staticmethod
+    def rows(buf: np.ndarray, count: int, width: int) -> np.ndarray:
+        return buf.reshape(count, width)
+
+    @staticmethod
+    def d2d(dst: np.ndarray, src: np.ndarray) -> None:
+        kv._same_nbytes(dst.nbytes, src.nbytes)
+        np.copyto(dst, src)
+
+    @classmethod
+    def stamp_bytes(cls, first_value: int, count: int) -> np.ndarray:
+        numbers = np.arange(count, dtype=np.uint64) + np.uint64(first_value)
+        stamps = kv.lane_stamps(numbers, cls.SHIFTS_IN, cls.SHIFTS_OUT)
+        return stamps.astype("<u8", copy=False).view(np.uint8).reshape(count, kv.STAMP_BYTES)
+
+
+
+
 def pool_of(generator) -> np.ndarray:
     return generator.precomputed_buffer.view(np.uint8)
 
@@ -1804,7 +1837,7 @@ class TestFillOnDeviceNumpy:
     def test_matches_generator_fill(self, generator, key, nbytes):
         layout = generator.layout(key)
         out = np.empty(nbytes, dtype=np.uint8)
-        kv.fill_on_device(kv._NumpyOps, pool_of(generator), layout, 0, out)
+        kv.fill_on_device(NumpyOps, pool_of(generator), layout, 0, out)
         assert out.tobytes() == host_fill(generator, layout, 0, nbytes).tobytes()
 
     @pytest.mark.parametrize("entry_offset", [BLOCK, 8 * MIB, 3 * BLOCK])
@@ -1812,7 +1845,7 @@ class TestFillOnDeviceNumpy:
         layout = generator.layout("offsets")
         nbytes = 2 * BLOCK + 300
         out = np.empty(nbytes, dtype=np.uint8)
-        kv.fill_on_device(kv._NumpyOps, pool_of(generator), layout, entry_offset, out)
+        kv.fill_on_device(NumpyOps, pool_of(generator), layout, entry_offset, out)
         assert out.tobytes() == host_fill(generator, layout, entry_offset, nbytes).tobytes()
 
     @pytest.mark.parametrize("blocks_before_end", [1, 3])
@@ -1821,14 +1854,14 @@ class TestFillOnDeviceNumpy:
         pool = pool_of(generator)
         layout = kv.EntryLayout(pool.size - blocks_before_end * BLOCK, 2 ** 60 - 3)    # lanes overflow into bit 60
         out = np.empty(nbytes, dtype=np.uint8)
-        kv.fill_on_device(kv._NumpyOps, pool, layout, 0, out)
+        kv.fill_on_device(NumpyOps, pool, layout, 0, out)
         assert out.tobytes() == host_fill(generator, layout, 0, nbytes).tobytes()
 
     def test_wraps_when_entry_offset_passes_the_pool_end(self, generator):
         pool = pool_of(generator)
         layout = kv.EntryLayout(pool.size - 2 * BLOCK, 99)
         out = np.empty(3 * BLOCK, dtype=np.uint8)
-        kv.fill_on_device(kv._NumpyOps, pool, layout, 4 * BLOCK, out)
+        kv.fill_on_device(NumpyOps, pool, layout, 4 * BLOCK, out)
         assert out.tobytes() == host_fill(generator, layout, 4 * BLOCK, 3 * BLOCK).tobytes()
 
     def test_entry_larger_than_the_pool_wraps_several_times(self):
@@ -1837,7 +1870,7 @@ class TestFillOnDeviceNumpy:
         layout = kv.EntryLayout(3 * BLOCK, 1000)
         nbytes = 11 * BLOCK + 40
         out = np.empty(nbytes, dtype=np.uint8)
-        kv.fill_on_device(kv._NumpyOps, small._pool_bytes, layout, 0, out)
+        kv.fill_on_device(NumpyOps, small._pool_bytes, layout, 0, out)
         assert out.tobytes() == host_fill(small, layout, 0, nbytes).tobytes()
 
     def test_fills_a_view_inside_an_arena(self, generator):
@@ -1845,17 +1878,17 @@ class TestFillOnDeviceNumpy:
         arena.alloc(BLOCK)
         out = arena.alloc(3 * BLOCK + 16)
         layout = generator.layout("in-arena")
-        kv.fill_on_device(kv._NumpyOps, pool_of(generator), layout, 0, out)
+        kv.fill_on_device(NumpyOps, pool_of(generator), layout, 0, out)
         assert out.tobytes() == host_fill(generator, layout, 0, out.size).tobytes()
 
     def test_rejects_unaligned_entry_offset(self, generator):
         with pytest.raises(ValueError):
-            kv.fill_on_device(kv._NumpyOps, pool_of(generator), generator.layout("x"), 100,
+            kv.fill_on_device(NumpyOps, pool_of(generator), generator.layout("x"), 100,
                               np.empty(BLOCK, dtype=np.uint8))
 
     def test_stamp_bytes_are_finite_stamps_little_endian(self):
         first = 2 ** 60 - 2
-        stamps = kv._NumpyOps.stamp_bytes(first, 4)
+        stamps = NumpyOps.stamp_bytes(first, 4)
         assert stamps.shape == (4, 8)
         expected = kv.finite_stamps(np.arange(first, first + 4, dtype=np.uint64))
         assert [int.from_bytes(row.tobytes(), "little") for row in stamps] == [int(v) for v in expected]
@@ -1864,7 +1897,7 @@ class TestFillOnDeviceNumpy:
 class TestLaneStamps:
     """lane_stamps is finite_stamps in fewer array operations: same numbers, same stamps."""
 
-    SHIFTS = (kv._NumpyOps.SHIFTS_IN, kv._NumpyOps.SHIFTS_OUT)
+    SHIFTS = (NumpyOps.SHIFTS_IN, NumpyOps.SHIFTS_OUT)
 
     def test_equals_finite_stamps_on_random_numbers(self):
         numbers = np.random.default_rng(7).integers(0, 2 ** 63, 200_000, dtype=np.uint64, endpoint=False)
@@ -1986,16 +2019,16 @@ class _HostDevice(kv._GPUDeviceBase):
             self.made.append(buf)
         return buf
 
-    nbytes = staticmethod(kv._NumpyOps.nbytes)
-    rows = staticmethod(kv._NumpyOps.rows)
-    d2d = staticmethod(kv._NumpyOps.d2d)
-    stamp_bytes = staticmethod(kv._NumpyOps.stamp_bytes)
+    nbytes = staticmethod(NumpyOps.nbytes)
+    rows = staticmethod(NumpyOps.rows)
+    d2d = staticmethod(NumpyOps.d2d)
+    stamp_bytes = staticmethod(NumpyOps.stamp_bytes)
 
     def h2d(self, dst, src):
-        kv._NumpyOps.d2d(dst, kv._host_bytes(src))
+        NumpyOps.d2d(dst, kv._host_bytes(src))
 
     def d2h(self, dst, src):
-        kv._NumpyOps.d2d(kv._host_bytes(dst), src)
+        NumpyOps.d2d(kv._host_bytes(dst), src)
 
     def pinned_empty(self, nbytes):
         host = kv.aligned_empty(nbytes)
@@ -2009,7 +2042,7 @@ class _HostDevice(kv._GPUDeviceBase):
         self._pool = pool_bytes
 
     def fill(self, layout, entry_offset, out_dev):
-        kv.fill_on_device(kv._NumpyOps, self._pool, layout, entry_offset, out_dev)
+        kv.fill_on_device(NumpyOps, self._pool, layout, entry_offset, out_dev)
 
     def close(self):
         self._take_registered()
@@ -2073,15 +2106,15 @@ class TestCgroupMemory:
 
 
 class TestDeviceWaits:
-    def test_timed_waits_for_its_own_stream_with_one_event_per_thread(self):
+    def test_wait_for_waits_for_its_own_stream_with_one_event_per_thread(self):
         dev = _HostDevice()
-        dev.timed(lambda: dev.log.append("enqueue"))
-        dev.timed(lambda: dev.log.append("enqueue"))
+        dev.wait_for(lambda: dev.log.append("enqueue"))
+        dev.wait_for(lambda: dev.log.append("enqueue"))
         mine = dev.stream()
         assert dev.log == ["enqueue", "new event", ("record", mine), "wait",
                            "enqueue", ("record", mine), "wait"]
         other = []
-        t = threading.Thread(target=lambda: other.append(dev.timed(lambda: None)), name="other")
+        t = threading.Thread(target=lambda: other.append(dev.wait_for(lambda: None)), name="other")
         t.start()
         t.join()
         assert dev.log[-3:] == ["new event", ("record", "stream of other"), "wait"]
@@ -2093,7 +2126,7 @@ class TestDeviceWaits:
             dev.log.append("enqueue")
             raise RuntimeError("CUDA error: launch failure")
         with pytest.raises(RuntimeError):
-            dev.timed(fails_half_way)
+            dev.wait_for(fails_half_way)
         assert dev.log == ["enqueue", "new event", ("record", dev.stream()), "wait"]
 
 
@@ -2303,7 +2336,7 @@ class TestGPUDevice:
             device.sync()
             start = time.perf_counter()
             for _ in range(4):
-                device.timed(lambda: device.d2d(dst, src))
+                device.wait_for(lambda: device.d2d(dst, src))
             return start, time.perf_counter()
         (s0, e0), (s1, e1) = on_threads(2, work)
         assert max(s0, s1) < min(e0, e1)                        # the intervals intersect
@@ -2335,8 +2368,8 @@ class TestGPUDevice:
         device.h2d(a, src)
         device.d2d(b, a)
         back = np.empty(src.nbytes, dtype=np.uint8)
-        elapsed = device.timed(lambda: device.d2h(back, b))
-        assert elapsed >= 0 and back.tobytes() == src.tobytes()
+        device.wait_for(lambda: device.d2h(back, b))
+        assert back.tobytes() == src.tobytes()
 
     def test_size_mismatch_is_refused(self, device):
         with pytest.raises(ValueError):
@@ -2364,7 +2397,7 @@ class TestGPUDevice:
             layout = generator.layout(f"thread-{i}")
             out = device.empty(nbytes)
             back = np.empty(nbytes, dtype=np.uint8)
-            device.timed(lambda: (device.fill(layout, 0, out), device.d2h(back, out)))
+            device.wait_for(lambda: (device.fill(layout, 0, out), device.d2h(back, out)))
             return back.tobytes() == host_fill(generator, layout, 0, nbytes).tobytes()
         assert on_threads(8, work) == [True] * 8
 
@@ -2857,7 +2890,7 @@ class TestMultiTierCacheWithGPU:
             buf = dev.empty(64 * MIB)
             barrier.wait()
             start = time.perf_counter()
-            dev.timed(lambda: [dev.d2d(dev.view(buf, 0, 32 * MIB), dev.view(buf, 32 * MIB, 64 * MIB))
+            dev.wait_for(lambda: [dev.d2d(dev.view(buf, 0, 32 * MIB), dev.view(buf, 32 * MIB, 64 * MIB))
                                for _ in range(50)])
             intervals.append((start, time.perf_counter()))
             streams[name] = dev.stream()

@@ -22,16 +22,24 @@ Importing has no side effects: no argument parsing, no GPU initialisation,
 no files written, and the heavy optional libraries (torch, cupy, pandas) are
 only probed for, never imported, until a feature needs them.
 
-Sections, in the order data flows through the program:
-    CONFIGURATION AND MODELS
-    WORKLOAD: REQUESTS, USERS, CONVERSATIONS, PREFIXES, PLANS
-    KV DATA
-    STORAGE BACKENDS
-    MULTI-TIER CACHE
-    MONITORING
-    BENCHMARK ENGINE
-    STATISTICS AND REPORTS
-    COMMAND LINE
+Sections, in the order data flows through the program (each uses only those above it):
+    CONFIGURATION AND MODELS          constants, models, QoS, BenchmarkConfig and its checks
+    WORKLOAD: REQUESTS, USERS, ...    requests, personas, conversations, prefixes, plans, RAG, ShareGPT
+    KV DATA                           the incompressible, seeded byte generator
+    TRANSFERS: ONE OPERATION ...      Transfer (stop, clock, staging, CRC, record), sources, sinks,
+                                      StorageBackend: what every tier supplies, GPUDevice
+    STORAGE TIER: ONE FILE PER ENTRY  NVMeBackend: O_DIRECT .npy files, chunks in flight
+    HOST MEMORY TIER                  HostArena, CPUMemoryBackend
+    GPU DEVICES                       KV made on the device, pinning, the PyTorch and CuPy devices
+    GPU TIER AND DELIVERY TO THE GPU  GPUDelivery (a sink), GPUMemoryBackend
+    MEMORY TIERS, SET UP TOGETHER     RAM and cgroup limits, MPI node share, open_memory_tiers
+    METRIC MATH                       pure functions over counters and samples
+    MULTI-TIER CACHE                  waterfall LRU over the tiers
+    MONITORING AND AUTOSCALING        timeline, block-device counters, --io-baseline, fio, autoscaler
+    BENCHMARK ENGINE                  scheduler, workers, request flow, RunMeasurements
+    STATISTICS AND REPORTS            assemble_results (once), console, JSON, Excel, charts
+    MULTI-NODE (MPI)                  ranks' shares, merging their measurements
+    COMMAND LINE                      parser, main
 """
 import argparse
 import bisect
@@ -2554,10 +2562,43 @@ class _GPUDeviceBase:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._registered: Dict[int, np.ndarray] = {}     # pointer -> buffer (kept alive)
+        self._pool: Any = None                           # KVCacheGenerator's pool, on the device
+        self._shifts: Tuple[Any, ...] = ()               # lane_stamps' constants, on the device
 
     @staticmethod
     def view(buf: Any, start: int, stop: int) -> Any:
         return buf[start:stop]
+
+    # --- KV born on the device ---
+    def load_pool(self, pool_bytes: np.ndarray) -> None:
+        pool = self.empty(pool_bytes.nbytes)
+        self.h2d(pool, pool_bytes)                    # once, at start-up: pageable is fine
+        with self._on_stream():
+            self._shifts = tuple(self._lane_constants(s) for s in (_LANE_SHIFTS_IN, _LANE_SHIFTS_OUT))
+        self.sync()
+        self._pool = pool
+
+    def fill(self, layout: EntryLayout, entry_offset: int, out_dev: Any) -> None:
+        if self._pool is None:
+            raise RuntimeError("load_pool() first")
+        with self._on_stream():                       # one stream context for the whole fill
+            fill_on_device(self._fill_ops(), self._pool, layout, entry_offset, out_dev)
+
+    def close(self) -> None:
+        """Unpin what was registered (after every operation completed) and drop the pool."""
+        pointers = self._take_registered()
+        if pointers:
+            _run_in_fresh_thread(lambda: self._unpin(pointers))
+        self._pool = None
+
+    def _lane_constants(self, values: Tuple[int, ...]) -> Any:
+        raise NotImplementedError
+
+    def _fill_ops(self) -> Any:
+        return self
+
+    def _unpin(self, pointers: List[int]) -> None:
+        raise NotImplementedError
 
     def stream(self) -> Any:
         """The calling thread's own stream, made on its first use."""
@@ -2624,8 +2665,6 @@ class _TorchDevice(_GPUDeviceBase):
         self.library = f"torch {torch.__version__}"
         self.name = torch.cuda.get_device_name(self.device)
         super().__init__()
-        self._pool: Any = None                           # KVCacheGenerator's pool, on the device
-        self._shifts: Tuple[Any, Any] = ()               # lane_stamps' constants, on the device
         self._alloc_stream = torch.cuda.Stream(device=self.device)   # empty()'s tag: no work runs on it
 
     # --- memory ---
@@ -2723,15 +2762,8 @@ class _TorchDevice(_GPUDeviceBase):
         return self._torch.cuda.Event(blocking=True)  # no timing (the default): cheaper to record
 
     # --- KV born on the device ---
-    def load_pool(self, pool_bytes: np.ndarray) -> None:
-        torch = self._torch
-        pool = self.empty(pool_bytes.nbytes)
-        self.h2d(pool, pool_bytes)                    # once, at start-up: pageable is fine
-        with torch.cuda.stream(self.stream()):
-            self._shifts = tuple(torch.tensor(s, dtype=torch.int64).to(self.device)
-                                 for s in (_LANE_SHIFTS_IN, _LANE_SHIFTS_OUT))
-        self.sync()
-        self._pool = pool
+    def _lane_constants(self, values: Tuple[int, ...]) -> Any:
+        return self._torch.tensor(values, dtype=self._torch.int64).to(self.device)
 
     def stamp_bytes(self, first_value: int, count: int) -> Any:
         # int64, not uint64: uint64 arithmetic is missing on CUDA in older PyTorch. The numbers
@@ -2746,25 +2778,15 @@ class _TorchDevice(_GPUDeviceBase):
         _same_nbytes(self.nbytes(dst_dev), self.nbytes(src_dev))
         dst_dev.copy_(src_dev, non_blocking=True)     # on the current stream: fill made it ours
 
-    def fill(self, layout: Any, entry_offset: int, out_dev: Any) -> None:
-        if self._pool is None:
-            raise RuntimeError("load_pool() first")
-        # One stream context for the whole fill: entering it costs ~5 us, a copy's launch less.
-        ops = _FillOps(self.nbytes, self.view, self.rows, self._bare_d2d, self.stamp_bytes)
-        with self._torch.cuda.stream(self.stream()):
-            fill_on_device(ops, self._pool, layout, entry_offset, out_dev)
+    def _fill_ops(self) -> Any:
+        # Copies without a stream context of their own: entering one costs ~5 us, a copy's
+        # launch less, and fill() has entered ours once for them all.
+        return _FillOps(self.nbytes, self.view, self.rows, self._bare_d2d, self.stamp_bytes)
 
-    def close(self) -> None:
-        pointers = self._take_registered()
-        torch = self._torch
-
-        def unpin() -> None:              # errors are returned, not raised: nothing to undo
-            torch.cuda.set_device(self.device)
-            for ptr in pointers:
-                torch.cuda.cudart().cudaHostUnregister(ptr)
-        if pointers:
-            _run_in_fresh_thread(unpin)
-        self._pool = None
+    def _unpin(self, pointers: List[int]) -> None:
+        self._torch.cuda.set_device(self.device)
+        for ptr in pointers:              # errors are returned, not raised: nothing to undo
+            self._torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class _CupyDevice(_GPUDeviceBase):
@@ -2785,8 +2807,6 @@ class _CupyDevice(_GPUDeviceBase):
         self.name = name.decode() if isinstance(name, bytes) else str(name)
         super().__init__()
         self._pinned: List[Any] = []                   # PinnedMemory owners, kept alive
-        self._pool: Any = None                           # KVCacheGenerator's pool, on the device
-        self._shifts: Tuple[Any, Any] = ()               # lane_stamps' constants, on the device
         with self._device:
             self._alloc_stream = cupy.cuda.Stream(non_blocking=True)   # empty()'s tag: no work runs on it
 
@@ -2888,15 +2908,8 @@ class _CupyDevice(_GPUDeviceBase):
             super().sync()
 
     # --- KV born on the device ---
-    def load_pool(self, pool_bytes: np.ndarray) -> None:
-        cp = self._cp
-        pool = self.empty(pool_bytes.nbytes)
-        self.h2d(pool, pool_bytes)                    # once, at start-up: pageable is fine
-        with self._device, self.stream():
-            self._shifts = tuple(cp.asarray(np.array(s, dtype=np.uint64))
-                                 for s in (_LANE_SHIFTS_IN, _LANE_SHIFTS_OUT))
-        self.sync()
-        self._pool = pool
+    def _lane_constants(self, values: Tuple[int, ...]) -> Any:
+        return self._cp.asarray(np.array(values, dtype=np.uint64))
 
     def stamp_bytes(self, first_value: int, count: int) -> Any:
         cp = self._cp                     # runs on the current stream: fill() enters ours
@@ -2904,27 +2917,18 @@ class _CupyDevice(_GPUDeviceBase):
         stamps = lane_stamps(numbers, *self._shifts)
         return stamps.view(cp.uint8).reshape(count, STAMP_BYTES)
 
-    def fill(self, layout: Any, entry_offset: int, out_dev: Any) -> None:
-        if self._pool is None:
-            raise RuntimeError("load_pool() first")
-        with self._device, self.stream():
-            fill_on_device(self, self._pool, layout, entry_offset, out_dev)
-
     def close(self) -> None:
-        pointers = self._take_registered()
         with self._lock:
             self._pinned.clear()          # freed once no view of them is left
+        super().close()
 
-        def unpin() -> None:
-            with self._device:
-                for ptr in pointers:
-                    try:
-                        self._rt.hostUnregister(ptr)
-                    except self._rt.CUDARuntimeError:
-                        pass              # shutting down: an unpin that fails leaves nothing to undo
-        if pointers:
-            _run_in_fresh_thread(unpin)
-        self._pool = None
+    def _unpin(self, pointers: List[int]) -> None:
+        with self._device:
+            for ptr in pointers:
+                try:
+                    self._rt.hostUnregister(ptr)
+                except self._rt.CUDARuntimeError:
+                    pass                  # shutting down: an unpin that fails leaves nothing to undo
 
 
 def open_gpu_device(device_index: int = 0, library: str = "auto"):
@@ -3300,8 +3304,9 @@ def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
 
 
 # ============================================================================
-# METRIC MATH (pure functions over recorded samples; docs/metrics.md defines each figure)
+# METRIC MATH
 # ============================================================================
+# Pure functions over recorded counters and samples; docs/metrics.md defines each figure.
 
 def latency_summary_ms(samples_s: Sequence[float]) -> Dict[str, Optional[float]]:
     """Mean and percentiles, in milliseconds, of latency samples given in seconds; None when empty."""

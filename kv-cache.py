@@ -3055,28 +3055,19 @@ class GPUMemoryBackend(StorageBackend):
     name = "gpu"
 
     def __init__(self, device_index: int = 0, library: str = "auto"):
-        self._dev: GPUDevice = open_gpu_device(device_index, library)
-        self.library = self._dev.library
-        self.device_name = self._dev.name
+        self.device: GPUDevice = open_gpu_device(device_index, library)
         self.cache: Dict[str, Any] = {}
         self._meta: Dict[str, StoredEntry] = {}
         self._has_pool = False
-        self.delivery = GPUDelivery(self._dev)
-
-    @property
-    def device(self) -> "GPUDevice":
-        return self._dev
+        self.delivery = GPUDelivery(self.device)
 
     def load_generator(self, generator: KVCacheGenerator) -> None:
         """Upload the generator's pool once: from then on, generated entries are made on the device."""
-        self._dev.load_pool(generator._pool_bytes)
+        self.device.load_pool(generator._pool_bytes)
         self._has_pool = True
 
-    def free_bytes(self) -> int:
-        return self._dev.free_bytes()
-
     def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
-        dev = self._dev
+        dev = self.device
         with gpu_errors_as_io_errors():
             buf = dev.empty(source.nbytes)
             if source.layout is not None and self._has_pool:
@@ -3094,12 +3085,12 @@ class GPUMemoryBackend(StorageBackend):
     def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
         buf, meta = self.cache[key], self._meta[key]
         with gpu_errors_as_io_errors():
-            sink.from_device(self._dev, buf, meta.nbytes, transfer)
+            sink.from_device(self.device, buf, meta.nbytes, transfer)
 
     def source(self, key: str) -> EntrySource:
         """The entry for the next tier: chunk by chunk into host buffers (a demotion straight to
         storage), or whole in one copy (into the CPU tier's memory)."""
-        buf, meta, dev = self.cache[key], self._meta[key], self._dev
+        buf, meta, dev = self.cache[key], self._meta[key], self.device
 
         def fill(offset: int, out: np.ndarray) -> None:
             with gpu_errors_as_io_errors():
@@ -3124,7 +3115,7 @@ class GPUMemoryBackend(StorageBackend):
     def close(self) -> None:
         self.clear()
         self.delivery.close()
-        self._dev.close()
+        self.device.close()
 
     def __contains__(self, key: str) -> bool:
         return key in self.cache
@@ -3248,11 +3239,8 @@ class MemoryTiers:
     gpu_disabled_reason: Optional[str] = None
     cpu_memory: str = "process memory (numpy arrays)"
     delivery: Optional[GPUDelivery] = None
-
-    @property
-    def gpu(self) -> Optional[GPUMemoryBackend]:
-        gpu = self.backends.get("gpu")
-        return gpu if isinstance(gpu, GPUMemoryBackend) else None
+    gpu: Optional[GPUMemoryBackend] = None
+    cpu: Optional[CPUMemoryBackend] = None
 
 
 def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator,
@@ -3269,12 +3257,13 @@ def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator,
         logger.warning("GPU tier disabled: %s; the run goes on with the CPU and storage tiers.", exc)
         return None
     # The pool and the delivery scratch areas are allocated by now: the tier may use what is left.
-    budget, free = gpu_memory_gb * GIB, gpu.free_bytes()
+    budget, free = gpu_memory_gb * GIB, gpu.device.free_bytes()
     if budget > free:
         logger.warning("--gpu-mem-gb %.2f exceeds the GPU's free memory less %.1f GB of working memory; "
                        "using %.2f GB.", gpu_memory_gb, gpu.delivery.device_bytes / GIB, free / GIB)
         budget = free
-    tiers.backends["gpu"], tiers.limits["gpu"], tiers.delivery = gpu, budget, gpu.delivery
+    tiers.backends["gpu"] = tiers.gpu = gpu
+    tiers.limits["gpu"], tiers.delivery = budget, gpu.delivery
     return gpu
 
 
@@ -3297,7 +3286,7 @@ def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
             buffer, how = host_buffer(gpu.device, size)
             arena = HostArena(buffer)
             tiers.cpu_memory = f"{'page-locked' if how == 'pinned' else how} arena of {size / GIB:.2f} GB"
-        tiers.backends["cpu"] = CPUMemoryBackend(arena)
+        tiers.backends["cpu"] = tiers.cpu = CPUMemoryBackend(arena)
         tiers.limits["cpu"] = cpu_memory_gb * GIB if arena is None or size == wanted else arena.capacity_bytes
     return tiers
 
@@ -3599,19 +3588,19 @@ class CacheEntry:
 
 def describe_tiers(tiers: MemoryTiers, nvme: "NVMeBackend", run_dir: Path, order: List[str]) -> Dict[str, Any]:
     """What the results say about a cache's tiers (effective budgets, library, delivery, I/O mode)."""
-    limits, backends = tiers.limits, tiers.backends
+    limits, gpu = tiers.limits, tiers.gpu
     return {
         "tiers": order,
         "effective_gpu_mem_gb": limits.get("gpu", 0) / GIB,
         "effective_cpu_mem_gb": limits.get("cpu", 0) / GIB,
         "storage_capacity_gb": None if math.isinf(limits["nvme"]) else limits["nvme"] / GIB,
         "gpu_disabled_reason": tiers.gpu_disabled_reason,
-        "gpu_library": getattr(backends.get("gpu"), "library", None),
-        "gpu_name": getattr(backends.get("gpu"), "device_name", None),
-        "gpu_device_index": getattr(getattr(backends.get("gpu"), "device", None), "device_index", None),
+        "gpu_library": gpu.device.library if gpu else None,
+        "gpu_name": gpu.device.name if gpu else None,
+        "gpu_device_index": gpu.device.device_index if gpu else None,
         "read_delivery": "gpu" if tiers.delivery is not None else "host",
-        "cpu_tier_memory": tiers.cpu_memory if "cpu" in backends else None,
-        "cpu_arena_fallbacks": getattr(backends.get("cpu"), "arena_fallbacks", 0),
+        "cpu_tier_memory": tiers.cpu_memory if tiers.cpu else None,
+        "cpu_arena_fallbacks": tiers.cpu.arena_fallbacks if tiers.cpu else 0,
         "storage_io_mode": nvme.io_mode,
         "nvme_read_device_busy_s": nvme.busy["read"].busy_s(),
         "nvme_write_device_busy_s": nvme.busy["write"].busy_s(),
@@ -3623,20 +3612,17 @@ def describe_tiers(tiers: MemoryTiers, nvme: "NVMeBackend", run_dir: Path, order
 
 def _unlink_counted(stats: CacheStats, path: Path) -> None:
     """Delete one of the cache's files; a failure (read-only or vanished file system) is counted."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError as exc:
-        stats.record_io_error("nvme", "delete", exc)
+    _cleanup_counted(stats, lambda: path.unlink(missing_ok=True), "delete")
 
 
-def _cleanup_counted(stats: CacheStats, step: Callable[[], Any]) -> None:
+def _cleanup_counted(stats: CacheStats, step: Callable[[], Any], what: str = "cleanup") -> None:
     """One clean-up step; a failure is counted by errno and the caller's other steps still run."""
     try:
         step()
     except FileNotFoundError:
         pass
     except OSError as exc:
-        stats.record_io_error("nvme", "cleanup", exc)
+        stats.record_io_error("nvme", what, exc)
     except Exception:                                     # a bug must not cost the results either
         logger.exception("a clean-up step failed; the others still run")
 

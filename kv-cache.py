@@ -65,6 +65,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import warnings
 import collections
 import contextlib
@@ -72,7 +73,7 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -371,10 +372,7 @@ _ORIGINAL_FLAGS: Dict[str, Tuple[str, Callable[[Any, Dict[str, Any]], Any]]] = {
     "duration": ("duration_s", lambda v, _: v),
     "disable_multi_turn": ("multi_turn", lambda v, _: not v),
     "disable_prefix_caching": ("prefix_caching", lambda v, _: not v),
-    "num_workers": ("worker_slots", lambda v, _: v or 0),
-    "monitor_interval": ("monitor_interval_s", lambda v, _: v),
     "enable_autoscaling": ("autoscaler_mode", lambda v, given: given.get("autoscaler_mode", "qos") if v else None),
-    "quiet": ("progress", lambda v, _: not v),
 }
 
 
@@ -1669,11 +1667,8 @@ class ChunkPipeline:
         """After an error or an abort: wait for the transfers still in flight (they use our buffers
         and fd); those that succeeded still complete, so their bytes are counted."""
         while self._pending:
-            future, on_done = self._pending.popleft()
             try:
-                result = future.result()
-                if on_done is not None:
-                    on_done(result)
+                self._complete_oldest()
             except BaseException:
                 pass
 
@@ -1717,7 +1712,7 @@ class GPUDevice(Protocol):
     def wait_for(self, fn: Callable[[], Any]) -> None: ...        # run on the thread's stream, wait for it
     def load_pool(self, pool_bytes: np.ndarray) -> None: ...      # KVCacheGenerator's pool, uploaded once
     def fill(self, layout: EntryLayout, entry_offset: int, out_dev: Any) -> None: ...   # KV made on the device
-    def stamp_bytes(self, first_value: int, count: int) -> Any: ...
+    def stamp_bytes(self, first_value: int, count: int) -> Any: ...   # (count, 8) uint8: finite_stamps(first_value + i)
     def close(self) -> None: ...
 
 ChunkConsumer = Callable[[int, np.ndarray], None]     # (offset in the entry, the chunk's bytes)
@@ -1764,9 +1759,7 @@ class HostSink(ReadSink):
 
     @staticmethod
     def _slot(room: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
-        start = offset % room.size
-        if start + nbytes > room.size:
-            start = 0
+        start = offset % room.size                        # steps and chunks divide the room's size
         return room[start:start + nbytes]
 
     def from_host(self, entry: np.ndarray, transfer: Transfer) -> None:
@@ -2334,20 +2327,16 @@ class CPUMemoryBackend(StorageBackend):
                 transfer.observe(data)
                 transfer.advance(data.size)
             else:
-                self._fill(data, source, transfer)
+                for offset in range(0, source.nbytes, IO_CHUNK_BYTES):
+                    transfer.check_stop()                 # in chunks, so that a stop is obeyed mid-entry
+                    part = data[offset:offset + IO_CHUNK_BYTES]
+                    transfer.timed(source.fill, offset, part)
+                    transfer.observe(part)
+                    transfer.advance(part.size)
         except BaseException:
             self._free(data)
             raise
         self._adopt(key, data, source.shape, source.dtype)
-
-    @staticmethod
-    def _fill(data: np.ndarray, source: EntrySource, transfer: Transfer) -> None:
-        for offset in range(0, source.nbytes, IO_CHUNK_BYTES):
-            transfer.check_stop()                         # in chunks, so that a stop is obeyed mid-entry
-            part = data[offset:offset + IO_CHUNK_BYTES]
-            transfer.timed(source.fill, offset, part)
-            transfer.observe(part)
-            transfer.advance(part.size)
 
     @contextlib.contextmanager
     def _reading(self, key: str) -> Iterator[np.ndarray]:
@@ -2412,14 +2401,8 @@ class CPUMemoryBackend(StorageBackend):
 # ============================================================================
 
 # --- KV born on the device ----------------------------------------------------------------
-# fill_on_device is written once over an "array ops" object, so that numpy (the host
-# reference, in the tests) and the GPU libraries run the very same steps. The ops are:
-#   nbytes(buf) -> int                    size of a uint8 buffer in bytes
-#   view(buf, start, stop)                1-D slice, no copy
-#   rows(buf, count, width)               a contiguous 1-D buffer seen as (count, width)
-#   d2d(dst, src)                         copy, enqueued on the calling thread's stream
-#   stamp_bytes(first_value, count)       (count, 8) uint8: the little-endian bytes of
-#                                         finite_stamps(first_value + i), i < count
+# fill_on_device is written once over GPUDevice's array operations (nbytes, view, rows, d2d,
+# stamp_bytes), so that every library, and numpy in the tests, runs the very same steps.
 
 # finite_stamps spreads a number's low 60 bits over four float16 lanes of 15 bits each.
 _LANE_SHIFTS_IN = (0, 15, 30, 45)       # where each lane's 15 bits sit in the number
@@ -2475,16 +2458,6 @@ def _host_bytes(host: np.ndarray) -> np.ndarray:
     if not host.flags.c_contiguous:
         raise ValueError("host buffers must be C-contiguous")
     return host.reshape(-1).view(np.uint8)
-
-
-class _FillOps(NamedTuple):
-    """fill_on_device's ops as plain functions (a device whose public copies each enter the
-    stream context passes bare ones here: fill enters it once)."""
-    nbytes: Callable[[Any], int]
-    view: Callable[[Any, int, int], Any]
-    rows: Callable[[Any, int, int], Any]
-    d2d: Callable[[Any, Any], None]
-    stamp_bytes: Callable[[int, int], Any]
 
 
 # --- Pinning helpers ----------------------------------------------------------------------
@@ -2781,7 +2754,8 @@ class _TorchDevice(_GPUDeviceBase):
     def _fill_ops(self) -> Any:
         # Copies without a stream context of their own: entering one costs ~5 us, a copy's
         # launch less, and fill() has entered ours once for them all.
-        return _FillOps(self.nbytes, self.view, self.rows, self._bare_d2d, self.stamp_bytes)
+        return types.SimpleNamespace(nbytes=self.nbytes, view=self.view, rows=self.rows, d2d=self._bare_d2d,
+                                     stamp_bytes=self.stamp_bytes)
 
     def _unpin(self, pointers: List[int]) -> None:
         self._torch.cuda.set_device(self.device)
@@ -3684,8 +3658,6 @@ class MultiTierCache:
     def _open(self, config: BenchmarkConfig, generator: Optional[KVCacheGenerator]) -> None:
         self.config = config
         self.model_config = config.model
-        self.verify = config.verify
-        self.performance_profile = config.performance_profile
         self.generator = generator if generator is not None else KVCacheGenerator(config.model, config.seed)
         self.stats = CacheStats()
         self._lock = threading.Lock()
@@ -3801,13 +3773,13 @@ class MultiTierCache:
             return False, None, 0, False
         source = EntrySource.generated(self.generator, key, size, entry.shape, entry.dtype)
         try:
-            with self._transfer(tier, "write", size, self.verify) as transfer:
+            with self._transfer(tier, "write", size, self.config.verify) as transfer:
                 self.backends[tier].write_from(key, source, transfer)
         except (OSError, IOAborted) as exc:             # counted by the transfer
             self._drop(entry, reserved_tier=tier)
             return False, None, 0, isinstance(exc, IOAborted)
         with self._lock:
-            entry.checksum = transfer.crc if self.verify else None
+            entry.checksum = transfer.crc if self.config.verify else None
             entry.tier, entry.state = tier, "ready"
             self._lru[tier][key] = None
         transfer.record(num_tokens, "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE)
@@ -4019,7 +3991,7 @@ class MultiTierCache:
 
     def get_stats(self, duration: float, window_counters: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
         report = self.report()
-        return cache_stats_summary(report, self.performance_profile,
+        return cache_stats_summary(report, self.config.performance_profile,
                                    [(window_counters if window_counters is not None else report.counters, duration)])
 
     def describe_tiers(self) -> Dict[str, Any]:
@@ -6749,7 +6721,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--disable-prefix-caching", action="store_true", help="no shared system-prompt caching")
     w.add_argument("--seed", type=int, default=None, help="seed for an identical workload on every run (MLPerf: 42)")
     w.add_argument("--max-requests", type=int, default=0, help="stop after N completed requests (0: no limit)")
-    w.add_argument("--num-workers", type=int, default=None,
+    w.add_argument("--num-workers", type=int, default=0, dest="worker_slots",
                    help=f"requests processed at once, a worker thread each (default: as the original, "
                         f"min(users, {MAX_IN_FLIGHT_REQUESTS}), following the autoscaler's user count)")
 
@@ -6759,7 +6731,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--enable-autoscaling", action="store_true", help="adjust the user count during the run")
     a.add_argument("--autoscaler-mode", default="qos", choices=["qos", "capacity"], help="(default: %(default)s)")
     a.add_argument("--target-saturation", type=float, default=0.8, help="QoS-mode target, 0.0-1.0 (default: %(default)s)")
-    a.add_argument("--monitor-interval", type=float, default=DEFAULT_MONITOR_INTERVAL_S,
+    a.add_argument("--monitor-interval", type=float, default=DEFAULT_MONITOR_INTERVAL_S, dest="monitor_interval_s",
                    help="seconds between monitor samples (default: %(default)s)")
 
     d = p.add_argument_group("dataset replay and RAG")
@@ -6800,7 +6772,7 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     o.add_argument("--xlsx-output", default=None, help="results spreadsheet (.xlsx, or .csv)")
     o.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="(default: %(default)s)")
-    o.add_argument("--quiet", action="store_true",
+    o.add_argument("--quiet", action="store_false", dest="progress",
                    help="only warnings, errors and the final report: no progress, no INFO lines")
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts of the run into DIR (needs matplotlib)")
     o.add_argument("--fio-job", default=None, metavar="FILE",
@@ -7070,7 +7042,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _widen_cuda_work_queues()
     launch = mpi_launch()
     rank = launch[0] if launch else 0
-    quiet = args.quiet or rank != 0                  # one voice: rank 0's
+    quiet = not args.progress or rank != 0           # one voice: rank 0's
     logging.basicConfig(level=logging.WARNING if quiet else getattr(logging, args.log_level),
                         format=f"%(levelname)s: {f'[rank {rank}] ' if launch else ''}%(message)s")
     stop = StopRequest()

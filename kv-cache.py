@@ -1501,8 +1501,7 @@ class Transfer:
         self._lease: Any = None
         self._staging: Optional[np.ndarray] = None
         self._clock = BusyClock()
-        self._t0 = self._t1 = time.perf_counter()
-        self._open = False
+        self._t0, self._t1 = time.perf_counter(), None
 
     def __enter__(self) -> "Transfer":
         if self._pool is not None:
@@ -1512,11 +1511,11 @@ class Transfer:
             except IOAborted as exc:                      # stopped while waiting for an area
                 self._record_failure(exc)
                 raise
-        self._t0, self._open = time.perf_counter(), True
+        self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> bool:
-        self._t1, self._open = time.perf_counter(), False
+        self._t1 = time.perf_counter()
         if self._lease is not None:
             self._lease.__exit__(None, None, None)
             self._lease = None
@@ -1542,7 +1541,7 @@ class Transfer:
             self._clock.stop()
 
     def timing(self) -> IOTiming:
-        end = time.perf_counter() if self._open else self._t1
+        end = self._t1 if self._t1 is not None else time.perf_counter()
         return IOTiming.from_device(end - self._t0, self._clock.busy_s())
 
     def advance(self, nbytes: int) -> None:
@@ -1897,15 +1896,11 @@ def preallocate(fd: int, nbytes: int) -> bool:
         return False
     if _FALLOCATE(fd, 0, 0, nbytes) == 0:
         return True
-    err = _ctypes_errno()
+    import ctypes
+    err = ctypes.get_errno()
     if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
         return False
     raise OSError(err, os.strerror(err))
-
-
-def _ctypes_errno() -> int:
-    import ctypes
-    return ctypes.get_errno()
 
 
 def probe_direct_io(directory: Path) -> Tuple[bool, str]:
@@ -3987,16 +3982,13 @@ class MultiTierCache:
     # --- results ---
     def report(self) -> CacheReport:
         counters, samples = self.stats.snapshot()
-        return CacheReport(counters, samples, self.tier_entry_counts(), self.describe_tiers())
+        return CacheReport(counters, samples, self.tier_entry_counts(),
+                           describe_tiers(self.tiers, self.backends["nvme"], self.run_dir, self._get_tier_order()))
 
     def get_stats(self, duration: float, window_counters: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
         report = self.report()
         return cache_stats_summary(report, self.config.performance_profile,
                                    [(window_counters if window_counters is not None else report.counters, duration)])
-
-    def describe_tiers(self) -> Dict[str, Any]:
-        """Effective budgets, the GPU library and read delivery, the storage I/O mode: for the results."""
-        return describe_tiers(self.tiers, self.backends["nvme"], self.run_dir, self._get_tier_order())
 
     def close(self) -> None:
         """Delete everything the cache stored, including the run directory it made. A step that
@@ -4848,21 +4840,17 @@ class StorageMonitor:
         self._recorder = recorder
         self._queue = request_queue
         self._active_users = active_users
-        self._last_elapsed = 0.0
+        self.last_elapsed_s = 0.0                        # where the last window ended
         self._last_counters: Dict[str, int] = {}
         self._sample_marks: Dict[Tuple[str, str], int] = {}
         self._record_mark = 0
         self.timeline: List[Dict[str, Any]] = []
 
-    @property
-    def last_elapsed_s(self) -> float:
-        return self._last_elapsed
-
     def sample(self, elapsed_s: float) -> Dict[str, Any]:
         counters, window = self._cache.stats.window(self._sample_marks)
         records = self._recorder.records_since(self._record_mark)
         self._record_mark += len(records)
-        span = max(elapsed_s - self._last_elapsed, 1e-9)
+        span = max(elapsed_s - self.last_elapsed_s, 1e-9)
         delta = {k: counters.get(k, 0) - self._last_counters.get(k, 0) for k in counters}
         read_p95 = latency_summary_ms(window.get(("nvme", "read"), []))["p95"]
         write_p95 = latency_summary_ms(window.get(("nvme", "write"), []))["p95"]
@@ -4889,7 +4877,7 @@ class StorageMonitor:
         }
         if self._device is not None:                     # the drive's own read/write GB/s beside ours
             point.update(self._device.interval())
-        self._last_elapsed, self._last_counters = elapsed_s, counters
+        self.last_elapsed_s, self._last_counters = elapsed_s, counters
         self.timeline.append(point)
         return point
 
@@ -5381,7 +5369,8 @@ class IntegratedBenchmark:
         """Run the workload and remove the cache's files; what it measured. The cache's entry
         counts are taken before the clean-up, its counters after (a clean-up error counts)."""
         try:
-            self._measure_baseline()
+            if self.config.io_baseline and not self._stop.is_set():
+                self._measure_baseline()
             if self._stop.is_set():                    # stopped before the workload began: no results
                 raise Interrupted()
             cpu0 = time.process_time()
@@ -5398,8 +5387,6 @@ class IntegratedBenchmark:
         return measured
 
     def _measure_baseline(self) -> None:
-        if not self.config.io_baseline or self._stop.is_set():
-            return
         logger.info("Measuring the raw bandwidth of %s (about %.0f s)...", self.cache.run_dir, 3 * BASELINE_PHASE_S)
         try:
             self.io_baseline = measure_io_baseline(self.cache.run_dir, self.cache.generator,
@@ -6656,17 +6643,13 @@ def merge_measurements(config: BenchmarkConfig, parts: List[RunMeasurements]) ->
     """The world's measurements from the ranks' (in rank order): request records and cache
     samples pooled (so percentiles come from all samples), counts and bytes added up; each
     rank's stays in `ranks`, for the per-rank table and the rates summed over the ranks."""
-    counters: Dict[str, int] = defaultdict(int)
+    counters = sum((collections.Counter(p.cache.counters) for p in parts), collections.Counter())
+    entry_counts = sum((collections.Counter(p.cache.entry_counts) for p in parts), collections.Counter())
     samples: Dict[Tuple[str, str], Tuple[List[float], ...]] = defaultdict(lambda: ([], [], []))
-    entry_counts: Dict[str, int] = defaultdict(int)
     for p in parts:
-        for name, value in p.cache.counters.items():
-            counters[name] += value
         for key, lists in p.cache.samples.items():
             for merged, part in zip(samples[key], lists):
                 merged.extend(part)
-        for tier, n in p.cache.entry_counts.items():
-            entry_counts[tier] += n
     digest = hashlib.sha256("|".join(p.workload_digest for p in parts).encode()).hexdigest()[:16]
     return RunMeasurements(
         config=config, seed=config.seed, records=[r for p in parts for r in p.records],

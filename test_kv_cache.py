@@ -2844,7 +2844,7 @@ class TestMultiTierCacheWithGPU:
         cache.close()
 
     def test_the_library_asked_for_is_used_and_reported(self, gpu_cache):
-        info = gpu_cache.describe_tiers()
+        info = gpu_cache.report().tiers_info
         assert info["gpu_library"].split()[0] == gpu_cache.tiers.gpu.device.library.split()[0]
         assert info["read_delivery"] == "gpu" and info["gpu_name"]
 

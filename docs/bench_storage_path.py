@@ -61,19 +61,17 @@ def main():
     rows = []
     try:
         ours = kv.NVMeBackend(work / "ours")
-        staging = threading.local()
-
-        def buf():
-            if not hasattr(staging, "b"):
-                staging.b = kv.aligned_empty(kv.IO_DEPTH * kv.IO_CHUNK_BYTES)   # as the benchmark's workers
-            return staging.b
+        pool = kv.StagingPool(THREADS, kv.STAGING_BYTES)     # as the benchmark's workers: a staging area each
+        nbytes = tokens * model.kv_cache_size_per_token
 
         def our_write(k):
-            ours.write_from(k, kv.generator_source(gen, k), tokens * model.kv_cache_size_per_token,
-                            model.entry_shape(tokens), "<f2", buf())
+            with kv.Transfer("write", nbytes, pool=pool) as transfer:
+                ours.write_from(k, kv.EntrySource.generated(gen, k, nbytes, model.entry_shape(tokens), "<f2"),
+                                transfer)
 
         def our_read(k):
-            ours.read_through(k, buf())
+            with kv.Transfer("read", nbytes, pool=pool) as transfer:
+                ours.read_into(k, kv.HostSink(), transfer)
         w = timed(our_write, keys)
         r = timed(our_read, keys)
         rows.append((f"kv-cache.py path ({ours.io_mode})", w, r))

@@ -1758,7 +1758,9 @@ class HostSink(ReadSink):
 
     @staticmethod
     def _slot(room: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
-        start = offset % room.size                        # steps and chunks divide the room's size
+        start = offset % room.size
+        if start + nbytes > room.size:                    # wrap, as the storage tier's chunk buffers do
+            start = 0
         return room[start:start + nbytes]
 
     def from_host(self, entry: np.ndarray, transfer: Transfer) -> None:

@@ -1,7 +1,11 @@
 """Tests for kv-cache.py, one class per section of the file.
 
-Run:  python -m pytest test_kv_cache.py -q          (everything; two to three minutes on two cores)
-      python -m pytest test_kv_cache.py -q -m "not slow"   (no end-to-end runs; about half a minute)
+Run:  python -m pytest test_kv_cache.py -q          (everything; about four minutes on two cores)
+      python -m pytest test_kv_cache.py -q -m "not slow"   (no end-to-end runs; under a minute)
+      python -m pytest test_kv_cache.py -q -n 4     (in parallel, with pytest-xdist)
+
+Every end-to-end run goes through one of two helpers: run_cli (the command line, in a subprocess)
+or run_in_process (kv.main in this process); a test or module fixture that makes one is marked slow.
 
 The module is loaded the way users load it (the file name has a dash), without
 registering it in sys.modules. GPU tests skip themselves unless PyTorch or CuPy
@@ -34,8 +38,8 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import zlib
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -90,29 +94,17 @@ def generator():
     return kv.KVCacheGenerator(TINY, global_seed=GEN_SEED)
 
 
-def install_fake_gpu_tier(cache, gpu_budget_gb: float) -> None:
-    """Give a CPU+storage cache a GPU tier made of host memory, so the
-    three-tier waterfall can be tested without CUDA."""
-    cache.backends["gpu"] = kv.CPUMemoryBackend()
-    cache._limits["gpu"] = gpu_budget_gb * GIB
-    cache._usage["gpu"] = 0
-    cache._lru["gpu"] = OrderedDict()
-
-
 @pytest.fixture
 def make_cache(tmp_path, generator, monkeypatch):
     caches = []
 
-    def make(cpu_entries: float = 10.01, gpu_entries: float = 0.0, cache_dir=None, gpu: str = "fake", **kwargs):
-        """gpu: "fake" (a CPU backend in the GPU tier's place) or "host" (the GPU tier's own code
-        over a _HostDevice)."""
-        if gpu == "host":
+    def make(cpu_entries: float = 10.01, gpu_entries: float = 0.0, cache_dir=None, **kwargs):
+        """A cache of `cpu_entries` (and `gpu_entries`) entries' budgets; a GPU tier is the GPU tier's
+        own code over a _HostDevice (use_host_gpu)."""
+        if gpu_entries:
             use_host_gpu(monkeypatch)
-        cache = kv.MultiTierCache(TINY, gpu_memory_gb=budget_gb(gpu_entries) if gpu == "host" else 0,
-                                  cpu_memory_gb=budget_gb(cpu_entries),
+        cache = kv.MultiTierCache(TINY, gpu_memory_gb=budget_gb(gpu_entries), cpu_memory_gb=budget_gb(cpu_entries),
                                   cache_dir=cache_dir or tmp_path, generator=generator, **kwargs)
-        if gpu_entries and gpu == "fake":
-            install_fake_gpu_tier(cache, budget_gb(gpu_entries))
         caches.append(cache)
         return cache
 
@@ -130,36 +122,75 @@ def gpu_device_or_skip():
         pytest.skip(f"no usable CUDA device: {exc}")
 
 
-def run_cli(*args, cwd, timeout=90, env=None):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+def run_cli(*args, cwd, timeout=90, env=None, preexec_fn=None, launcher=(), code=None, while_running=None):
+    """The one way the tests start the benchmark as users do: `python kv-cache.py ARGS` in a subprocess,
+    its output captured as text; returns the CompletedProcess.
+
+    launcher: words before python (`mpiexec -n 2`); code: a `python -c` program that runs the script
+    itself (it gets the script's path, then ARGS); preexec_fn: run in the child before it starts (a
+    resource limit); while_running: called with the live Popen before the output is collected (read
+    its stderr as it comes, send it signals); the process is killed if the test leaves it running."""
+    cmd = [*map(str, launcher), sys.executable, *(["-c", code] if code else []), str(SCRIPT), *map(str, args)]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, preexec_fn=preexec_fn, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        if while_running is not None:
+            while_running(proc)
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 SMALL_RUN = ("--model", "tiny-1b", "--gpu-mem-gb", "0", "--generation-mode", "none")
 
 
-def run_benchmark(workdir: Path, *args):
-    """Run the CLI in `workdir`; returns (completed process, results dict)."""
+def small_run(workdir: Path, *args) -> tuple:
+    """The arguments of a small run (SMALL_RUN, then ARGS) whose cache directory and results file
+    (r.json) are in `workdir`."""
     workdir.mkdir(parents=True, exist_ok=True)
-    out = workdir / "r.json"
-    proc = run_cli(*SMALL_RUN, "--cache-dir", workdir / "cache", "--output", out, *args, cwd=workdir)
+    return (*SMALL_RUN, "--cache-dir", workdir / "cache", "--output", workdir / "r.json", *args)
+
+
+def results_of(proc, workdir: Path) -> dict:
+    """The results a small_run in `workdir` wrote; the run must have exited 0."""
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, json.loads(out.read_text())
+    return json.loads((workdir / "r.json").read_text())
 
 
-def main_in_process(argv):
-    """`kv.main(argv)` in this process, its stdout and stderr captured and pytest's signal handlers put
-    back afterwards (usable from module-scoped fixtures); returns (status, stdout, stderr)."""
+def run_in_process(*args, benchmark=None):
+    """The one way the tests run the benchmark in this process: `kv.main(ARGS)`, its stdout and stderr
+    captured and pytest's signal handlers put back afterwards (usable from module-scoped fixtures).
+
+    benchmark: a subclass of kv.IntegratedBenchmark for main to make instead (a test's hooks). Without
+    --output the JSON goes to /dev/null. Returns a namespace: status, stdout, stderr, bench (the
+    IntegratedBenchmark main made, or None) and results (the dict main built and wrote, or None)."""
+    made, assembled, assemble = [], [], kv.assemble_results
+
+    class Recorded(benchmark or kv.IntegratedBenchmark):
+        def __init__(self, *a, **kw):
+            made.append(self)
+            super().__init__(*a, **kw)
+
+    def recorded_assemble(measured):                 # the last call is main's, of the whole run
+        assembled.append(assemble(measured))
+        return assembled[-1]
+    argv = [str(a) for a in args] + ([] if "--output" in map(str, args) else ["--output", os.devnull])
     signals = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGXFSZ] if hasattr(signal, "SIGXFSZ") else [])
     saved = {sig: signal.getsignal(sig) for sig in signals}
     out, err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            status = kv.main([str(a) for a in argv])
+        with pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            m.setattr(kv, "IntegratedBenchmark", Recorded)
+            m.setattr(kv, "assemble_results", recorded_assemble)
+            status = kv.main(argv)
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
-    return status, out.getvalue(), err.getvalue()
+    return types.SimpleNamespace(status=status, stdout=out.getvalue(), stderr=err.getvalue(),
+                                 bench=made[0] if made else None, results=assembled[-1] if assembled else None)
 
 
 # ============================================================================
@@ -551,10 +582,10 @@ def rag_run(tmp_path_factory):
     the timed ingestion would leave a slow disk no time for queries); most chunks end up on storage.
     User 1's first request is a RAG query (seed RAG_SEED), so there is at least one."""
     cache_dir = tmp_path_factory.mktemp("rag_cache")
-    config = kv.BenchmarkConfig(model=TINY, num_users=16, duration_s=None, max_requests=48, gpu_mem_gb=0,
-                                cpu_mem_gb=0.25, cache_dir=str(cache_dir), generation_mode=kv.GenerationMode.NONE,
-                                seed=RAG_SEED, enable_rag=True, rag_num_docs=5, monitor_interval_s=1.0)
-    return {"results": kv.IntegratedBenchmark(config).run(), "cache_dir": cache_dir}
+    run = run_in_process(*SMALL_RUN, "--num-users", "16", "--max-requests", "48", "--cpu-mem-gb", "0.25",
+                         "--cache-dir", cache_dir, "--seed", RAG_SEED, "--enable-rag", "--rag-num-docs", "5",
+                         "--monitor-interval", "1.0", "--quiet")
+    return {"results": run.results, "cache_dir": cache_dir}
 
 
 class TestRAG:
@@ -670,10 +701,12 @@ class TestRAG:
         assert f"Queries: {rag['rag_queries']:,}, chunk reads: {rag['chunk_reads']:,}" in report
         assert "Chunk read latency: mean" in report
 
+    @pytest.mark.slow
     def test_without_rag_there_are_no_rag_stats(self, engine_run):
         assert engine_run["results"]["summary"]["rag_stats"] is None
         assert "### RAG ###" not in kv.format_report(engine_run["results"])
 
+    @pytest.mark.slow
     def test_the_deadline_cuts_ingestion_short_and_the_shortfall_is_reported(self, tmp_path, monkeypatch):
         write_entry = kv.MultiTierCache.write_entry
 
@@ -681,10 +714,9 @@ class TestRAG:
             time.sleep(0.1)
             return write_entry(self, *args, **kwargs)
         monkeypatch.setattr(kv.MultiTierCache, "write_entry", slow_write)
-        config = kv.BenchmarkConfig(model=TINY, num_users=2, duration_s=0.5, gpu_mem_gb=0, cpu_mem_gb=0.5,
-                                    cache_dir=str(tmp_path), generation_mode=kv.GenerationMode.NONE, seed=1,
-                                    enable_rag=True, rag_num_docs=5)
-        r = kv.IntegratedBenchmark(config).run()
+        r = run_in_process(*SMALL_RUN, "--num-users", "2", "--duration", "0.5", "--cpu-mem-gb", "0.5",
+                           "--cache-dir", tmp_path, "--seed", "1", "--enable-rag", "--rag-num-docs", "5",
+                           "--quiet").results
         s, rag = r["summary"], r["summary"]["rag_stats"]
         assert s["stop_reason"] == "duration" and rag["ingestion_interrupted"] is True
         assert 0 < rag["documents_not_ingested"] <= 5 and rag["chunks_ingested"] < rag["chunks"]
@@ -702,13 +734,11 @@ class TestRAG:
             return ingest_all(self, *args, **kwargs)
         monkeypatch.setattr(kv.RAGDocumentManager, "ingest_all", slow_ingest)
         monkeypatch.setattr(kv, "RAG_DOCUMENT_TOKENS", (600, 600))
-        config = kv.BenchmarkConfig(model=TINY, num_users=2, duration_s=2.0, gpu_mem_gb=0, cpu_mem_gb=0.5,
-                                    cache_dir=str(tmp_path), generation_mode=kv.GenerationMode.NONE, seed=1,
-                                    enable_rag=True, rag_num_docs=1, monitor_interval_s=0.25,
-                                    autoscaler_mode="qos", target_saturation=0.5)
-        bench = kv.IntegratedBenchmark(config)
         t0 = time.perf_counter()
-        r = bench.run()
+        r = run_in_process(*SMALL_RUN, "--num-users", "2", "--duration", "2.0", "--cpu-mem-gb", "0.5",
+                           "--cache-dir", tmp_path, "--seed", "1", "--enable-rag", "--rag-num-docs", "1",
+                           "--monitor-interval", "0.25", "--enable-autoscaling", "--autoscaler-mode", "qos",
+                           "--target-saturation", "0.5", "--quiet").results
         wall = time.perf_counter() - t0
         s = r["summary"]
         assert s["rag_stats"]["chunks_ingested"] == 2 and s["stop_reason"] == "duration"
@@ -854,11 +884,11 @@ def replay_run(tmp_path_factory, sharegpt_file):
     """`--dataset-path` (300 conversations) `--max-requests 200`, no --duration, in process, with --xlsx-output."""
     workdir = tmp_path_factory.mktemp("replay")
     out = workdir / "r.json"
-    status, stdout, stderr = main_in_process([
+    run = run_in_process(
         *SMALL_RUN, "--num-users", "64", "--cpu-mem-gb", "0.5", "--seed", "42", "--dataset-path", sharegpt_file,
         "--max-requests", "200", "--cache-dir", workdir / "cache", "--output", out,
-        "--xlsx-output", workdir / "r.xlsx", "--quiet"])
-    return {"status": status, "stdout": stdout, "stderr": stderr, "results": json.loads(out.read_text()),
+        "--xlsx-output", workdir / "r.xlsx", "--quiet")
+    return {"status": run.status, "stdout": run.stdout, "stderr": run.stderr, "results": json.loads(out.read_text()),
             "workdir": workdir}
 
 
@@ -953,12 +983,11 @@ class TestShareGPTReplay:
         assert f"  Tokenizer: {name}" in lines
 
     @pytest.mark.parametrize("name", sorted(BAD_DATASETS))
-    def test_unusable_dataset_exits_2_with_one_line(self, tmp_path, capsys, keep_signal_handlers, json_parser,
-                                                    name):
+    def test_unusable_dataset_exits_2_with_one_line(self, tmp_path, json_parser, name):
         dataset = tmp_path / "data.json"
         dataset.write_text(BAD_DATASETS[name])
-        status = kv.main([a.format(tmp=tmp_path) for a in HARMLESS_RUN] + ["--dataset-path", str(dataset)])
-        out, err = capsys.readouterr()
+        run = run_in_process(*[a.format(tmp=tmp_path) for a in HARMLESS_RUN], "--dataset-path", dataset)
+        status, out, err = run.status, run.stdout, run.stderr
         assert status == 2
         lines = err.strip().splitlines()
         assert len(lines) == 1, err
@@ -1006,9 +1035,10 @@ class TestShareGPTReplay:
                                                                        monkeypatch):
         monkeypatch.setattr(kv, "TIKTOKEN_AVAILABLE", False)
         out = tmp_path / "r.json"
-        status, stdout, _ = main_in_process([
+        run = run_in_process(
             *SMALL_RUN, "--num-users", "64", "--cpu-mem-gb", "0.5", "--seed", "7", "--dataset-path", sharegpt_file,
-            "--request-rate", "20", "--duration", "2", "--cache-dir", tmp_path / "cache", "--output", out, "--quiet"])
+            "--request-rate", "20", "--duration", "2", "--cache-dir", tmp_path / "cache", "--output", out, "--quiet")
+        status, stdout = run.status, run.stdout
         s = json.loads(out.read_text())["summary"]
         assert status == 0
         # 64 users thinking 0.1-1.5 s would send ~90 requests/s: the pace, not the users, sets the count.
@@ -1864,13 +1894,14 @@ class TestFillOnDeviceNumpy:
         kv.fill_on_device(NumpyOps, pool, layout, 4 * BLOCK, out)
         assert out.tobytes() == host_fill(generator, layout, 4 * BLOCK, 3 * BLOCK).tobytes()
 
-    def test_entry_larger_than_the_pool_wraps_several_times(self):
-        small = object.__new__(kv.KVCacheGenerator)            # fill needs only the pool
-        small._pool_bytes = np.random.default_rng(5).integers(0, 256, 4 * BLOCK, dtype=np.uint8)
+    def test_entry_larger_than_the_pool_wraps_several_times(self, monkeypatch):
+        monkeypatch.setattr(kv, "KV_POOL_VALUES", 2 * BLOCK)   # a generator whose pool is 4 blocks
+        small = kv.KVCacheGenerator(TINY, global_seed=5)
+        assert pool_of(small).size == 4 * BLOCK
         layout = kv.EntryLayout(3 * BLOCK, 1000)
         nbytes = 11 * BLOCK + 40
         out = np.empty(nbytes, dtype=np.uint8)
-        kv.fill_on_device(NumpyOps, small._pool_bytes, layout, 0, out)
+        kv.fill_on_device(NumpyOps, pool_of(small), layout, 0, out)
         assert out.tobytes() == host_fill(small, layout, 0, nbytes).tobytes()
 
     def test_fills_a_view_inside_an_arena(self, generator):
@@ -2779,7 +2810,7 @@ class TestMultiTierCache:
 
 
 class TestWaterfallEviction:
-    """GPU -> CPU -> storage with a host-memory stand-in for the GPU tier."""
+    """GPU -> CPU -> storage, the GPU tier's own code over host memory (use_host_gpu)."""
 
     def test_tier_order_has_three_tiers(self, make_cache):
         assert make_cache(cpu_entries=5.01, gpu_entries=5.01)._get_tier_order() == ["gpu", "cpu", "nvme"]
@@ -2923,7 +2954,7 @@ class TestCPUTierArena:
     UNIT = 10                                            # tokens: 245,760 bytes, 60 whole blocks
 
     def test_the_cpu_tier_evicts_until_its_arena_can_place_an_entry(self, make_cache):
-        cache = make_cache(cpu_entries=5.01, gpu_entries=0.05, gpu="host")   # arena 50.1 units, budget 40.08
+        cache = make_cache(cpu_entries=5.01, gpu_entries=0.05)   # arena 50.1 units, budget 40.08
         cpu, unit = cache.backends["cpu"], self.UNIT
         for i in range(1, 9):
             cache.allocate_cache(f"k{i}", 5 * unit)      # k1 .. k8 fill units 0-40
@@ -2953,7 +2984,7 @@ class TestGPUTierFaults:
         into the CPU tier (d2h), a GPU hit (d2d) or a CPU hit delivered to the GPU (h2d) costs that
         operation, counted by tier and errno; every other operation still succeeds, verified, and
         the tiers stay consistent."""
-        cache = make_cache(cpu_entries=5.01, gpu_entries=5.01, gpu="host", verify=True)
+        cache = make_cache(cpu_entries=5.01, gpu_entries=5.01, verify=True)
         dev = cache.tiers.gpu.device
         real, calls = getattr(dev, op), [0]
 
@@ -2974,11 +3005,10 @@ class TestGPUTierFaults:
 
 
 class TestConcurrency:
-    @pytest.mark.parametrize("gpu_entries,gpu", [(0, "fake"), (3.01, "fake"), (3.01, "host")],
-                             ids=["cpu+storage", "gpu+cpu+storage", "gpu tier code on the host+cpu+storage"])
-    def test_threads_allocating_and_reading(self, make_cache, gpu_entries, gpu):
-        cache = make_cache(cpu_entries=4.01, gpu_entries=gpu_entries, gpu=gpu, verify=True)
-        assert isinstance(cache.backends.get("gpu"), kv.GPUMemoryBackend) == (gpu == "host")
+    @pytest.mark.parametrize("gpu_entries", [0, 3.01], ids=["cpu+storage", "gpu tier code on the host+cpu+storage"])
+    def test_threads_allocating_and_reading(self, make_cache, gpu_entries):
+        cache = make_cache(cpu_entries=4.01, gpu_entries=gpu_entries, verify=True)
+        assert isinstance(cache.backends.get("gpu"), kv.GPUMemoryBackend) == bool(gpu_entries)
         tiers = cache._get_tier_order()
         keys = [f"k{i}" for i in range(20)]
         # One size per key: a rewrite stores the same bytes, so --verify must never disagree.
@@ -3118,7 +3148,7 @@ class TestConcurrency:
     def test_max_concurrent_allocs_bounds_writers(self, make_cache, monkeypatch):
         cache = make_cache(max_concurrent_allocs=2)
         active, peak, lock = [0], [0], threading.Lock()
-        original = cache._allocate
+        original = cache.generator.fill                  # each 5-token write is one fill, inside its slot
 
         def counting(*args):
             with lock:
@@ -3130,7 +3160,7 @@ class TestConcurrency:
             finally:
                 with lock:
                     active[0] -= 1
-        monkeypatch.setattr(cache, "_allocate", counting)
+        monkeypatch.setattr(cache.generator, "fill", counting)
         threads = [threading.Thread(target=cache.allocate_cache, args=(f"k{i}", 5)) for i in range(8)]
         for t in threads:
             t.start()
@@ -3425,8 +3455,8 @@ def scheduler_harness():
 class RecordingBenchmark(kv.IntegratedBenchmark):
     """Records every user-count change and every request the scheduler releases, in order."""
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.events = []                  # (perf_counter, "users", count) or (perf_counter, "request", user index)
         set_active_users = self.scheduler.set_active_users
 
@@ -3445,29 +3475,29 @@ class RecordingBenchmark(kv.IntegratedBenchmark):
         return elapsed
 
 
-def autoscaled_run(tmp_path_factory, name: str, **config):
-    cache_dir = tmp_path_factory.mktemp(name)
-    bench = RecordingBenchmark(kv.BenchmarkConfig(model=TINY, num_users=2, gpu_mem_gb=0, cache_dir=str(cache_dir),
-                                                  generation_mode=kv.GenerationMode.NONE, seed=42, **config))
-    results = bench.run()
-    return {"results": results, "events": bench.events, "drive_ended": bench.drive_ended,
-            "latency_samples": bench.latency_samples, "cache_dir": cache_dir}
-
-
 @pytest.fixture(scope="module")
 def capacity_run(tmp_path_factory):
     """`--autoscaler-mode capacity` from 2 users, a stage every 2 s (longer than an added user's first
     think time, so the users a stage adds are heard from within it); it ends at the first drop, at
     the latest after 12 s."""
-    return autoscaled_run(tmp_path_factory, "capacity", duration_s=12, cpu_mem_gb=0.05, monitor_interval_s=2.0,
-                          autoscaler_mode="capacity")
+    cache_dir = tmp_path_factory.mktemp("capacity")
+    run = run_in_process(*SMALL_RUN, "--num-users", "2", "--seed", "42", "--cache-dir", cache_dir, "--duration", "12",
+                         "--cpu-mem-gb", "0.05", "--monitor-interval", "2.0", "--enable-autoscaling",
+                         "--autoscaler-mode", "capacity", "--quiet", benchmark=RecordingBenchmark)
+    return {"results": run.results, "events": run.bench.events, "drive_ended": run.bench.drive_ended,
+            "latency_samples": run.bench.latency_samples, "cache_dir": cache_dir}
 
 
 @pytest.fixture(scope="module")
 def qos_run(tmp_path_factory):
     """`--autoscaler-mode qos --target-saturation 0.5` from 2 users for 5 s, evaluated every 0.5 s."""
-    return autoscaled_run(tmp_path_factory, "qos", duration_s=5, cpu_mem_gb=0.5, monitor_interval_s=0.5,
-                          autoscaler_mode="qos", target_saturation=0.5)
+    cache_dir = tmp_path_factory.mktemp("qos")
+    run = run_in_process(*SMALL_RUN, "--num-users", "2", "--seed", "42", "--cache-dir", cache_dir, "--duration", "5",
+                         "--cpu-mem-gb", "0.5", "--monitor-interval", "0.5", "--enable-autoscaling",
+                         "--autoscaler-mode", "qos", "--target-saturation", "0.5", "--quiet",
+                         benchmark=RecordingBenchmark)
+    return {"results": run.results, "events": run.bench.events, "drive_ended": run.bench.drive_ended,
+            "latency_samples": run.bench.latency_samples, "cache_dir": cache_dir}
 
 
 MAX_FIRST_ARRIVAL_S = max(p.think_time_s[1] for p in kv.PERSONAS.values())   # an added user arrives within this
@@ -3765,11 +3795,15 @@ class FakeMonitor:
         return dict(PROGRESS_POINT, elapsed_s=round(elapsed_s, 3), requests_completed=self.samples)
 
 
-def run_reporter(reporter, seconds: float) -> None:
+def run_reporter(reporter, lines: int = 0, seconds: float = 0.0) -> None:
+    """Run `reporter` in a thread until it has written `lines` lines (a count, however slow the
+    machine), and for at least `seconds`; then stop it."""
     stop = threading.Event()
     thread = threading.Thread(target=reporter.run, args=(stop, time.perf_counter()))
     thread.start()
     time.sleep(seconds)
+    while reporter.lines_written < lines and thread.is_alive():
+        time.sleep(0.005)
     stop.set()
     thread.join(5)
 
@@ -3779,26 +3813,22 @@ def monitored_run(tmp_path_factory):
     """A 6 s command-line run sampled every 0.5 s, with --plot; its stderr read while it runs."""
     workdir = tmp_path_factory.mktemp("monitored")
     out, plots = workdir / "r.json", workdir / "plots"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *SMALL_RUN, "--num-users", "8", "--duration", "6",
-                             "--cpu-mem-gb", "0.05", "--seed", "42", "--monitor-interval", "0.5",
-                             "--cache-dir", str(workdir / "cache"), "--output", str(out), "--plot", str(plots)],
-                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    watchdog = threading.Timer(120, proc.kill)
-    watchdog.start()
-    t0 = time.monotonic()
     stderr_lines = []        # (line, seconds since start, whether the run was still going and stdout still empty)
-    try:
-        for line in proc.stderr:
-            live = proc.poll() is None and not select.select([proc.stdout], [], [], 0)[0]
-            stderr_lines.append((line, time.monotonic() - t0, live))
-        stdout = proc.stdout.read()
-        proc.wait(timeout=60)
-    finally:
-        watchdog.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return {"returncode": proc.returncode, "stdout": stdout, "stderr_lines": stderr_lines,
+
+    def read_stderr(proc):
+        watchdog = threading.Timer(120, proc.kill)
+        watchdog.start()
+        t0 = time.monotonic()
+        try:
+            for line in proc.stderr:
+                live = proc.poll() is None and not select.select([proc.stdout], [], [], 0)[0]
+                stderr_lines.append((line, time.monotonic() - t0, live))
+        finally:
+            watchdog.cancel()
+    proc = run_cli(*SMALL_RUN, "--num-users", "8", "--duration", "6", "--cpu-mem-gb", "0.05", "--seed", "42",
+                   "--monitor-interval", "0.5", "--cache-dir", workdir / "cache", "--output", out, "--plot", plots,
+                   cwd=workdir, timeout=60, while_running=read_stderr)
+    return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr_lines": stderr_lines,
             "results": json.loads(out.read_text()), "plots": plots, "workdir": workdir}
 
 
@@ -3832,7 +3862,7 @@ class TestProgress:
         monkeypatch.setattr(kv, "PROGRESS_TTY_INTERVAL_S", 0.02)
         stream = io.StringIO()
         reporter = kv.ProgressReporter(FakeMonitor(), 10, 0, stream=stream, tty=True)
-        run_reporter(reporter, 0.3)
+        run_reporter(reporter, lines=3)
         text = stream.getvalue()
         assert reporter.lines_written >= 3
         assert text.count("\r\x1b[2K") == reporter.lines_written
@@ -3843,14 +3873,14 @@ class TestProgress:
     def test_terminal_mode_without_a_line_writes_nothing(self, monkeypatch):
         monkeypatch.setattr(kv, "PROGRESS_TTY_INTERVAL_S", 10.0)
         stream = io.StringIO()
-        run_reporter(kv.ProgressReporter(FakeMonitor(), 10, 0, stream=stream, tty=True), 0.05)
+        run_reporter(kv.ProgressReporter(FakeMonitor(), 10, 0, stream=stream, tty=True), seconds=0.05)
         assert stream.getvalue() == ""
 
     def test_plain_mode_writes_whole_lines(self, monkeypatch):
         monkeypatch.setattr(kv, "PROGRESS_LINE_INTERVAL_S", 0.02)
         stream = io.StringIO()                               # not a terminal: isatty() is False
         reporter = kv.ProgressReporter(FakeMonitor(), 10, 0, stream=stream)
-        run_reporter(reporter, 0.3)
+        run_reporter(reporter, lines=3)
         lines = stream.getvalue().split("\n")
         assert lines[-1] == "" and "\r" not in stream.getvalue()
         assert len(lines) - 1 == reporter.lines_written >= 3
@@ -3874,11 +3904,9 @@ class TestProgress:
     @pytest.mark.slow
     @pytest.mark.parametrize("quiet", [False, True], ids=["default", "quiet"])
     def test_quiet_means_no_info_and_no_status_lines(self, tmp_path, quiet):
-        proc = subprocess.run([sys.executable, "-c", QUIET_PROBE, str(SCRIPT), *SMALL_RUN, "--num-users", "4",
-                               "--duration", "1.2", "--cpu-mem-gb", "0.5", "--seed", "1",
-                               "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "r.json"),
-                               *(["--quiet"] if quiet else [])], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=60)
+        proc = run_cli(*SMALL_RUN, "--num-users", "4", "--duration", "1.2", "--cpu-mem-gb", "0.5", "--seed", "1",
+                       "--cache-dir", tmp_path / "cache", "--output", tmp_path / "r.json",
+                       *(["--quiet"] if quiet else []), cwd=tmp_path, timeout=60, code=QUIET_PROBE)
         assert proc.returncode == 0, proc.stderr[-2000:]
         lines = proc.stderr.splitlines()
         status = [line for line in lines if STATUS_LINE.match(line)]
@@ -4475,15 +4503,13 @@ def engine_run(tmp_path_factory):
     """One small in-process run: 16 users until 40 requests completed; 1 GiB of CPU
     tier keeps it quick (large document entries still spill to storage)."""
     cache_dir = tmp_path_factory.mktemp("engine_cache")
-    config = kv.BenchmarkConfig(model=TINY, num_users=16, duration_s=None, gpu_mem_gb=0, cpu_mem_gb=1.0,
-                                cache_dir=str(cache_dir), generation_mode=kv.GenerationMode.NONE, seed=7,
-                                max_requests=40, monitor_interval_s=0.2)
-    bench = kv.IntegratedBenchmark(config)
     t0 = time.perf_counter()
-    results = bench.run()
-    return {"bench": bench, "results": results, "cache_dir": cache_dir, "wall_s": time.perf_counter() - t0}
+    run = run_in_process(*SMALL_RUN, "--num-users", "16", "--max-requests", "40", "--cpu-mem-gb", "1.0",
+                         "--cache-dir", cache_dir, "--seed", "7", "--monitor-interval", "0.2", "--quiet")
+    return {"bench": run.bench, "results": run.results, "cache_dir": cache_dir, "wall_s": time.perf_counter() - t0}
 
 
+@pytest.mark.slow
 class TestBenchmarkWithTheGPUTierOnTheHost:
     """A whole run through the GPU tier's own code (KV born on the "device", demotions into the
     page-locked arena, every hit delivered to the GPU) over a _HostDevice: what CUDA would run,
@@ -4491,10 +4517,10 @@ class TestBenchmarkWithTheGPUTierOnTheHost:
 
     def test_run_with_gpu_tier_verifies_every_read_and_reports_gpu_delivery(self, tmp_path, monkeypatch):
         opened = use_host_gpu(monkeypatch)
-        config = kv.BenchmarkConfig(model=TINY, num_users=16, duration_s=None, gpu_mem_gb=0.1, cpu_mem_gb=0.1,
-                                    cache_dir=str(tmp_path), generation_mode=kv.GenerationMode.NONE, seed=7,
-                                    max_requests=12, monitor_interval_s=0.2, verify=True)
-        results = kv.IntegratedBenchmark(config).run()
+        results = run_in_process("--model", "tiny-1b", "--generation-mode", "none", "--num-users", "16",
+                                 "--max-requests", "12", "--gpu-mem-gb", "0.1", "--cpu-mem-gb", "0.1",
+                                 "--cache-dir", tmp_path, "--seed", "7", "--monitor-interval", "0.2", "--verify",
+                                 "--quiet").results
         s = results["summary"]
         cs = s["cache_stats"]
         assert len(opened) == 1 and opened[0]._pool is None          # opened once, closed at the end
@@ -4542,8 +4568,8 @@ class TestIOBaseline:
 
 class TestEngine:
     def test_a_resumed_conversation_reads_every_earlier_turn_still_cached(self, tmp_path):
-        config = kv.BenchmarkConfig(model=TINY, num_users=1, duration_s=5, gpu_mem_gb=0, cpu_mem_gb=0.05,
-                                    cache_dir=str(tmp_path), seed=3,
+        config = kv.BenchmarkConfig(model=TINY, num_users=1, duration_s=5, gpu_mem_gb=0, cpu_mem_gb=0,
+                                    cache_dir=str(tmp_path), seed=3,       # storage only: retired entries are deleted
                                     generation_mode=kv.GenerationMode.NONE, prefix_caching=False)
         bench = kv.IntegratedBenchmark(config)
         try:
@@ -4556,7 +4582,8 @@ class TestEngine:
                 assert bench._process(req) is not None
                 if turn == 2:                                  # an earlier turn leaves the cache
                     bench.cache.retire([requests[0].cache_key])
-                    bench.cache._forget(bench.cache._entries[requests[0].cache_key])
+                    assert bench.cache.collect_garbage() == 1
+                    assert bench.cache.entry_location(requests[0].cache_key) is None
             assert requests[0].previous_cache_keys == ()
             assert requests[3].previous_cache_keys == tuple(r.cache_key for r in requests[:3])
             s = bench.cache.get_stats(1.0)
@@ -4604,6 +4631,7 @@ class TestEngine:
         thread.join(5)
         assert scheduler.admitted == 5 and q.qsize() == 5
 
+    @pytest.mark.slow
     def test_run_completes_exactly_max_requests(self, engine_run):
         r = engine_run["results"]
         assert r["requests_completed"] == 40 == r["summary"]["total_requests"]
@@ -4613,6 +4641,7 @@ class TestEngine:
         assert r["seed"] == 7 and r["seed_given"] is True
         assert r["workload_digest"] == kv.WorkloadPlan("tiny-1b", 16, 7).digest()
 
+    @pytest.mark.slow
     def test_latency_parts_add_up(self, engine_run):
         r = engine_run["results"]
         for e2e, storage, prefill, decode, gen in zip(r["end_to_end_latencies"], r["storage_latencies"],
@@ -4622,6 +4651,7 @@ class TestEngine:
             assert e2e >= storage + gen > 0
         assert r["total_storage_io_latency"] == pytest.approx(sum(r["storage_latencies"]))
 
+    @pytest.mark.slow
     def test_throughput_definitions(self, engine_run):
         r = engine_run["results"]
         s, cs = r["summary"], r["summary"]["cache_stats"]
@@ -4634,6 +4664,7 @@ class TestEngine:
         assert s["nvme_throughput"] == pytest.approx(cs["nvme_tokens_processed"] / s["elapsed_time"])
         assert 0 < s["elapsed_time"] <= engine_run["wall_s"]
 
+    @pytest.mark.slow
     def test_counters_are_consistent(self, engine_run):
         r = engine_run["results"]
         s, cs = r["summary"], r["summary"]["cache_stats"]
@@ -4651,12 +4682,14 @@ class TestEngine:
         last = r["throughput_timeline"][-1]      # the final point, unless < half an interval after the previous one
         assert last["requests_completed"] == 40 or s["elapsed_time"] - last["elapsed_s"] < 0.5 * 0.2
 
+    @pytest.mark.slow
     def test_cleans_up_files_and_threads(self, engine_run):
         assert files_under(engine_run["cache_dir"]) == []
         assert not engine_run["bench"].cache.run_dir.exists()
         names = {t.name for t in threading.enumerate()}
         assert not any(n.startswith(("worker-", "arrival-scheduler", "monitor", "storage-reaper")) for n in names)
 
+    @pytest.mark.slow
     def test_results_are_json_serialisable(self, engine_run, tmp_path):
         path = tmp_path / "r.json"
         kv.write_json(engine_run["results"], str(path))
@@ -4676,11 +4709,11 @@ class TestEngine:
         loaded = json.loads(path.read_text(), parse_constant=strict)
         assert loaded == {"a": None, "b": [1.5, None, None, 2.0], "c": {"d": [3, None]}, "e": "none"}
 
+    @pytest.mark.slow
     def test_simulated_generation_takes_time(self, tmp_path):
-        config = kv.BenchmarkConfig(model=TINY, num_users=8, duration_s=None, gpu_mem_gb=0, cpu_mem_gb=1,
-                                    cache_dir=str(tmp_path), generation_mode=kv.GenerationMode.FAST, seed=3,
-                                    max_requests=8)
-        r = kv.IntegratedBenchmark(config).run()
+        r = run_in_process("--model", "tiny-1b", "--gpu-mem-gb", "0", "--generation-mode", "fast", "--num-users", "8",
+                           "--max-requests", "8", "--cpu-mem-gb", "1", "--cache-dir", tmp_path, "--seed", "3",
+                           "--quiet").results
         assert r["requests_completed"] == 8
         assert r["total_generation_latency"] >= 0.9 * r["total_tokens_generated"] * 0.002
         for e2e, gen in zip(r["end_to_end_latencies"], r["generation_latencies"]):
@@ -4696,6 +4729,7 @@ class TestReport:
                "LATENCY BREAKDOWN", "TIER DISTRIBUTION", "PHASE METRICS", "CACHE TYPE BREAKDOWN",
                "PREFIX CACHING", "QOS")
 
+    @pytest.mark.slow
     def test_report_of_a_real_run(self, engine_run):
         results = engine_run["results"]
         report = kv.format_report(results)
@@ -4707,6 +4741,7 @@ class TestReport:
         status = results["summary"]["cache_stats"]["storage_health"]["overall_status"]
         assert f"STORAGE PERFORMANCE ASSESSMENT: {status}" in report
 
+    @pytest.mark.slow
     def test_the_originals_labels_parse_as_before(self, engine_run):
         """Parsers written for the original's report keep working: its labels, our additions after them."""
         results = engine_run["results"]
@@ -4733,6 +4768,7 @@ class TestReport:
         assert (int(passed.group(1)), int(passed.group(2))) == (health["passed_count"], health["total_count"] + na)
         assert (f"({na} N/A)" in report) == (na > 0)
 
+    @pytest.mark.slow
     def test_report_from_the_json_file(self, engine_run, tmp_path):
         path = tmp_path / "r.json"
         kv.write_json(engine_run["results"], str(path))
@@ -4751,6 +4787,7 @@ class TestReport:
 
 
 class TestXLSXExport:
+    @pytest.mark.slow
     def test_one_row_per_run(self, engine_run, tmp_path):
         args = kv.build_parser().parse_args(["--model", "tiny-1b", "--num-users", "16", "--gpu-mem-gb", "0",
                                              "--cpu-mem-gb", "0.05"])
@@ -4770,6 +4807,7 @@ class TestXLSXExport:
         assert frame["Model"][0] == "tiny-1b" and frame["Total Requests"][0] == 40
 
 
+    @pytest.mark.slow
     def test_requested_and_effective_budgets_have_columns_of_their_own(self, engine_run):
         results = json.loads(json.dumps(engine_run["results"], default=str))
         results["config"]["requested_cpu_mem_gb"] = 64.0            # what a user asked of a smaller machine
@@ -4778,6 +4816,7 @@ class TestXLSXExport:
         assert (row["CPU Mem (GB)"], row["Effective CPU Mem (GB)"]) == (64.0, 20.5)
         assert row["GPU Mem (GB)"] == results["config"]["gpu_mem_gb"]
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("missing", ["summary", "cache_stats", "qos_metrics", "config", "all_but_seed"])
     def test_any_results_dict_exports_with_empty_cells_for_what_it_lacks(self, engine_run, tmp_path, missing):
         results = json.loads(json.dumps(engine_run["results"], default=str))
@@ -4806,6 +4845,7 @@ class TestXLSXExport:
         return kv.build_parser().parse_args(["--model", "tiny-1b", "--num-users", "16", "--gpu-mem-gb", "0",
                                              "--cpu-mem-gb", "1"])
 
+    @pytest.mark.slow
     def test_summary_row_starts_with_the_original_columns(self, engine_run):
         r = engine_run["results"]
         row = kv.summary_row(r, self.args())
@@ -4814,6 +4854,7 @@ class TestXLSXExport:
         assert row["Cache Hit Rate"] == r["summary"]["cache_stats"]["cache_hit_rate"]
         assert kv.summary_row(r) == kv.summary_row(r, {}) and kv.summary_row(r)["Num Users"] == 16
 
+    @pytest.mark.slow
     def test_xlsx_has_four_sheets_and_one_formatted_summary_row(self, engine_run, tmp_path):
         if not (kv.PANDAS_AVAILABLE and kv.OPENPYXL_AVAILABLE):
             pytest.skip("pandas and openpyxl are needed for .xlsx")
@@ -4838,6 +4879,7 @@ class TestXLSXExport:
         params = {k: v for k, v in book["Run Parameters"].iter_rows(min_row=2, values_only=True)}
         assert params["model"] == "tiny-1b" and params["num_users"] == "16"
 
+    @pytest.mark.slow
     def test_csv_path_writes_one_csv_row(self, engine_run, tmp_path):
         if not kv.PANDAS_AVAILABLE:
             pytest.skip("pandas is not installed")
@@ -4849,6 +4891,7 @@ class TestXLSXExport:
         assert rows[0]["Model"] == "tiny-1b" and rows[0]["Total Requests"] == "40"
         assert os.listdir(tmp_path) == ["results.csv"]
 
+    @pytest.mark.slow
     def test_without_openpyxl_the_summary_row_goes_to_csv(self, engine_run, tmp_path, monkeypatch, caplog):
         if not kv.PANDAS_AVAILABLE:
             pytest.skip("pandas is not installed")
@@ -4860,6 +4903,7 @@ class TestXLSXExport:
         with open(tmp_path / "results.csv", newline="") as f:
             assert len(list(csv.DictReader(f))) == 1
 
+    @pytest.mark.slow
     def test_without_pandas_nothing_is_written(self, engine_run, tmp_path, monkeypatch, caplog):
         monkeypatch.setattr(kv, "PANDAS_AVAILABLE", False)
         assert kv.export_results_to_xlsx(engine_run["results"], self.args(), str(tmp_path / "r.xlsx")) is None
@@ -4923,6 +4967,7 @@ class TestPlots:
         for path in written:
             assert_chart(Path(path))
 
+    @pytest.mark.slow
     def test_plot_suite_writes_a_png(self, engine_run, tmp_path):
         matplotlib_or_skip()
         rows = [kv._suite_row("cpu-only", "ok", engine_run["results"]),
@@ -4934,6 +4979,7 @@ class TestPlots:
         assert kv.plot_suite(rows[1:2], tmp_path / "none.png") is None          # nothing measured, no chart
         assert os.listdir(tmp_path) == ["suite.png"]
 
+    @pytest.mark.slow
     def test_without_matplotlib_there_are_no_charts(self, engine_run, tmp_path, monkeypatch, caplog):
         monkeypatch.setattr(kv, "_pyplot", lambda: None)
         assert kv.make_plots(engine_run["results"], engine_run["bench"].latency_samples, str(tmp_path / "c")) == []
@@ -5036,9 +5082,10 @@ class TestCLI:
                      ["--target-saturation", "1"], ["--cpu-mem-gb", "0", "--gpu-mem-gb", "0"], ["--seed", "0"]):
             kv.validate_args(parser.parse_args(argv))
 
-    def test_main_returns_2_on_bad_input(self, capsys, tmp_path):
-        assert kv.main(["--num-users", "0", "--output", str(tmp_path / "r.json")]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
+    def test_main_returns_2_on_bad_input(self, tmp_path):
+        run = run_in_process("--num-users", "0", "--output", tmp_path / "r.json")
+        assert run.status == 2
+        err = run.stderr.strip().splitlines()
         assert len(err) == 1 and "--num-users" in err[0]
         assert list(tmp_path.iterdir()) == []
 
@@ -5080,7 +5127,8 @@ INTERFACE_CACHE_STATS = ("cache_hits", "cache_misses", "cache_hit_rate", "gpu_en
 def seeded_runs(tmp_path_factory):
     """`--seed 42 --max-requests 60` with multi-turn and prefix caching on (the defaults), twice."""
     args = ("--num-users", "16", "--cpu-mem-gb", "2", "--seed", "42", "--max-requests", "60")
-    return [run_benchmark(tmp_path_factory.mktemp(f"seeded{i}"), *args)[1] for i in range(2)]
+    workdirs = [tmp_path_factory.mktemp(f"seeded{i}") for i in range(2)]
+    return [results_of(run_cli(*small_run(w, *args), cwd=w), w) for w in workdirs]
 
 
 @pytest.mark.slow
@@ -5099,9 +5147,10 @@ class TestDriveViewEndToEnd:
         if device is None:
             pytest.skip(f"no block device under {tmp_path}: {reason}")
         read0, write0 = self.proc_io()
-        status, out, _ = main_in_process([*SMALL_RUN, "--num-users", "6", "--max-requests", "30", "--seed", "7",
-                                          "--cpu-mem-gb", "0", "--cache-dir", cache, "--monitor-interval", "0.2",
-                                          "--output", tmp_path / "r.json", "--quiet"])
+        run = run_in_process(*SMALL_RUN, "--num-users", "6", "--max-requests", "30", "--seed", "7",
+                             "--cpu-mem-gb", "0", "--cache-dir", cache, "--monitor-interval", "0.2",
+                             "--output", tmp_path / "r.json", "--quiet")
+        status, out = run.status, run.stdout
         read1, write1 = self.proc_io()
         assert status == 0
         r = json.loads((tmp_path / "r.json").read_text())
@@ -5123,9 +5172,10 @@ class TestDriveViewEndToEnd:
             pytest.skip("no writable tmpfs at /dev/shm here")
         cache = Path(tempfile.mkdtemp(prefix="kvtest_", dir=shm))
         try:
-            status, out, err = main_in_process([*SMALL_RUN, "--num-users", "2", "--max-requests", "4",
-                                                "--cpu-mem-gb", "0", "--cache-dir", cache, "--seed", "1",
-                                                "--output", tmp_path / "r.json", "--quiet"])
+            run = run_in_process(*SMALL_RUN, "--num-users", "2", "--max-requests", "4",
+                                 "--cpu-mem-gb", "0", "--cache-dir", cache, "--seed", "1",
+                                 "--output", tmp_path / "r.json", "--quiet")
+            status, out, err = run.status, run.stdout, run.stderr
             assert status == 0, err
             assert "### DEVICE (kernel block layer) ###" in out and "N/A: tmpfs has no block device" in out
             assert list(cache.iterdir()) == []
@@ -5138,9 +5188,10 @@ class TestDriveViewEndToEnd:
         cache = tmp_path / "cache"
         cache.mkdir()
         job = tmp_path / "replay.fio"
-        status, _, err = main_in_process([*SMALL_RUN, "--num-users", "4", "--max-requests", "12", "--seed", "3",
-                                          "--cpu-mem-gb", "0", "--cache-dir", cache, "--fio-job", job,
-                                          "--output", tmp_path / "r.json", "--quiet"])
+        run = run_in_process(*SMALL_RUN, "--num-users", "4", "--max-requests", "12", "--seed", "3",
+                             "--cpu-mem-gb", "0", "--cache-dir", cache, "--fio-job", job,
+                             "--output", tmp_path / "r.json", "--quiet")
+        status, err = run.status, run.stderr
         assert status == 0, err
         text = job.read_text()
         assert "# run: model tiny-1b, 4 users, seed 3, workload digest" in text
@@ -5157,9 +5208,10 @@ class TestDriveViewEndToEnd:
             pytest.skip("fio is not installed (.ci/run installs it)")
         cache = tmp_path / "cache"
         cache.mkdir()
-        status, out, err = main_in_process([*SMALL_RUN, "--num-users", "4", "--duration", "2", "--seed", "3",
-                                            "--cpu-mem-gb", "0", "--cache-dir", cache, "--fio-compare",
-                                            "--output", tmp_path / "r.json", "--quiet"])
+        run = run_in_process(*SMALL_RUN, "--num-users", "4", "--duration", "2", "--seed", "3",
+                             "--cpu-mem-gb", "0", "--cache-dir", cache, "--fio-compare",
+                             "--output", tmp_path / "r.json", "--quiet")
+        status, out, err = run.status, run.stdout, run.stderr
         assert status == 0, err
         c = json.loads((tmp_path / "r.json").read_text())["summary"]["fio_comparison"]
         assert "error" not in c and c["bandwidth_ratio"] > 0
@@ -5176,10 +5228,12 @@ class TestDriveViewEndToEnd:
         assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 class TestEndToEnd:
     def test_storage_run_spills_to_storage_and_cleans_up(self, tmp_path):
-        proc, r = run_benchmark(tmp_path, "--num-users", "8", "--duration", "4", "--cpu-mem-gb", "0.05",
-                                "--seed", "42")
+        proc = run_cli(*small_run(tmp_path, "--num-users", "8", "--duration", "4", "--cpu-mem-gb", "0.05",
+                                  "--seed", "42"), cwd=tmp_path)
+        r = results_of(proc, tmp_path)
         for name in INTERFACE_TOP_LEVEL:
             assert name in r, name
         for name in INTERFACE_SUMMARY:
@@ -5219,8 +5273,9 @@ class TestEndToEnd:
         assert a["config"]["duration_s"] is None
 
     def test_other_seed_gives_other_digest(self, tmp_path, seeded_runs):
-        _, r = run_benchmark(tmp_path, "--num-users", "16", "--cpu-mem-gb", "2", "--seed", "43",
-                             "--max-requests", "5")
+        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "2", "--seed", "43",
+                                  "--max-requests", "5"), cwd=tmp_path)
+        r = results_of(proc, tmp_path)
         assert r["workload_digest"] != seeded_runs[0]["workload_digest"]
         assert r["requests_completed"] == 5
 
@@ -5233,8 +5288,9 @@ class TestEndToEnd:
             assert r["summary"]["multi_turn_stats"]["hit_rate"] > 0
 
     def test_disable_multi_turn(self, tmp_path):
-        _, r = run_benchmark(tmp_path, "--num-users", "16", "--cpu-mem-gb", "2", "--seed", "42",
-                             "--max-requests", "60", "--disable-multi-turn")
+        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "2", "--seed", "42",
+                                  "--max-requests", "60", "--disable-multi-turn"), cwd=tmp_path)
+        r = results_of(proc, tmp_path)
         cs = r["summary"]["cache_stats"]
         assert cs["multi_turn_hits"] == cs["multi_turn_misses"] == 0
         assert r["multi_turn_cache_hits"] == r["multi_turn_cache_misses"] == 0
@@ -5244,8 +5300,9 @@ class TestEndToEnd:
         assert r["config"]["multi_turn"] is False
 
     def test_disable_prefix_caching(self, tmp_path):
-        _, r = run_benchmark(tmp_path, "--num-users", "16", "--cpu-mem-gb", "2", "--seed", "42",
-                             "--max-requests", "60", "--disable-prefix-caching")
+        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "2", "--seed", "42",
+                                  "--max-requests", "60", "--disable-prefix-caching"), cwd=tmp_path)
+        r = results_of(proc, tmp_path)
         cs = r["summary"]["cache_stats"]
         assert r["summary"]["prefix_cache_stats"] == {"prefix_hits": 0, "prefix_misses": 0,
                                                       "system_prompt_reuse": 0, "common_phrase_reuse": 0,
@@ -5263,8 +5320,9 @@ class TestEndToEnd:
         assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
 
     def test_verify_run_reads_back_what_it_wrote(self, tmp_path):
-        _, r = run_benchmark(tmp_path, "--num-users", "8", "--cpu-mem-gb", "0.05", "--seed", "3",
-                             "--max-requests", "16", "--verify")
+        proc = run_cli(*small_run(tmp_path, "--num-users", "8", "--cpu-mem-gb", "0.05", "--seed", "3",
+                                  "--max-requests", "16", "--verify"), cwd=tmp_path)
+        r = results_of(proc, tmp_path)
         s = r["summary"]
         assert s["verify_checked"] == s["cache_stats"]["cache_hits"] > 0
         assert s["verify_mismatches"] == 0 and s["io_errors"] == 0
@@ -5272,8 +5330,9 @@ class TestEndToEnd:
         assert r["config"]["verify"] is True
 
     def test_capped_storage_tier_evicts(self, tmp_path):
-        _, r = run_benchmark(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.02", "--seed", "4",
-                             "--max-requests", "30", "--storage-capacity-gb", "0.15")
+        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.02", "--seed", "4",
+                                  "--max-requests", "30", "--storage-capacity-gb", "0.15"), cwd=tmp_path)
+        r = results_of(proc, tmp_path)
         cs = r["summary"]["cache_stats"]
         assert cs["storage_capacity_gb"] == pytest.approx(0.15)
         assert cs["evictions"] > 0
@@ -5284,21 +5343,17 @@ class TestEndToEnd:
     def test_signal_writes_partial_results_and_cleans_up(self, tmp_path, sig, status):
         out, cache_dir = tmp_path / "r.json", tmp_path / "cache"
         cache_dir.mkdir()
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), *SMALL_RUN, "--num-users", "8", "--duration", "60",
-                                 "--cpu-mem-gb", "0.05", "--cache-dir", str(cache_dir),
-                                 "--output", str(out)], cwd=tmp_path, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        try:
+
+        def signal_once_running(proc):
             for line in proc.stderr:
                 if "Running" in line:
                     break
             time.sleep(1.5)
             proc.send_signal(sig)
-            stdout, stderr = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        proc = run_cli(*SMALL_RUN, "--num-users", "8", "--duration", "60", "--cpu-mem-gb", "0.05",
+                       "--cache-dir", cache_dir, "--output", out, cwd=tmp_path, timeout=60,
+                       while_running=signal_once_running)
+        stdout, stderr = proc.stdout, proc.stderr
         assert proc.returncode == status, stderr
         assert "Traceback" not in stderr
         r = json.loads(out.read_text())
@@ -5374,32 +5429,14 @@ def corrupt_npy_files(directory: Path, stop: threading.Event, corrupted: list) -
         stop.wait(0.02)
 
 
-@pytest.fixture
-def keep_signal_handlers():
-    """`main` installs its SIGINT/SIGTERM/SIGXFSZ handlers; give pytest its own back afterwards."""
-    signals = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGXFSZ] if hasattr(signal, "SIGXFSZ") else [])
-    saved = {sig: signal.getsignal(sig) for sig in signals}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
-def run_main(tmp_path: Path, capsys, *args):
-    """`kv.main` in this process on a missing cache dir under `tmp_path`; returns (status, results, stdout)."""
-    out = tmp_path / "r.json"
-    status = kv.main([*SMALL_RUN, "--cache-dir", str(tmp_path / "cache"), "--output", str(out), *map(str, args)])
-    return status, json.loads(out.read_text()), capsys.readouterr().out
-
-
 @pytest.fixture(scope="class")
 def unwritable_results_run(tmp_path_factory):
     """A run whose results JSON cannot be written: the file-size limit (8 KiB) lets the storage
     tier's probe through, nothing reaches storage (1 GiB CPU tier), but the JSON hits EFBIG."""
     workdir = tmp_path_factory.mktemp("unwritable")
-    proc = subprocess.run([sys.executable, str(SCRIPT), *SMALL_RUN, "--cpu-mem-gb", "1", "--num-users", "4",
-                           "--max-requests", "4", "--seed", "42", "--cache-dir", str(workdir / "cache"),
-                           "--output", str(workdir / "r.json")], cwd=workdir, capture_output=True, text=True,
-                          timeout=60, preexec_fn=limit_file_size(8192))
+    proc = run_cli(*SMALL_RUN, "--cpu-mem-gb", "1", "--num-users", "4", "--max-requests", "4", "--seed", "42",
+                   "--cache-dir", workdir / "cache", "--output", workdir / "r.json", cwd=workdir, timeout=60,
+                   preexec_fn=limit_file_size(8192))
     return proc, workdir
 
 
@@ -5463,10 +5500,9 @@ class TestReliability:
     def test_storage_full_is_counted_reported_and_cleaned_up(self, tmp_path):
         out, cache_dir = tmp_path / "r.json", tmp_path / "cache"
         cache_dir.mkdir()
-        proc = subprocess.run([sys.executable, str(SCRIPT), *SMALL_RUN, "--cpu-mem-gb", "0", "--num-users", "8",
-                               "--duration", "2", "--seed", "42", "--cache-dir", str(cache_dir), "--output", str(out)],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                              preexec_fn=limit_file_size(16 * 1024 * 1024))
+        proc = run_cli(*SMALL_RUN, "--cpu-mem-gb", "0", "--num-users", "8", "--duration", "2", "--seed", "42",
+                       "--cache-dir", cache_dir, "--output", out, cwd=tmp_path, timeout=60,
+                       preexec_fn=limit_file_size(16 * 1024 * 1024))
         assert proc.returncode == 1, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr
         assert proc.stderr.count("EFBIG errors are counted, not logged") == 1     # logged once, counted always
@@ -5517,10 +5553,9 @@ class TestReliability:
     def test_failed_io_baseline_is_reported_and_the_run_goes_on(self, tmp_path):
         out, cache_dir = tmp_path / "r.json", tmp_path / "cache"
         cache_dir.mkdir()
-        proc = subprocess.run([sys.executable, str(SCRIPT), *SMALL_RUN, "--cpu-mem-gb", "1", "--num-users", "4",
-                               "--max-requests", "4", "--seed", "42", "--io-baseline", "--cache-dir", str(cache_dir),
-                               "--output", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                              preexec_fn=limit_file_size(1024 * 1024))   # its first 8 MiB write fails
+        proc = run_cli(*SMALL_RUN, "--cpu-mem-gb", "1", "--num-users", "4", "--max-requests", "4", "--seed", "42",
+                       "--io-baseline", "--cache-dir", cache_dir, "--output", out, cwd=tmp_path, timeout=60,
+                       preexec_fn=limit_file_size(1024 * 1024))          # its first 8 MiB write fails
         assert proc.returncode == 1, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr and "--io-baseline failed" in proc.stderr
         s = json.loads(out.read_text())["summary"]
@@ -5546,8 +5581,8 @@ class TestReliability:
         assert sorted(p.name for p in workdir.iterdir()) == []
 
     # --- data integrity -----------------------------------------------------------
-    def test_verify_catches_storage_corrupted_during_a_run(self, tmp_path, monkeypatch, capsys,
-                                                          keep_signal_handlers):
+    @pytest.mark.slow
+    def test_verify_catches_storage_corrupted_during_a_run(self, tmp_path):
         corrupted = []
 
         class CorruptingBenchmark(kv.IntegratedBenchmark):
@@ -5569,9 +5604,9 @@ class TestReliability:
                     if self.cache.stats.snapshot()[0].get("verify_mismatches", 0):
                         self.request_stop("test: a corrupted read was caught")
                         return
-        monkeypatch.setattr(kv, "IntegratedBenchmark", CorruptingBenchmark)
-        status, r, stdout = run_main(tmp_path, capsys, "--cpu-mem-gb", "0", "--num-users", "8", "--duration", "30",
-                                     "--seed", "42", "--verify")
+        run = run_in_process(*small_run(tmp_path, "--cpu-mem-gb", "0", "--num-users", "8", "--duration", "30",
+                                        "--seed", "42", "--verify"), benchmark=CorruptingBenchmark)
+        status, r, stdout = run.status, json.loads((tmp_path / "r.json").read_text()), run.stdout
         s = r["summary"]
         assert corrupted and s["stop_reason"] == "test: a corrupted read was caught"
         assert s["verify_checked"] > 0 and s["verify_mismatches"] > 0
@@ -5588,12 +5623,14 @@ class TestReliability:
         ("StorageMonitor", "sample", "monitor", 1),
         ("MultiTierCache", "collect_garbage", "storage-reaper", 1),
     ], ids=["worker", "scheduler", "monitor", "reaper"])
-    def test_a_failing_thread_stops_the_run_and_is_reported(self, tmp_path, monkeypatch, capsys,
-                                                           keep_signal_handlers, owner, method, thread, on_call):
+    @pytest.mark.slow
+    def test_a_failing_thread_stops_the_run_and_is_reported(self, tmp_path, monkeypatch, owner, method, thread,
+                                                           on_call):
         cls = getattr(kv, owner)
         monkeypatch.setattr(cls, method, fail_in_thread(getattr(cls, method), thread, on_call))
-        status, r, stdout = run_main(tmp_path, capsys, "--cpu-mem-gb", "0.05", "--num-users", "8",
-                                     "--duration", "20", "--seed", "42", "--monitor-interval", "0.1")
+        run = run_in_process(*small_run(tmp_path, "--cpu-mem-gb", "0.05", "--num-users", "8", "--duration", "20",
+                                        "--seed", "42", "--monitor-interval", "0.1"))
+        status, r, stdout = run.status, json.loads((tmp_path / "r.json").read_text()), run.stdout
         s = r["summary"]
         assert len(s["thread_errors"]) == 1, s["thread_errors"]
         assert re.fullmatch(rf"{thread}(-\d+)?: RuntimeError: injected failure", s["thread_errors"][0])
@@ -5607,69 +5644,83 @@ class TestReliability:
         ("StorageMonitor", "sample", "monitor"),
         ("MultiTierCache", "collect_garbage", "storage-reaper"),
     ], ids=["monitor", "reaper"])
-    def test_a_housekeeping_failure_that_recurs_still_gives_results(self, tmp_path, monkeypatch, capsys,
-                                                                     keep_signal_handlers, owner, method, thread):
+    @pytest.mark.slow
+    def test_a_housekeeping_failure_that_recurs_still_gives_results(self, tmp_path, monkeypatch, owner, method,
+                                                                     thread):
         cls = getattr(kv, owner)
         monkeypatch.setattr(cls, method, fail_in_thread(getattr(cls, method), thread, always=True))
-        status, r, stdout = run_main(tmp_path, capsys, "--cpu-mem-gb", "0", "--num-users", "4",
-                                     "--duration", "20", "--seed", "42", "--monitor-interval", "0.1")
+        run = run_in_process(*small_run(tmp_path, "--cpu-mem-gb", "0", "--num-users", "4", "--duration", "20",
+                                        "--seed", "42", "--monitor-interval", "0.1"))
+        status, r = run.status, json.loads((tmp_path / "r.json").read_text())
         assert status == 1 and any(e.startswith(thread) for e in r["summary"]["thread_errors"])
         assert files_under(tmp_path) == ["r.json"]
 
     # --- invariants under load -------------------------------------------------------
     @pytest.mark.slow
     def test_invariants_hold_under_load(self, tmp_path):
-        config = kv.BenchmarkConfig(model=TINY, num_users=200, duration_s=12, gpu_mem_gb=0, cpu_mem_gb=0.02,
-                                    storage_capacity_gb=0.3, cache_dir=str(tmp_path),
-                                    generation_mode=kv.GenerationMode.NONE, seed=42)
-        bench = kv.IntegratedBenchmark(config)
-        cache = bench.cache
-        capacity = {t: cache._tier_capacity(t) for t in cache._get_tier_order()}
-        assert set(capacity) == {"cpu", "nvme"}
-        violations, samples, done = [], [0], threading.Event()
+        """200 users on a 0.02 GiB CPU tier and a 0.3 GiB storage cap. After each of the workers' cache
+        operations, while the other workers are in the middle of theirs, no tier's usage may be negative
+        or above its capacity. The run is stopped, with requests in flight, once `checks_wanted`
+        operations were checked and the storage tier has both evicted and served a read: counts of
+        work done, whatever the machine's speed (--max-requests only bounds the run)."""
+        checks_wanted = 3000
+        violations, checks, stopping, largest, end = [], [0], [], [0], {}
+        counting = threading.Lock()
 
-        def watch_usage():
-            while not done.is_set():
-                for tier, cap in capacity.items():
-                    used = cache._get_tier_usage(tier)
-                    if not 0 <= used <= cap:
-                        violations.append((tier, used))
-                samples[0] += 1
-                time.sleep(0.001)
+        class CheckedBenchmark(kv.IntegratedBenchmark):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                cache, bench = self.cache, self
+                capacity = {t: cache._get_tier_limit(t) * (1 if t == "nvme" else kv.TIER_HEADROOM)
+                            for t in cache._get_tier_order()}
+                assert set(capacity) == {"cpu", "nvme"}
 
-        largest = [0]                                  # every storage entry is written through write_from
-        nvme = cache.backends["nvme"]
-        write_from = nvme.write_from
+                def checked(operation):                # the workers' public cache calls, each checked after
+                    def call(*args, **kwargs):
+                        result = operation(*args, **kwargs)
+                        for tier, cap in capacity.items():
+                            used = cache._get_tier_usage(tier)
+                            if not 0 <= used <= cap:
+                                violations.append((tier, used))
+                        with counting:
+                            checks[0] += 1
+                            counters = cache.stats.counters
+                            if (checks[0] >= checks_wanted and counters.get("evictions") and counters.get("nvme_reads")
+                                    and not stopping):
+                                stopping.append(checks[0])
+                                bench.request_stop("test: enough operations checked")
+                        return result
+                    return call
+                cache.write_entry, cache.read_entry = checked(cache.write_entry), checked(cache.read_entry)
 
-        def recording_write_from(key, source, transfer):
-            largest[0] = max(largest[0], source.nbytes)
-            return write_from(key, source, transfer)
-        nvme.write_from = recording_write_from
+                nvme = cache.backends["nvme"]          # every storage entry is written through write_from
+                write_from = nvme.write_from
 
-        end = {}
-        drive = bench._drive
+                def recording_write_from(key, source, transfer):
+                    largest[0] = max(largest[0], source.nbytes)
+                    return write_from(key, source, transfer)
+                nvme.write_from = recording_write_from
 
-        def drive_then_inspect():                      # the workload's end: every thread joined, nothing in flight
-            elapsed = drive()
-            done.set()
-            end["problems"] = cache.check_invariants()
-            with cache._lock:
-                end["entries"] = {k: (e.tier, e.state) for k, e in cache._entries.items()}
-                end["holders"] = {k: [t for t, b in cache.backends.items() if k in b] for k in cache._entries}
-                end["stored"] = {t: set(b.cache if t == "cpu" else b.metadata) for t, b in cache.backends.items()}
-            end["files"] = {p.name for p in cache.run_dir.iterdir() if not p.name.startswith(".trash_")}
-            end["nvme_files"] = {Path(m["path"]).name for m in nvme.metadata.values()}
-            return elapsed
-        bench._drive = drive_then_inspect
-        watcher = threading.Thread(target=watch_usage)
-        watcher.start()
-        try:
-            r = bench.run()
-        finally:
-            done.set()
-            watcher.join()
+                close = cache.close
+
+                def inspect_then_close():              # the workload's end: every thread joined, nothing in flight
+                    end["problems"] = cache.check_invariants()
+                    with cache._lock:
+                        end["entries"] = {k: (e.tier, e.state) for k, e in cache._entries.items()}
+                        end["holders"] = {k: [t for t, b in cache.backends.items() if k in b] for k in cache._entries}
+                        end["stored"] = {t: set(b.cache if t == "cpu" else b.metadata)
+                                         for t, b in cache.backends.items()}
+                    end["files"] = {p.name for p in cache.run_dir.iterdir() if not p.name.startswith(".trash_")}
+                    end["nvme_files"] = {Path(m["path"]).name for m in nvme.metadata.values()}
+                    close()
+                cache.close = inspect_then_close
+
+        r = run_in_process(*SMALL_RUN, "--num-users", "200", "--max-requests", "5000", "--cpu-mem-gb", "0.02",
+                           "--storage-capacity-gb", "0.3", "--cache-dir", tmp_path, "--seed", "42", "--quiet",
+                           benchmark=CheckedBenchmark).results
         cs = r["summary"]["cache_stats"]
-        assert samples[0] > 1000 and violations == []
+        assert r["summary"]["stop_reason"] == "test: enough operations checked"
+        assert checks[0] >= checks_wanted and violations == []
         assert end["problems"] == []
         # Every entry left is ready (writes cut short by the stop were dropped; with 200 requests in
         # flight on a 0.3 GB tier that can be every entry, so the count is not asserted).
@@ -5690,12 +5741,8 @@ class TestReliability:
     def test_second_sigint_during_shutdown(self, tmp_path):
         out, cache_dir = tmp_path / "r.json", tmp_path / "cache"
         cache_dir.mkdir()
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), "--model", "tiny-1b", "--gpu-mem-gb", "0",
-                                 "--cpu-mem-gb", "0", "--generation-mode", "realistic", "--num-users", "64",
-                                 "--duration", "30", "--seed", "42", "--cache-dir", str(cache_dir),
-                                 "--output", str(out)], cwd=tmp_path, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        try:
+
+        def interrupt_twice(proc):
             for line in proc.stderr:
                 if "Running" in line:
                     break
@@ -5704,11 +5751,11 @@ class TestReliability:
             time.sleep(0.2)
             assert proc.poll() is None, "shutdown took under 0.2 s: the second signal would not land in it"
             proc.send_signal(signal.SIGINT)
-            stdout, stderr = proc.communicate(timeout=30)      # it ends by itself, or this raises
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        proc = run_cli("--model", "tiny-1b", "--gpu-mem-gb", "0", "--cpu-mem-gb", "0", "--generation-mode", "realistic",
+                       "--num-users", "64", "--duration", "30", "--seed", "42", "--cache-dir", cache_dir,
+                       "--output", out, cwd=tmp_path, timeout=30,       # it ends by itself, or this raises
+                       while_running=interrupt_twice)
+        stdout, stderr = proc.stdout, proc.stderr
         assert proc.returncode == 130, stderr
         assert "SIGINT received again" in stderr and "Traceback" not in stderr
         r = json.loads(out.read_text())
@@ -5724,7 +5771,9 @@ class TestReliability:
         (cache_dir / "foreign.txt").write_text("not the benchmark's")
         (cache_dir / "keep" / "inner.npy").write_bytes(b"mine")
         stamps = {p: p.stat().st_mtime_ns for p in cache_dir.rglob("*")}
-        _, r = run_benchmark(tmp_path, "--cpu-mem-gb", "0", "--num-users", "2", "--max-requests", "2", "--seed", "5")
+        proc = run_cli(*small_run(tmp_path, "--cpu-mem-gb", "0", "--num-users", "2", "--max-requests", "2",
+                                  "--seed", "5"), cwd=tmp_path)
+        r = results_of(proc, tmp_path)
         cs = r["summary"]["cache_stats"]
         assert cs["nvme_writes"] > 0 and Path(cs["storage_run_dir"]).parent == cache_dir
         assert (cache_dir / "foreign.txt").read_text() == "not the benchmark's"
@@ -5768,6 +5817,7 @@ class TestReliability:
         assert sorted(p.name for p in tmp_path.iterdir()) == ["inputs"]
         assert (inputs / "file").read_text() == "mine" and json.loads(dataset.read_text())[0]["id"] == "a"
 
+    @pytest.mark.slow
     def test_upper_case_extensions_are_the_same_as_lower_case(self, tmp_path):
         if not (kv.PANDAS_AVAILABLE and kv.OPENPYXL_AVAILABLE):
             pytest.skip("pandas and openpyxl are needed for the spreadsheet")
@@ -5835,22 +5885,23 @@ class TestReliability:
         mnt = self.small_tmpfs(tmp_path, "256m")
         try:
             out = tmp_path / "r.json"
-            proc = subprocess.Popen([sys.executable, str(SCRIPT), *SMALL_RUN, "--cpu-mem-gb", "0", "--num-users", "6",
-                                     "--duration", "4", "--seed", "5", "--cache-dir", str(mnt), "--output", str(out),
-                                     "--quiet"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            deadline = time.monotonic() + 30
-            while not list(mnt.glob("kvcache_run_*/*.npy")) and time.monotonic() < deadline:
-                time.sleep(0.05)                               # storage I/O has begun
-            if fault == "remount read-only":               # refused while a file is open for writing: retry
-                while subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        proc.kill()
-                        pytest.skip("the tmpfs could not be remounted read-only while the run wrote to it")
-                    time.sleep(0.01)
-            else:
-                for run_dir in mnt.glob("kvcache_run_*"):
-                    shutil.rmtree(run_dir, ignore_errors=True)
-            stdout, stderr = proc.communicate(timeout=60)
+
+            def break_the_file_system(proc):
+                deadline = time.monotonic() + 30
+                while not list(mnt.glob("kvcache_run_*/*.npy")) and time.monotonic() < deadline:
+                    time.sleep(0.05)                           # storage I/O has begun
+                if fault == "remount read-only":           # refused while a file is open for writing: retry
+                    while subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode:
+                        if time.monotonic() > deadline or proc.poll() is not None:
+                            pytest.skip("the tmpfs could not be remounted read-only while the run wrote to it")
+                        time.sleep(0.01)
+                else:
+                    for run_dir in mnt.glob("kvcache_run_*"):
+                        shutil.rmtree(run_dir, ignore_errors=True)
+            proc = run_cli(*SMALL_RUN, "--cpu-mem-gb", "0", "--num-users", "6", "--duration", "4", "--seed", "5",
+                           "--cache-dir", mnt, "--output", out, "--quiet", cwd=tmp_path, timeout=60,
+                           while_running=break_the_file_system)
+            stdout, stderr = proc.stdout, proc.stderr
             assert proc.returncode == 1, stderr[-2000:]
             assert "Traceback" not in stderr
             r = json.loads(out.read_text())
@@ -5883,20 +5934,21 @@ class TestReliability:
         cache = tmp_path / "cache"
         args = (["--num-users", "100000", "--duration", "60"] if phase == "set-up"
                 else ["--num-users", "2", "--duration", "60", "--io-baseline"])
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), *SMALL_RUN, "--cpu-mem-gb", "0", *args,
-                                 "--cache-dir", str(cache), "--output", str(tmp_path / "r.json")],
-                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 30
         marker = "workload digest" if phase == "set-up" else "Measuring the raw bandwidth"
-        seen = ""
-        if phase == "io-baseline":                             # wait until the baseline is running
-            while marker not in seen and time.monotonic() < deadline:
-                seen += proc.stderr.readline()
-        else:
-            while not cache.exists() and time.monotonic() < deadline:
-                time.sleep(0.01)                               # set-up has begun (it made --cache-dir)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=30)
+
+        def interrupt_in_the_phase(proc):
+            deadline = time.monotonic() + 30
+            seen = ""
+            if phase == "io-baseline":                         # wait until the baseline is running
+                while marker not in seen and time.monotonic() < deadline:
+                    seen += proc.stderr.readline()
+            else:
+                while not cache.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)                           # set-up has begun (it made --cache-dir)
+            proc.send_signal(signal.SIGINT)
+        proc = run_cli(*SMALL_RUN, "--cpu-mem-gb", "0", *args, "--cache-dir", cache, "--output", tmp_path / "r.json",
+                       cwd=tmp_path, timeout=30, while_running=interrupt_in_the_phase)
+        stderr = proc.stderr
         assert proc.returncode == 130, stderr[-2000:]
         assert "Traceback" not in stderr and "interrupted by SIGINT" in stderr
         assert not cache.exists() and not (tmp_path / "r.json").exists()
@@ -5909,9 +5961,8 @@ class TestReliability:
                 "except SystemExit as e:\n"                  # VmHWM: this image's own peak (ru_maxrss
                 "    hwm = [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
                 "    print(e.code, hwm, file=sys.stderr)\n")        # would carry the forking parent's)
-        proc = subprocess.run([sys.executable, "-c", code, str(SCRIPT),
-                               *[a.format(tmp=tmp_path) for a in HARMLESS_RUN], "--dataset-path", str(deep)],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        proc = run_cli(*[a.format(tmp=tmp_path) for a in HARMLESS_RUN], "--dataset-path", deep,
+                       cwd=tmp_path, timeout=60, code=code)
         lines = proc.stderr.strip().splitlines()
         assert "nested deeper than" in lines[0] and "--dataset-path" in lines[0]
         status, max_rss_kib = map(int, lines[-1].split())
@@ -5925,12 +5976,13 @@ class TestReliability:
         loader = kv.ShareGPTDatasetLoader(str(data), max_conversations=10, seed=1)
         assert [c.conversation_id for c in loader.load()] == ["a"] and loader.skipped_conversations == 3
 
-    def test_a_run_that_completes_no_request_exits_1_and_says_why(self, tmp_path, capsys, keep_signal_handlers):
+    @pytest.mark.slow
+    def test_a_run_that_completes_no_request_exits_1_and_says_why(self, tmp_path):
         out = tmp_path / "r.json"                                  # 30 ms a token: nothing completes in 0.3 s
-        status = kv.main(["--model", "tiny-1b", "--num-users", "1", "--duration", "0.3", "--gpu-mem-gb", "0",
-                          "--cpu-mem-gb", "0.1", "--generation-mode", "realistic", "--seed", "1",
-                          "--cache-dir", str(tmp_path / "cache"), "--output", str(out)])
-        stdout = capsys.readouterr().out
+        run = run_in_process("--model", "tiny-1b", "--num-users", "1", "--duration", "0.3", "--gpu-mem-gb", "0",
+                             "--cpu-mem-gb", "0.1", "--generation-mode", "realistic", "--seed", "1",
+                             "--cache-dir", tmp_path / "cache", "--output", out)
+        status, stdout = run.status, run.stdout
         assert status == 1 and json.loads(out.read_text())["requests_completed"] == 0
         assert "NOT A RESULT: no request completed in the measured window" in stdout
 
@@ -6311,25 +6363,25 @@ class TestMPI:
         monkeypatch.setattr(kv, "_host_memory_bytes", lambda: 64 * GIB)
         assert kv.available_memory_bytes() == 64 * GIB // slot[1]          # and a share of its RAM
 
-    def test_a_launcher_without_mpi4py_refuses_to_run(self, tmp_path, monkeypatch, capsys):
+    def test_a_launcher_without_mpi4py_refuses_to_run(self, tmp_path, monkeypatch):
         monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
         monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
         real_installed = kv._installed
         monkeypatch.setattr(kv, "_installed", lambda name: False if name == "mpi4py" else real_installed(name))
-        status = kv.main(["--model", "tiny-1b", "--num-users", "4", "--duration", "1", "--gpu-mem-gb", "0",
-                          "--cpu-mem-gb", "0", "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "r.json")])
-        err = capsys.readouterr().err.strip().splitlines()
+        run = run_in_process("--model", "tiny-1b", "--num-users", "4", "--duration", "1", "--gpu-mem-gb", "0",
+                             "--cpu-mem-gb", "0", "--cache-dir", tmp_path / "cache", "--output", tmp_path / "r.json")
+        status, err = run.status, run.stderr.strip().splitlines()
         assert status == 2
         assert len(err) == 1 and "mpi4py is not installed" in err[0] and "2 ranks" in err[0]
         assert list(tmp_path.iterdir()) == []
 
-    def test_fewer_users_than_ranks_is_bad_input(self, tmp_path, monkeypatch, capsys):
+    def test_fewer_users_than_ranks_is_bad_input(self, tmp_path, monkeypatch):
         monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
         monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
         monkeypatch.setattr(kv, "_installed", lambda name: True)
-        status = kv.main(["--model", "tiny-1b", "--num-users", "3", "--duration", "1",
-                          "--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "r.json")])
-        assert status == 2 and "--num-users 3" in capsys.readouterr().err
+        run = run_in_process("--model", "tiny-1b", "--num-users", "3", "--duration", "1",
+                             "--cache-dir", tmp_path / "cache", "--output", tmp_path / "r.json")
+        assert run.status == 2 and "--num-users 3" in run.stderr
         assert list(tmp_path.iterdir()) == []
 
     def test_cache_dir_made_meanwhile_by_another_rank_is_shared_not_claimed(self, tmp_path, monkeypatch):
@@ -6350,11 +6402,10 @@ class TestMPI:
     def test_two_ranks_on_localhost(self, tmp_path):
         mpiexec, env = _mpi_launcher()
         cache = tmp_path / "cache"
-        cmd = [mpiexec, "-n", "2", "--oversubscribe", sys.executable, str(SCRIPT), "--model", "tiny-1b",
-               "--num-users", "8", "--duration", "4", "--gpu-mem-gb", "0", "--cpu-mem-gb", "0.05",
-               "--generation-mode", "none", "--seed", "42", "--cache-dir", str(cache),
-               "--output", str(tmp_path / "agg.json"), "--quiet"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        proc = run_cli("--model", "tiny-1b", "--num-users", "8", "--duration", "4", "--gpu-mem-gb", "0",
+                       "--cpu-mem-gb", "0.05", "--generation-mode", "none", "--seed", "42", "--cache-dir", cache,
+                       "--output", tmp_path / "agg.json", "--quiet", cwd=tmp_path, timeout=120, env=env,
+                       launcher=[mpiexec, "-n", "2", "--oversubscribe"])
         assert proc.returncode == 0, proc.stderr[-3000:]
         r = json.loads((tmp_path / "agg.json").read_text())
         s, ranks = r["summary"], r["ranks"]
@@ -6376,10 +6427,9 @@ class TestMPI:
         cache = tmp_path / "cache"
         cache.mkdir()
         (cache / "rank1").write_text("not a directory")   # only rank 1 cannot start
-        cmd = [mpiexec, "-n", "2", "--oversubscribe", sys.executable, str(SCRIPT), "--model", "tiny-1b",
-               "--num-users", "8", "--duration", "4", "--gpu-mem-gb", "0", "--cpu-mem-gb", "0.05",
-               "--cache-dir", str(cache), "--output", str(tmp_path / "agg.json"), "--quiet"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+        proc = run_cli("--model", "tiny-1b", "--num-users", "8", "--duration", "4", "--gpu-mem-gb", "0",
+                       "--cpu-mem-gb", "0.05", "--cache-dir", cache, "--output", tmp_path / "agg.json", "--quiet",
+                       cwd=tmp_path, timeout=60, env=env, launcher=[mpiexec, "-n", "2", "--oversubscribe"])
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert "Not a directory" in proc.stderr and "rank1" in proc.stderr
         assert "another MPI rank could not start" in proc.stderr

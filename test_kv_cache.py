@@ -1408,7 +1408,11 @@ class TestStagingPool:
         with pool.lease() as a, pool.lease() as b:
             assert a is not b
             got = []
-            t = threading.Thread(target=lambda: got.append(pool._acquire()))
+
+            def third_lease():
+                with pool.lease() as area:
+                    got.append(area)
+            t = threading.Thread(target=third_lease)
             t.start()
             deadline = time.monotonic() + 10
             while pool.waits == 0 and time.monotonic() < deadline:
@@ -2894,7 +2898,7 @@ class TestMultiTierCacheWithGPU:
         for i in range(6):                                  # the sixth demotes the first into the CPU tier
             gpu_cache.allocate_cache(f"k{i}", TOKENS)
         assert gpu_cache.entry_location("k0") == "cpu"
-        assert cpu.arena.owns(cpu._in_arena["k0"]) and cpu.arena_fallbacks == 0
+        assert cpu.arena.owns(cpu.cache["k0"]) and cpu.arena_fallbacks == 0
 
     def test_storage_staging_areas_are_pinned_when_made(self, gpu_cache):
         for i in range(10):                                 # the first two end in storage, through staging
@@ -2976,7 +2980,7 @@ class TestCPUTierArena:
         assert cache.allocate_cache("g", int(5.5 * unit))[1] == "cpu"
         # LRU first: k1's place (0-5) is still too small; with k3's (10-15) units 8-20 are free
         assert [cache.entry_location(f"k{i}") for i in range(1, 9)] == ["nvme", "cpu", "nvme"] + ["cpu"] * 5
-        assert cpu.arena.owns(cpu._in_arena["g"]) and cpu.arena_fallbacks == 0
+        assert cpu.arena.owns(cpu.cache["g"]) and cpu.arena_fallbacks == 0
         assert cache.check_invariants() == []
 
 

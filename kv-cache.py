@@ -149,13 +149,21 @@ _NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.flo
 
 @dataclass
 class ModelConfig:
-    """Attention geometry of a model: all the benchmark needs to size KV entries."""
+    """Attention geometry of a model: all the benchmark needs to size KV entries.
+
+    Multi-head and grouped-query attention (`attention_type` "mha") keep a K and a V vector
+    per layer and KV head; multi-head latent attention ("mla", DeepSeek) keeps one compressed
+    latent per layer: `kv_lora_rank` values plus `qk_rope_head_dim` for the rotary key."""
     name: str
     num_layers: int
     hidden_dim: int
     num_heads: int
     kv_heads: int
     dtype: str = "float16"
+    head_dim: Optional[int] = None      # where it is not hidden_dim // num_heads (Qwen3, GPT-OSS)
+    attention_type: str = "mha"
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
 
     @property
     def bytes_per_element(self) -> int:
@@ -163,18 +171,26 @@ class ModelConfig:
 
     @property
     def kv_dim_per_head(self) -> int:
-        return self.hidden_dim // self.num_heads
+        if self.attention_type == "mla":
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return self.head_dim or self.hidden_dim // self.num_heads
 
     @property
     def kv_cache_size_per_token(self) -> int:
-        # K and V (the 2) for every layer and KV head.
-        return self.num_layers * self.kv_heads * self.kv_dim_per_head * 2 * self.bytes_per_element
+        # K and V (the 2) for every layer and KV head; MLA: one latent per layer.
+        return self.num_layers * self._vectors * self.kv_dim_per_head * self.bytes_per_element
+
+    @property
+    def _vectors(self) -> int:
+        return 1 if self.attention_type == "mla" else 2 * self.kv_heads
 
     @property
     def numpy_dtype(self) -> np.dtype:
         return np.dtype(_NUMPY_DTYPE[self.dtype])
 
     def entry_shape(self, num_tokens: int) -> Tuple[int, int, int, int, int]:
+        if self.attention_type == "mla":
+            return (self.num_layers, 1, num_tokens, 1, self.kv_dim_per_head)
         return (self.num_layers, 2, num_tokens, self.kv_heads, self.kv_dim_per_head)
 
 
@@ -185,6 +201,15 @@ MODEL_CONFIGS: Dict[str, ModelConfig] = {
     "llama3.1-8b": ModelConfig("llama3.1-8b", 32, 4096, 32, 8),
     "llama3.1-70b-instruct": ModelConfig("llama3.1-70b-instruct", 80, 8192, 64, 8),
 }
+# The package era's models (MLPerf Storage's kv_cache_benchmark, 2026), beside the seeds' five.
+PACKAGE_MODEL_CONFIGS: Dict[str, ModelConfig] = {
+    "deepseek-v3": ModelConfig("deepseek-v3", 61, 7168, 128, 1, attention_type="mla", kv_lora_rank=512,
+                               qk_rope_head_dim=64),
+    "qwen3-32b": ModelConfig("qwen3-32b", 64, 5120, 64, 8, head_dim=128),
+    "gpt-oss-120b": ModelConfig("gpt-oss-120b", 36, 2880, 64, 8, head_dim=64),
+    "gpt-oss-20b": ModelConfig("gpt-oss-20b", 24, 2880, 64, 8, head_dim=64),
+}
+MODELS: Dict[str, ModelConfig] = {**MODEL_CONFIGS, **PACKAGE_MODEL_CONFIGS}     # what --model offers
 
 
 class InferencePhase(Enum):
@@ -279,7 +304,7 @@ class BenchmarkConfig:
     block is its dataclasses.asdict (config_block). A new flag is written in the parser and
     here, nowhere else."""
     # workload
-    model: Any = "llama3.1-8b"                    # a MODEL_CONFIGS key, held as its ModelConfig
+    model: Any = "llama3.1-8b"                    # a MODELS key, held as its ModelConfig
     num_users: int = 100
     duration_s: Optional[float] = None           # None: 60 s, or no time limit when max_requests is set
     generation_mode: Any = GenerationMode.REALISTIC   # a GenerationMode (or its value)
@@ -321,7 +346,7 @@ class BenchmarkConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
-            self.model = MODEL_CONFIGS[self.model]
+            self.model = MODELS[self.model]
         self.generation_mode = GenerationMode(self.generation_mode)
         if self.duration_s is None and not self.max_requests:
             self.duration_s = 60.0
@@ -1287,7 +1312,8 @@ class KVCacheGenerator:
         return out
 
     def generate(self, sequence_length: int, key: str) -> np.ndarray:
-        """The KV entry of `sequence_length` tokens for `key`, shaped (layers, 2, tokens, kv_heads, head_dim)."""
+        """The KV entry of `sequence_length` tokens for `key`, shaped (layers, 2, tokens, kv_heads, head_dim)
+        (MLA: (layers, 1, tokens, 1, latent))."""
         cfg = self.model_config
         data = self.entry_bytes(key, sequence_length * cfg.kv_cache_size_per_token)
         return data.view(cfg.numpy_dtype).reshape(cfg.entry_shape(sequence_length))
@@ -6696,7 +6722,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: python3 kv-cache.py --model tiny-1b --num-users 8 --duration 10 --gpu-mem-gb 0 "
                "--cpu-mem-gb 0.05 --generation-mode none --cache-dir /tmp --seed 42 --output results.json")
     w = p.add_argument_group("workload")
-    w.add_argument("--model", default="llama3.1-8b", choices=list(MODEL_CONFIGS), help="model geometry (default: %(default)s)")
+    w.add_argument("--model", default="llama3.1-8b", choices=list(MODELS), help="model geometry (default: %(default)s)")
     w.add_argument("--num-users", type=int, default=100, help=f"simulated users, 1-{MAX_USERS:,} (default: %(default)s)")
     w.add_argument("--duration", type=float, default=None,
                    help="seconds to run, up to a day (default: 60; no limit when only --max-requests is given)")

@@ -259,6 +259,45 @@ class TestModelConfig:
         assert cfg.kv_dim_per_head == hidden // heads
         assert cfg.kv_cache_size_per_token == per_token
 
+    # interface.md, "Models of the package era": (layers, heads, hidden, kv heads, head dim, bytes per token)
+    PACKAGE = {
+        "deepseek-v3": (61, 128, 7168, None, 576, 70_272),          # MLA: one 512 + 64 latent per layer
+        "qwen3-32b": (64, 64, 5120, 8, 128, 262_144),
+        "gpt-oss-120b": (36, 64, 2880, 8, 64, 73_728),
+        "gpt-oss-20b": (24, 64, 2880, 8, 64, 49_152),
+    }
+
+    @pytest.mark.parametrize("name", sorted(PACKAGE))
+    def test_the_package_eras_models_beside_the_five(self, name):
+        layers, heads, hidden, kv_heads, head_dim, per_token = self.PACKAGE[name]
+        cfg = kv.MODELS[name]
+        assert name not in kv.MODEL_CONFIGS and list(kv.MODELS)[:5] == list(self.EXPECTED)
+        assert (cfg.name, cfg.num_layers, cfg.num_heads, cfg.hidden_dim) == (name, layers, heads, hidden)
+        assert cfg.kv_dim_per_head == head_dim and cfg.kv_cache_size_per_token == per_token
+        if kv_heads is not None:
+            assert cfg.kv_heads == kv_heads and cfg.entry_shape(3) == (layers, 2, 3, kv_heads, head_dim)
+        else:                                                      # no K/V pair, no heads
+            assert cfg.attention_type == "mla" and cfg.entry_shape(3) == (layers, 1, 3, 1, 576)
+        data = kv.KVCacheGenerator(cfg, global_seed=1).generate(3, "k")
+        assert data.shape == cfg.entry_shape(3) and data.nbytes == 3 * per_token
+        config = kv.config_from_args(kv.build_parser().parse_args(["--model", name]))
+        assert config.model is cfg and kv.config_block(config)["kv_bytes_per_token"] == per_token
+
+    def test_an_mla_entry_moves_through_every_tier(self, tmp_path):
+        model = kv.MODELS["deepseek-v3"]
+        per_entry = 40 * model.kv_cache_size_per_token
+        cache = kv.MultiTierCache(model, 0, 1.5 * per_entry / GIB, cache_dir=tmp_path, seed=3, verify=True)
+        try:
+            for key in ("a", "b"):                                 # the second demotes the first to storage
+                assert cache.allocate_cache(key, 40)[:2] == (True, "cpu")
+            assert (cache.entry_location("a"), cache.entry_location("b")) == ("nvme", "cpu")
+            assert np.load(cache.run_dir / "a.npy").shape == model.entry_shape(40)
+            assert [cache.access_cache(k)[0] for k in ("a", "b")] == ["nvme", "cpu"]
+            s = cache.get_stats(1.0)
+            assert s["verify_checked"] == 2 and s["verify_mismatches"] == 0
+        finally:
+            cache.close()
+
     @pytest.mark.parametrize("dtype,size", [("float32", 4), ("float16", 2), ("bfloat16", 2), ("int8", 1)])
     def test_bytes_per_element_by_dtype(self, dtype, size):
         cfg = kv.ModelConfig("m", 2, 64, 4, 2, dtype=dtype)
@@ -5038,7 +5077,7 @@ class TestCLI:
     def test_choices(self):
         parser = kv.build_parser()
         choices = {a.dest: a.choices for a in parser._actions if a.choices}
-        assert list(choices["model"]) == list(kv.MODEL_CONFIGS)
+        assert list(choices["model"]) == list(kv.MODELS)
         assert set(choices["generation_mode"]) == {"none", "fast", "realistic"}
         assert set(choices["performance_profile"]) == {"latency", "throughput"}
         assert set(choices["autoscaler_mode"]) == {"qos", "capacity"}

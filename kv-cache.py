@@ -319,7 +319,7 @@ class BenchmarkConfig:
     gpu_library: str = "auto"                     # 'auto' (PyTorch, then CuPy), 'torch' or 'cupy'
     cache_dir: Optional[str] = None
     max_concurrent_allocs: int = 0
-    storage_capacity_gb: float = 0.0              # 0: the storage tier is unbounded
+    storage_capacity_gb: Optional[float] = 0.0    # 0: 95 % of the free space at the start; None: unbounded
     io_baseline: bool = False                     # measure the cache directory's raw bandwidth first
     verify: bool = False
     # autoscaling
@@ -379,8 +379,9 @@ class BenchmarkConfig:
         _check_range("--rag-num-docs", self.rag_num_docs, 0, 1_000_000, "between 0 and 1,000,000")
         _check_range("--num-workers", self.worker_slots, 0, 1024, "0 (the default) or between 1 and 1024")
         _check_range("--monitor-interval", self.monitor_interval_s, 0.1, 3600, "between 0.1 and 3600 seconds")
-        _check_range("--storage-capacity-gb", self.storage_capacity_gb, 0, MAX_MEMORY_GB * 1024,
-                     "0 (unbounded) or a positive size in GiB")
+        if self.storage_capacity_gb is not None:
+            _check_range("--storage-capacity-gb", self.storage_capacity_gb, 0, MAX_MEMORY_GB * 1024,
+                         "0 (95% of the free space) or a positive size in GiB")
         _check_dataset(self.dataset_path)
         if self.seed is not None:
             _check_range("--seed", self.seed, 0, 2 ** 63 - 1, "a non-negative integer below 2**63")
@@ -1951,6 +1952,21 @@ def probe_direct_io(directory: Path) -> Tuple[bool, str]:
     finally:
         os.unlink(probe)
 
+
+
+STORAGE_FREE_SHARE = 0.95               # --storage-capacity-gb 0: the share of the free space the tier may fill
+
+
+def storage_capacity(capacity_gb: Optional[float], directory: Path) -> Tuple[float, str]:
+    """The storage tier's capacity in bytes, and where it comes from: given, or (0) STORAGE_FREE_SHARE
+    of the file system's free space at the start, as the original, so that a long run evicts
+    instead of filling the disk; None: unbounded."""
+    if capacity_gb is None:
+        return float("inf"), "unbounded"
+    if capacity_gb > 0:
+        return capacity_gb * GIB, "--storage-capacity-gb"
+    free = shutil.disk_usage(directory).free
+    return free * STORAGE_FREE_SHARE, f"{STORAGE_FREE_SHARE:.0%} of the {free / GIB:.1f} GB free at the start"
 
 
 class NVMeBackend(StorageBackend):
@@ -3611,7 +3627,8 @@ class CacheEntry:
     checksum: Optional[int] = None    # CRC-32 of the entry's bytes, with --verify
 
 
-def describe_tiers(tiers: MemoryTiers, nvme: "NVMeBackend", run_dir: Path, order: List[str]) -> Dict[str, Any]:
+def describe_tiers(tiers: MemoryTiers, nvme: "NVMeBackend", run_dir: Path, order: List[str],
+                   capacity_source: str) -> Dict[str, Any]:
     """What the results say about a cache's tiers (effective budgets, library, delivery, I/O mode)."""
     limits, gpu = tiers.limits, tiers.gpu
     return {
@@ -3619,6 +3636,7 @@ def describe_tiers(tiers: MemoryTiers, nvme: "NVMeBackend", run_dir: Path, order
         "effective_gpu_mem_gb": limits.get("gpu", 0) / GIB,
         "effective_cpu_mem_gb": limits.get("cpu", 0) / GIB,
         "storage_capacity_gb": None if math.isinf(limits["nvme"]) else limits["nvme"] / GIB,
+        "storage_capacity_source": capacity_source,
         "gpu_disabled_reason": tiers.gpu_disabled_reason,
         "gpu_library": gpu.device.library if gpu else None,
         "gpu_name": gpu.device.name if gpu else None,
@@ -3682,8 +3700,9 @@ class MultiTierCache:
     would pass TIER_HEADROOM (80 %) of its budget, its least recently used
     entries are demoted to the next tier, which may in turn demote its own
     (the waterfall); an entry larger than 80 % of a tier's budget skips it.
-    The storage tier is unbounded unless `storage_capacity_gb` caps it, and
-    what falls off its end leaves the cache. Reads do not promote entries
+    The storage tier holds up to its capacity (`storage_capacity`: by default
+    95 % of the free space at the start), and what falls off its end leaves
+    the cache. Reads do not promote entries
     (as in the original): an entry only moves down.
 
     Thread-safe: one lock guards the bookkeeping (entries, LRU order, usage
@@ -3695,7 +3714,9 @@ class MultiTierCache:
                  seed: Optional[int] = None, cache_dir: Optional[Any] = None,
                  generator: Optional[KVCacheGenerator] = None, **options: Any):
         """The original's signature; `options` are BenchmarkConfig fields (performance_profile,
-        storage_capacity_gb, max_concurrent_allocs, gpu_library, verify, gpu_device)."""
+        storage_capacity_gb, max_concurrent_allocs, gpu_library, verify, gpu_device). The storage
+        tier is unbounded unless `storage_capacity_gb` says otherwise (0: 95 % of the free space)."""
+        options.setdefault("storage_capacity_gb", None)
         self._open(BenchmarkConfig(model=model_config, gpu_mem_gb=gpu_memory_gb, cpu_mem_gb=cpu_memory_gb, seed=seed,
                                    cache_dir=None if cache_dir is None else str(cache_dir), **options), generator)
 
@@ -3738,7 +3759,7 @@ class MultiTierCache:
         self._sink: ReadSink = self.tiers.delivery if self.tiers.delivery is not None else HostSink()
         self._retired: set = set()
         self._trash: List[Path] = []
-        self._limits["nvme"] = config.storage_capacity_gb * GIB if config.storage_capacity_gb else float("inf")
+        self._limits["nvme"], self.storage_capacity_source = storage_capacity(config.storage_capacity_gb, self.run_dir)
         self._usage: Dict[str, int] = {t: 0 for t in self.backends}
         self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
 
@@ -4039,7 +4060,8 @@ class MultiTierCache:
     def report(self) -> CacheReport:
         counters, samples = self.stats.snapshot()
         return CacheReport(counters, samples, self.tier_entry_counts(),
-                           describe_tiers(self.tiers, self.backends["nvme"], self.run_dir, self._get_tier_order()))
+                           describe_tiers(self.tiers, self.backends["nvme"], self.run_dir, self._get_tier_order(),
+                                          self.storage_capacity_source))
 
     def get_stats(self, duration: float, window_counters: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
         report = self.report()
@@ -5936,6 +5958,8 @@ def format_report(results: Dict[str, Any]) -> str:
         + (" | INTERRUPTED" if results["interrupted"] else ""))
     gpu_note = f" (disabled: {cs['gpu_disabled_reason']})" if cs.get("gpu_disabled_reason") else ""
     cap = "unbounded" if cs["storage_capacity_gb"] is None else f"{cs['storage_capacity_gb']:.2f} GB"
+    if cs.get("storage_capacity_source") not in (None, "unbounded", "--storage-capacity-gb"):
+        cap += f" ({cs['storage_capacity_source']})"                  # detected
     add(f"Budgets (effective): GPU {cs['effective_gpu_mem_gb']:.2f} GB{gpu_note} | "
         f"CPU {cs['effective_cpu_mem_gb']:.2f} GB | storage {cap}")
     add(f"Storage I/O: {cs['storage_io_mode']} in {cs['storage_run_dir']}")

@@ -5426,6 +5426,28 @@ class TestEndToEnd:
         assert cs["nvme_entries"] * 256 * TOKEN_BYTES <= 0.15 * GIB   # chatbot entries are at least 256 tokens
         assert r["requests_completed"] == 30 and cs["io_errors"] == 0
 
+    def test_storage_capacity_zero_is_95_percent_of_the_free_space(self, tmp_path, monkeypatch):
+        """As the original: without --storage-capacity-gb the tier fills at most 95 % of the file
+        system's free space at the start, so a long run evicts instead of filling the disk."""
+        assert kv.storage_capacity(None, tmp_path) == (float("inf"), "unbounded")
+        assert kv.storage_capacity(2, tmp_path) == (2 * GIB, "--storage-capacity-gb")
+        usage = shutil.disk_usage(tmp_path)._replace(free=int(0.15 / 0.95 * GIB))   # a nearly full disk
+        monkeypatch.setattr(kv.shutil, "disk_usage", lambda path: usage)
+        assert kv.storage_capacity(0, tmp_path) == (pytest.approx(0.15 * GIB), "95% of the 0.2 GB free at the start")
+        run = run_in_process(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.02", "--seed", "4",
+                                        "--max-requests", "30"))
+        assert run.status == 0, run.stderr[-2000:]
+        cs = run.results["summary"]["cache_stats"]
+        assert cs["storage_capacity_gb"] == pytest.approx(0.15)
+        assert cs["storage_capacity_source"] == "95% of the 0.2 GB free at the start"
+        assert cs["evictions"] > 0 and cs["io_errors"] == 0
+        assert "storage 0.15 GB (95% of the 0.2 GB free at the start)" in run.stdout
+        unbounded = kv.MultiTierCache(TINY, 0, 0, cache_dir=tmp_path)      # the module's constructor: as before
+        try:
+            assert unbounded._get_tier_limit("nvme") == float("inf")
+        finally:
+            unbounded.close()
+
     @pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
     def test_signal_writes_partial_results_and_cleans_up(self, tmp_path, sig, status):
         out, cache_dir = tmp_path / "r.json", tmp_path / "cache"

@@ -246,6 +246,8 @@ class QoSSLA:
     priority: int
     violations: int = 0
     total_requests: int = 0
+    target_latency_p999_ms: Optional[float] = None     # v3.0's tail targets (None: no target)
+    target_latency_p9999_ms: Optional[float] = None
 
     @property
     def sla_compliance(self) -> float:
@@ -255,9 +257,12 @@ class QoSSLA:
 
 
 QOS_PROFILES: Dict[QoSLevel, QoSSLA] = {
-    QoSLevel.INTERACTIVE: QoSSLA(QoSLevel.INTERACTIVE, 50.0, 100.0, 3),
-    QoSLevel.RESPONSIVE: QoSSLA(QoSLevel.RESPONSIVE, 100.0, 200.0, 2),
-    QoSLevel.BATCH: QoSSLA(QoSLevel.BATCH, 1000.0, 5000.0, 1),
+    QoSLevel.INTERACTIVE: QoSSLA(QoSLevel.INTERACTIVE, 50.0, 100.0, 3, target_latency_p999_ms=150.0,
+                                 target_latency_p9999_ms=200.0),
+    QoSLevel.RESPONSIVE: QoSSLA(QoSLevel.RESPONSIVE, 100.0, 200.0, 2, target_latency_p999_ms=350.0,
+                                target_latency_p9999_ms=500.0),
+    QoSLevel.BATCH: QoSSLA(QoSLevel.BATCH, 1000.0, 5000.0, 1, target_latency_p999_ms=7500.0,
+                           target_latency_p9999_ms=10000.0),
 }
 
 
@@ -5705,21 +5710,21 @@ def qos_metrics(records: Sequence[RequestRecord]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for level, profile in QOS_PROFILES.items():
         service_s = [r.end_to_end_s - r.generation_s for r in records if r.qos_level == level.value]
-        sla = QoSSLA(level, profile.target_latency_p95_ms, profile.target_latency_p99_ms, profile.priority)
-        sla.total_requests = len(service_s)
-        sla.violations = sum(1 for s in service_s if s * 1000.0 > sla.target_latency_p95_ms)
+        sla = dataclasses.replace(profile, total_requests=len(service_s),
+                                  violations=sum(1 for s in service_s if s * 1000.0 > profile.target_latency_p95_ms))
         summary = latency_summary_ms(service_s)
         measured = sla.total_requests > 0
+        targets = {p: getattr(sla, f"target_latency_{p}_ms") for p in ("p95", "p99", "p999", "p9999")}
         out[level.value] = {
             "total_requests": sla.total_requests,
             "priority": sla.priority,
             "latency_ms": summary,
             "sla": {
-                "target_p95_ms": sla.target_latency_p95_ms,
-                "target_p99_ms": sla.target_latency_p99_ms,
-                "actual_p95_ms": summary["p95"],
+                **{f"target_{p}_ms": t for p, t in targets.items()},
+                **{f"actual_{p}_ms": summary[p] for p in targets},
                 "compliance": sla.sla_compliance if measured else None,
                 "met": summary["p95"] <= sla.target_latency_p95_ms if measured else None,
+                "targets_met": {p: summary[p] <= t for p, t in targets.items() if t is not None} if measured else None,
             },
         }
     return out

@@ -357,12 +357,14 @@ class TestQoSProfiles:
     def test_levels(self):
         assert [q.value for q in kv.QoSLevel] == ["interactive", "responsive", "batch"]
 
-    @pytest.mark.parametrize("level,p95,p99,priority", [
-        ("INTERACTIVE", 50, 100, 3), ("RESPONSIVE", 100, 200, 2), ("BATCH", 1000, 5000, 1)])
-    def test_profile_targets_and_priority(self, level, p95, p99, priority):
+    @pytest.mark.parametrize("level,p95,p99,p999,p9999,priority", [
+        ("INTERACTIVE", 50, 100, 150, 200, 3), ("RESPONSIVE", 100, 200, 350, 500, 2),
+        ("BATCH", 1000, 5000, 7500, 10000, 1)])
+    def test_profile_targets_and_priority(self, level, p95, p99, p999, p9999, priority):
         sla = kv.QOS_PROFILES[kv.QoSLevel[level]]
         assert sla.qos_level is kv.QoSLevel[level]
         assert (sla.target_latency_p95_ms, sla.target_latency_p99_ms, sla.priority) == (p95, p99, priority)
+        assert (sla.target_latency_p999_ms, sla.target_latency_p9999_ms) == (p999, p9999)    # v3.0's tail targets
 
     def test_sla_compliance(self):
         sla = kv.QoSSLA(kv.QoSLevel.BATCH, 1000, 5000, 1)
@@ -3388,10 +3390,14 @@ class TestMetrics:
         assert inter["sla"]["compliance"] == pytest.approx(0.75)
         assert inter["sla"]["actual_p95_ms"] == pytest.approx(inter["latency_ms"]["p95"])
         assert inter["sla"]["met"] is False
+        assert inter["sla"]["target_p999_ms"] == 150.0 and inter["sla"]["target_p9999_ms"] == 200.0
+        assert inter["sla"]["actual_p9999_ms"] == pytest.approx(inter["latency_ms"]["p9999"])
+        assert inter["sla"]["targets_met"] == {"p95": False, "p99": True, "p999": True, "p9999": True}   # 90 ms worst
         assert inter["latency_ms"]["mean"] == pytest.approx(47.5)
         assert q["batch"]["sla"]["met"] is True and q["batch"]["sla"]["compliance"] == 1.0
         assert q["responsive"]["total_requests"] == 0          # not measured: neither met nor missed
         assert q["responsive"]["sla"]["compliance"] is None and q["responsive"]["sla"]["met"] is None
+        assert q["responsive"]["sla"]["targets_met"] is None
 
     def test_storage_efficiency(self):
         stats = {"nvme_read_gib_per_sec_busy": 1.5, "nvme_write_gib_per_sec_busy": 0.5,

@@ -134,10 +134,12 @@ _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)   # Linux only
 MAX_IN_FLIGHT_REQUESTS = 500            # the original's min(users, 500) requests processed at once
 DEFAULT_MONITOR_INTERVAL_S = 10.0
 
-# --- Limits for command-line values ---
+# --- Limits for command-line values (the original v3.0's names and values) ---
 MAX_USERS = 100_000
-MAX_DURATION_S = 86_400
-MAX_MEMORY_GB = 1_048_576
+MAX_DURATION_SECONDS = MAX_DURATION_S = 86_400
+MAX_GPU_MEMORY_GB = 1_024               # per GPU
+MAX_CPU_MEMORY_GB = 16_384
+MAX_STORAGE_CAPACITY_GB = 1 << 30
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -297,8 +299,9 @@ _DEFAULT_RNG = random.Random()
 
 # --- The run's configuration ---------------------------------------------------
 
-class UsageError(Exception):
-    """Bad input: reported as one line on stderr, exit status 2."""
+class UsageError(ValueError):
+    """Bad input: reported as one line on stderr, exit status 2 (a ValueError, as the original's
+    validate_args raised)."""
 
 
 @dataclass
@@ -373,8 +376,9 @@ class BenchmarkConfig:
         if self.duration_s is not None:
             _check_range("--duration", self.duration_s, 1e-3, MAX_DURATION_S,
                          f"above 0 and at most {MAX_DURATION_S} seconds")
-        for flag, value in (("--gpu-mem-gb", self.gpu_mem_gb), ("--cpu-mem-gb", self.cpu_mem_gb)):
-            _check_range(flag, value, 0, MAX_MEMORY_GB, f"between 0 and {MAX_MEMORY_GB:,} GB")
+        for flag, value, most in (("--gpu-mem-gb", self.gpu_mem_gb, MAX_GPU_MEMORY_GB),
+                                  ("--cpu-mem-gb", self.cpu_mem_gb, MAX_CPU_MEMORY_GB)):
+            _check_range(flag, value, 0, most, f"between 0 and {most:,} GB")
         _check_range("--target-saturation", self.target_saturation, 0.0, 1.0, "between 0.0 and 1.0")
         _check_range("--max-conversations", self.max_conversations, 1, 10_000_000, "at least 1")
         _check_range("--request-rate", self.request_rate, 0, 1e6, "0 (no pacing) or a positive rate up to 1,000,000/s")
@@ -385,7 +389,7 @@ class BenchmarkConfig:
         _check_range("--num-workers", self.worker_slots, 0, 1024, "0 (the default) or between 1 and 1024")
         _check_range("--monitor-interval", self.monitor_interval_s, 0.1, 3600, "between 0.1 and 3600 seconds")
         if self.storage_capacity_gb is not None:
-            _check_range("--storage-capacity-gb", self.storage_capacity_gb, 0, MAX_MEMORY_GB * 1024,
+            _check_range("--storage-capacity-gb", self.storage_capacity_gb, 0, MAX_STORAGE_CAPACITY_GB,
                          "0 (95% of the free space) or a positive size in GiB")
         _check_dataset(self.dataset_path)
         if self.seed is not None:
@@ -419,6 +423,8 @@ def config_block(config: BenchmarkConfig) -> Dict[str, Any]:
 
 SYSTEM_PATHS = ("/", "/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "/boot", "/lib", "/lib64")
 SYSTEM_TREES = tuple(p for p in SYSTEM_PATHS if p != "/")     # nothing inside these either
+# The original's name for them. Unlike the original, /root is not refused: it is a home directory.
+FORBIDDEN_CACHE_PREFIXES = frozenset(SYSTEM_TREES)
 USER_TREES_IN_SYSTEM = ("/dev/shm",)    # shared memory: a tier users measure (tmpfs), not a system file
 SPREADSHEET_SUFFIXES = (".xlsx", ".csv")
 
@@ -6850,9 +6856,12 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "run took and report ours / fio (needs fio on the PATH)")
 
 
-def validate_args(args: argparse.Namespace) -> None:
-    """Raise UsageError naming the flag and the accepted range; touches nothing on disk."""
+def validate_args(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` when they are valid, else UsageError (a ValueError) naming the flag and the accepted
+    range; touches nothing on disk. A namespace with only the original's fields works: the rest
+    take their defaults."""
     BenchmarkConfig.from_args(args).validate()
+    return args
 
 
 def config_from_args(args: argparse.Namespace, notices: Optional[List[str]] = None) -> BenchmarkConfig:

@@ -12,6 +12,7 @@ registering it in sys.modules. GPU tests skip themselves unless PyTorch or CuPy
 is installed and a CUDA device answers. Every file a test writes lives under
 pytest's tmp_path.
 """
+import argparse
 import builtins
 import contextlib
 import csv
@@ -5186,6 +5187,28 @@ class TestCLI:
         with pytest.raises(kv.UsageError, match="--num-users"):
             kv.validate_args(kv.build_parser().parse_args(["--num-users", "0"]))
 
+    def test_validate_args_as_the_original_v30(self, tmp_path):
+        """v3.0's validate_args: returns the namespace, raises ValueError, and takes a namespace with only
+        the original's fields (ours take their defaults); its limits under its names (interface.md)."""
+        original = argparse.Namespace(model="llama3.1-8b", num_users=10, duration=60, gpu_mem_gb=0, cpu_mem_gb=4,
+                                      cache_dir=str(tmp_path), generation_mode="none", performance_profile="latency",
+                                      disable_multi_turn=False, disable_prefix_caching=False, enable_rag=False,
+                                      rag_num_docs=10, enable_autoscaling=False, autoscaler_mode="qos",
+                                      target_saturation=0.8, dataset_path=None, max_conversations=500,
+                                      request_rate=0, max_requests=0, max_concurrent_allocs=0, seed=42,
+                                      output=None, xlsx_output=None)
+        assert kv.validate_args(original) is original
+        assert issubclass(kv.UsageError, ValueError)
+        assert (kv.MAX_USERS, kv.MAX_DURATION_SECONDS, kv.MAX_GPU_MEMORY_GB, kv.MAX_CPU_MEMORY_GB) == (
+            100_000, 86_400, 1_024, 16_384)
+        assert {"/etc", "/bin", "/sbin", "/usr", "/boot", "/sys", "/proc", "/dev"} <= kv.FORBIDDEN_CACHE_PREFIXES
+        for field, value in (("num_users", 100_001), ("gpu_mem_gb", 1_025), ("cpu_mem_gb", 16_385),
+                             ("target_saturation", 1.5), ("max_conversations", 0), ("request_rate", -1)):
+            with pytest.raises(ValueError, match="--" + field.replace("_", "-")):
+                kv.validate_args(argparse.Namespace(**{**vars(original), field: value}))
+        with pytest.raises(ValueError, match="--cache-dir /etc/kv is a system path"):
+            kv.validate_args(argparse.Namespace(**{**vars(original), "cache_dir": "/etc/kv"}))
+
     def test_help_exits_0_quickly(self, tmp_path):
         t0 = time.monotonic()
         proc = run_cli("--help", cwd=tmp_path, timeout=30)
@@ -5600,7 +5623,7 @@ class TestReliability:
     def test_bad_dataset_content_is_the_only_line_on_stderr(self, tmp_path):
         dataset = tmp_path / "d.json"
         dataset.write_text("not json")
-        proc = run_cli(*[a.format(tmp=tmp_path) for a in HARMLESS_RUN], "--cpu-mem-gb", kv.MAX_MEMORY_GB,
+        proc = run_cli(*[a.format(tmp=tmp_path) for a in HARMLESS_RUN], "--cpu-mem-gb", kv.MAX_CPU_MEMORY_GB,
                        "--dataset-path", dataset, cwd=tmp_path, timeout=30)
         assert proc.returncode == 2 and "--dataset-path" in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

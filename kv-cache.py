@@ -6693,6 +6693,29 @@ def mpi_launch() -> Optional[Tuple[int, int]]:
     return None
 
 
+# What starts MPI ranks (a /proc comm name, at most 15 characters): Open MPI 4 and 5, MPICH/Hydra
+# and Intel MPI, Slurm. A process whose parent is none of these, though a rank's variables are in
+# its environment, is a rank's child: MLPerf Storage's harness runs kv-cache.py that way, one
+# launcher per rank, each with its own --output and --cache-dir.
+MPI_LAUNCHER_PROCESSES = frozenset({"mpirun", "mpiexec", "orterun", "orted", "prterun", "prted",
+                                    "mpiexec.hydra", "hydra_pmi_proxy", "pmi_proxy", "srun", "slurmstepd"})
+
+
+def parent_process_name() -> Optional[str]:
+    """The parent process's command name (Linux /proc); None where it cannot be read."""
+    try:
+        return Path(f"/proc/{os.getppid()}/comm").read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        return None
+
+
+def started_by_mpi_launcher() -> bool:
+    """Whether this process is an MPI rank itself (its parent starts ranks), not a rank's child.
+    Where the parent cannot be told, the environment is taken at its word."""
+    name = parent_process_name()
+    return name is None or name in MPI_LAUNCHER_PROCESSES
+
+
 def rank_share(total: int, rank: int, size: int) -> int:
     """Rank `rank`'s share of `total`: equal parts, the first `total % size` ranks one more."""
     return total // size + (1 if rank < total % size else 0)
@@ -7118,10 +7141,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _limit_malloc_arenas()
     _widen_cuda_work_queues()
     launch = mpi_launch()
+    child_of_rank = launch is not None and not started_by_mpi_launcher()
+    if child_of_rank:                                # a harness's child: an independent benchmark
+        launch = None
     rank = launch[0] if launch else 0
     quiet = not args.progress or rank != 0           # one voice: rank 0's
     logging.basicConfig(level=logging.WARNING if quiet else getattr(logging, args.log_level),
                         format=f"%(levelname)s: {f'[rank {rank}] ' if launch else ''}%(message)s")
+    if child_of_rank:
+        logger.info("MPI rank variables found, but this process was started by %s, not by an MPI launcher: "
+                    "it runs as an independent benchmark (exactly its own --output, --cache-dir, --seed and "
+                    "--num-users; no MPI)", parent_process_name())
     stop = StopRequest()
     setup = _set_up(args, launch, stop)
     comm, created_dirs, bench = setup.comm, setup.created_dirs, setup.bench

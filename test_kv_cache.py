@@ -6504,6 +6504,7 @@ class TestMPI:
     def test_a_launcher_without_mpi4py_refuses_to_run(self, tmp_path, monkeypatch):
         monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
         monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+        monkeypatch.setattr(kv, "parent_process_name", lambda: "prterun")   # a rank mpirun started
         real_installed = kv._installed
         monkeypatch.setattr(kv, "_installed", lambda name: False if name == "mpi4py" else real_installed(name))
         run = run_in_process("--model", "tiny-1b", "--num-users", "4", "--duration", "1", "--gpu-mem-gb", "0",
@@ -6516,6 +6517,7 @@ class TestMPI:
     def test_fewer_users_than_ranks_is_bad_input(self, tmp_path, monkeypatch):
         monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
         monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+        monkeypatch.setattr(kv, "parent_process_name", lambda: "prterun")   # a rank mpirun started
         monkeypatch.setattr(kv, "_installed", lambda name: True)
         run = run_in_process("--model", "tiny-1b", "--num-users", "3", "--duration", "1",
                              "--cache-dir", tmp_path / "cache", "--output", tmp_path / "r.json")
@@ -6558,6 +6560,58 @@ class TestMPI:
             sum(x["summary"]["cache_stats"]["nvme_bytes_written_gb"] for x in ranks))
         assert "PER-RANK RESULTS" in proc.stdout and proc.stdout.count("KV CACHE BENCHMARK RESULTS") == 1
         assert not cache.exists()                      # made by the benchmark, so removed by it
+
+    def test_a_ranks_child_runs_as_an_independent_benchmark(self, tmp_path, monkeypatch, caplog):
+        """MLPerf Storage's harness: mpirun starts a launcher per rank, which runs kv-cache.py as its
+        child with the rank's own --output, --cache-dir and --seed. That child must not join MPI,
+        split the users, derive another seed or add a rank level to its directory."""
+        for var in MPI_ENV_VARS:
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+        monkeypatch.setattr(kv, "parent_process_name", lambda: "python3")      # the launcher, not mpirun
+        assert not kv.started_by_mpi_launcher()
+        out, cache = tmp_path / "rank_1" / "kvcache_results.json", tmp_path / "cache" / "rank_1"
+        out.parent.mkdir()
+        cache.mkdir(parents=True)
+        caplog.set_level(logging.INFO, logger="kv_cache")
+        run = run_in_process(*SMALL_RUN, "--num-users", "4", "--max-requests", "4", "--cpu-mem-gb", "0",
+                             "--seed", "43", "--cache-dir", cache, "--output", out)
+        assert run.status == 0, run.stderr[-2000:]
+        r = json.loads(out.read_text())
+        assert r["seed"] == 43 and r["config"]["num_users"] == 4 and "world_size" not in r
+        assert r["config"]["cache_dir"] == str(cache) and list(cache.iterdir()) == []
+        assert "started by python3, not by an MPI launcher" in caplog.text
+        monkeypatch.setattr(kv, "parent_process_name", lambda: "prterun")      # mpirun's own rank: MPI
+        assert kv.started_by_mpi_launcher()
+
+    @pytest.mark.slow
+    def test_the_harness_launcher_under_mpirun_gives_one_results_file_per_rank(self, tmp_path):
+        mpiexec, env = _mpi_launcher()
+        launcher = """import os, subprocess, sys
+rank = int(os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK"))
+script, base, cache = sys.argv[1:4]
+out, rank_cache = f"{base}/rank_{rank}/kvcache_results.json", f"{cache}/rank_{rank}"
+os.makedirs(os.path.dirname(out))
+os.makedirs(rank_cache)
+sys.exit(subprocess.run([sys.executable, script, "--model", "tiny-1b", "--num-users", "8", "--max-requests", "8",
+                         "--gpu-mem-gb", "0", "--cpu-mem-gb", "0", "--max-concurrent-allocs", "16",
+                         "--generation-mode", "none", "--seed", str(42 + rank), "--output", out,
+                         "--cache-dir", rank_cache, "--quiet"]).returncode)
+"""
+        proc = run_cli(tmp_path / "results", tmp_path / "cache", cwd=tmp_path, timeout=120, env=env, code=launcher,
+                       launcher=[mpiexec, "-n", "2", "--oversubscribe"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for rank in (0, 1):
+            r = json.loads((tmp_path / "results" / f"rank_{rank}" / "kvcache_results.json").read_text())
+            cs = r["summary"]["cache_stats"]
+            assert r["seed"] == 42 + rank and r["config"]["num_users"] == 8 and "world_size" not in r
+            assert cs["storage_entries"] > 0                       # what the harness checks per rank
+            # The figures the harness sums: ours, to the digit.
+            assert cs["tier_storage_read_bandwidth_gbps"] == cs["nvme_read_gib_per_sec_wall"]
+            assert cs["tier_storage_write_bandwidth_gbps"] == cs["nvme_write_gib_per_sec_wall"] > 0
+            assert cs["storage_write_device_p95_ms"] == cs["nvme_write_device_p95_ms"] is not None
+            assert list((tmp_path / "cache" / f"rank_{rank}").iterdir()) == []      # no second rank level left
 
     @pytest.mark.slow
     def test_one_rank_failing_to_start_stops_every_rank(self, tmp_path):

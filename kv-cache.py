@@ -32,7 +32,7 @@ Sections, in the order data flows through the program (each uses only those abov
     HOST MEMORY TIER                  HostArena, CPUMemoryBackend
     GPU DEVICES                       KV made on the device, pinning, the PyTorch and CuPy devices
     GPU TIER AND DELIVERY TO THE GPU  GPUDelivery (a sink), GPUMemoryBackend
-    MEMORY TIERS, SET UP TOGETHER     RAM and cgroup limits, MPI node share, open_memory_tiers
+    MEMORY TIERS, SET UP TOGETHER     RAM and cgroup limits, MPI node share, open_memory_tiers, storage capacity
     METRIC MATH                       pure functions over counters and samples
     MULTI-TIER CACHE                  waterfall LRU over the tiers
     MONITORING AND AUTOSCALING        timeline, block-device counters, --io-baseline, fio, autoscaler
@@ -354,6 +354,8 @@ class BenchmarkConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
+            if self.model not in MODELS:
+                raise UsageError(f"--model must be one of {', '.join(MODELS)}, got {self.model}")
             self.model = MODELS[self.model]
         self.generation_mode = GenerationMode(self.generation_mode)
         if self.duration_s is None and not self.max_requests:
@@ -368,6 +370,8 @@ class BenchmarkConfig:
         for dest, (name, convert) in _ORIGINAL_FLAGS.items():
             if dest in given:
                 values[name] = convert(given[dest], given)
+        if "autoscaler_mode" in given and "enable_autoscaling" not in given:
+            values["autoscaler_mode"] = None            # a flag's mode alone turns nothing on
         return cls(**values)
 
     def validate(self) -> "BenchmarkConfig":
@@ -1540,6 +1544,7 @@ class Transfer:
         self._staging: Optional[np.ndarray] = None
         self._clock = BusyClock()
         self._t0, self._t1 = time.perf_counter(), None
+        self._untimed_s = 0.0
 
     def __enter__(self) -> "Transfer":
         if self._pool is not None:
@@ -1580,7 +1585,17 @@ class Transfer:
 
     def timing(self) -> IOTiming:
         end = self._t1 if self._t1 is not None else time.perf_counter()
-        return IOTiming.from_device(end - self._t0, self._clock.busy_s())
+        return IOTiming.from_device(end - self._t0 - self._untimed_s, self._clock.busy_s())
+
+    @contextlib.contextmanager
+    def untimed(self) -> Iterator[None]:
+        """Work that is not the operation's own (--verify's checksum of bytes that went to the GPU,
+        made again on the host): left out of its time."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._untimed_s += time.perf_counter() - t0
 
     def advance(self, nbytes: int) -> None:
         self.moved += nbytes
@@ -1794,12 +1809,10 @@ class HostSink(ReadSink):
     def _room(self, transfer: Transfer) -> np.ndarray:
         return self._buffer if self._buffer is not None else transfer.staging
 
-    @staticmethod
-    def _slot(room: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
-        start = offset % room.size
-        if start + nbytes > room.size:                    # wrap, as the storage tier's chunk buffers do
-            start = 0
-        return room[start:start + nbytes]
+    def _slot(self, room: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
+        """Where bytes [offset, offset + nbytes) land: in place in a whole-entry buffer, else at
+        the staging area's start (reused step after step)."""
+        return room[offset:offset + nbytes] if self._buffer is not None else room[:nbytes]
 
     def from_host(self, entry: np.ndarray, transfer: Transfer) -> None:
         flat, room = entry.reshape(-1).view(np.uint8), self._room(transfer)
@@ -1823,12 +1836,9 @@ class HostSink(ReadSink):
 
     @contextlib.contextmanager
     def chunks(self, transfer: Transfer) -> Iterator[ChunkConsumer]:
-        room = self._room(transfer)
-
-        def land(offset: int, chunk: np.ndarray) -> None:
-            dst = self._slot(room, offset, chunk.size)
-            if dst.ctypes.data != chunk.ctypes.data:       # read into the staging area: already here
-                transfer.timed(np.copyto, dst, chunk)
+        def land(offset: int, chunk: np.ndarray) -> None:  # without a buffer: already in the staging area
+            if self._buffer is not None:
+                transfer.timed(np.copyto, self._buffer[offset:offset + chunk.size], chunk)
         yield land
 
 
@@ -1963,21 +1973,6 @@ def probe_direct_io(directory: Path) -> Tuple[bool, str]:
     finally:
         os.unlink(probe)
 
-
-
-STORAGE_FREE_SHARE = 0.95               # --storage-capacity-gb 0: the share of the free space the tier may fill
-
-
-def storage_capacity(capacity_gb: Optional[float], directory: Path) -> Tuple[float, str]:
-    """The storage tier's capacity in bytes, and where it comes from: given, or (0) STORAGE_FREE_SHARE
-    of the file system's free space at the start, as the original, so that a long run evicts
-    instead of filling the disk; None: unbounded."""
-    if capacity_gb is None:
-        return float("inf"), "unbounded"
-    if capacity_gb > 0:
-        return capacity_gb * GIB, "--storage-capacity-gb"
-    free = shutil.disk_usage(directory).free
-    return free * STORAGE_FREE_SHARE, f"{STORAGE_FREE_SHARE:.0%} of the {free / GIB:.1f} GB free at the start"
 
 
 class NVMeBackend(StorageBackend):
@@ -3040,12 +3035,13 @@ class GPUDelivery(ReadSink):
     def from_host(self, entry: np.ndarray, transfer: Transfer) -> None:
         flat = entry.reshape(-1).view(np.uint8)
         self._copy_in(self.dev.h2d, flat, flat.size, lambda a, i, j: a[i:j], transfer)
-        transfer.observe(flat)
+        with transfer.untimed():                          # --verify's checksum, on the host
+            transfer.observe(flat)
 
     def from_device(self, dev: "GPUDevice", buf: Any, nbytes: int, transfer: Transfer) -> None:
         self._copy_in(self.dev.d2d, buf, nbytes, self.dev.view, transfer)
         if transfer.verify:
-            with gpu_errors_as_io_errors():
+            with gpu_errors_as_io_errors(), transfer.untimed():     # --verify: a host copy to check
                 for part in download_chunks(self.dev, buf, nbytes, transfer.staging):
                     transfer.observe(part)
 
@@ -3096,7 +3092,8 @@ class GPUMemoryBackend(StorageBackend):
             buf = dev.empty(source.nbytes)
             if source.layout is not None and self._has_pool:
                 transfer.timed(dev.wait_for, lambda: dev.fill(source.layout, 0, buf))
-                transfer.observe_source(source)           # --verify: the same bytes made on the host, untimed
+                with transfer.untimed():                  # --verify: the same bytes made on the host
+                    transfer.observe_source(source)
             else:                                         # bytes from the host (the public write())
                 host = np.empty(source.nbytes, dtype=np.uint8)
                 source.fill(0, host)
@@ -3149,8 +3146,9 @@ class GPUMemoryBackend(StorageBackend):
 # MEMORY TIERS, SET UP TOGETHER
 # ============================================================================
 
-# How much memory a run may use (RAM, its cgroup, its share on an MPI node), then the GPU
-# and CPU tiers made together: with a GPU tier the CPU tier is one page-locked arena.
+# How much a run may use (RAM, its cgroup, its share on an MPI node), the GPU and CPU tiers
+# made together (with a GPU tier the CPU tier is one page-locked arena), and the storage
+# tier's capacity.
 
 _MPI_NODE_ENV = (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),   # Open MPI
                  ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"))                          # MPICH / Hydra, Intel MPI
@@ -3314,6 +3312,22 @@ def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
         tiers.limits["cpu"] = cpu_memory_gb * GIB if arena is None or size == wanted else arena.capacity_bytes
     return tiers
 
+
+
+STORAGE_FREE_SHARE = 0.95               # --storage-capacity-gb 0: the share of the free space the tier may fill
+
+
+def storage_capacity(capacity_gb: Optional[float], directory: Path) -> Tuple[float, str]:
+    """The storage tier's capacity in bytes, and where it comes from: given, or (0) STORAGE_FREE_SHARE
+    of the file system's free space at the start, as the original, so that a long run evicts
+    instead of filling the disk; None: unbounded."""
+    if capacity_gb is None:
+        return float("inf"), "unbounded"
+    if capacity_gb > 0:
+        return capacity_gb * GIB, "--storage-capacity-gb"
+    free, ranks = shutil.disk_usage(directory).free, node_slot()[1]     # the ranks on a node share it
+    shared = f", shared by the {ranks} ranks on this node" if ranks > 1 else ""
+    return free * STORAGE_FREE_SHARE / ranks, f"{STORAGE_FREE_SHARE:.0%} of the {free / GIB:.1f} GB free at the start{shared}"
 
 
 # ============================================================================
@@ -6693,13 +6707,9 @@ def mpi_launch() -> Optional[Tuple[int, int]]:
     return None
 
 
-# What starts MPI ranks (a /proc comm name, at most 15 characters): Open MPI 4 and 5, MPICH/Hydra
-# and Intel MPI, Slurm. A process whose parent is none of these, though a rank's variables are in
-# its environment, is a rank's child: MLPerf Storage's harness runs kv-cache.py that way, one
-# launcher per rank, each with its own --output and --cache-dir.
-MPI_LAUNCHER_PROCESSES = frozenset({"mpirun", "mpiexec", "orterun", "orted", "prterun", "prted",
-                                    "mpiexec.hydra", "hydra_pmi_proxy", "pmi_proxy", "srun", "slurmstepd"})
-
+# MLPerf Storage's harness starts a Python launcher per MPI rank, which runs kv-cache.py as its
+# child, each with its own --output and --cache-dir: the rank's variables are in the child's
+# environment, but the child is not the rank.
 
 def parent_process_name() -> Optional[str]:
     """The parent process's command name (Linux /proc); None where it cannot be read."""
@@ -6710,10 +6720,12 @@ def parent_process_name() -> Optional[str]:
 
 
 def started_by_mpi_launcher() -> bool:
-    """Whether this process is an MPI rank itself (its parent starts ranks), not a rank's child.
-    Where the parent cannot be told, the environment is taken at its word."""
+    """Whether this process is an MPI rank itself, not a rank's child. A child is told positively:
+    its parent is a Python program (the harness's per-rank launcher). Anything else, a launcher
+    daemon, a shell wrapper, a container starter, or a parent that cannot be read, leaves the
+    process an MPI rank, as the environment says."""
     name = parent_process_name()
-    return name is None or name in MPI_LAUNCHER_PROCESSES
+    return name is None or not name.startswith("python")
 
 
 def rank_share(total: int, rank: int, size: int) -> int:
@@ -6853,7 +6865,8 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--max-concurrent-allocs", type=int, default=0,
                    help="cap on simultaneous cache allocations, bounds RAM (0: unlimited)")
     m.add_argument("--storage-capacity-gb", type=float, default=0.0,
-                   help="cap on the storage tier in GiB; its LRU entries leave the cache when full (0: unbounded)")
+                   help="cap on the storage tier in GiB; its LRU entries leave the cache when full "
+                        "(0: 95%% of the file system's free space at the start)")
     m.add_argument("--io-baseline", action="store_true",
                    help="first measure the cache directory's raw direct-I/O bandwidth (a few seconds) "
                         "and report the workload's storage efficiency against it")
@@ -6902,7 +6915,7 @@ def config_from_args(args: argparse.Namespace, notices: Optional[List[str]] = No
         config = dataclasses.replace(config, cpu_mem_gb=available / GIB)
     if config.cache_dir:
         config = dataclasses.replace(config, cache_dir=str(Path(config.cache_dir).expanduser()))
-    return config
+    return dataclasses.replace(config, gpu_device=node_slot()[0])   # the ranks on a node spread over its GPUs
 
 
 EXIT_OK, EXIT_DEGRADED, EXIT_USAGE = 0, 1, 2
@@ -7011,7 +7024,7 @@ def _fio_steps(config: BenchmarkConfig, m: RunMeasurements) -> Dict[str, Any]:
         note = "the storage tier moved nothing in this run: no fio job to write or compare"
         logger.warning("%s", note)
         return {"fio_job_note": note}
-    label = (f"model {config.model.name}, {config.num_users} users, seed {m.seed}, "
+    label = (f"model {m.config.model.name}, {m.config.num_users} users, seed {m.seed}, "
              f"workload digest {m.workload_digest}")
     added: Dict[str, Any] = {}
     if config.fio_job:

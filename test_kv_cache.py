@@ -1544,6 +1544,14 @@ class TestTransfer:
         with kv.Transfer("read", 8, pool=pool) as transfer:        # the area went back to the pool
             assert transfer.staging.size == 4096
 
+    def test_untimed_work_is_left_out_of_the_operations_time(self, monkeypatch):
+        clock = iter([0.0, 1.0, 2.0, 5.0, 6.0])        # made, entered, untimed from 2 to 5, left
+        monkeypatch.setattr(kv, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+        with kv.Transfer("write", 8) as transfer:
+            with transfer.untimed():                   # e.g. --verify's host checksum of GPU-made bytes
+                pass
+        assert transfer.timing() == kv.IOTiming(2.0, 0.0, 2.0)
+
     def test_the_checksum_is_that_of_the_bytes_observed_in_order(self):
         data = np.frombuffer(np.random.default_rng(5).bytes(10_000), dtype=np.uint8)
         with kv.Transfer("write", data.size, verify=True) as transfer:
@@ -3545,11 +3553,17 @@ class RecordingBenchmark(kv.IntegratedBenchmark):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.events = []                  # (perf_counter, "users", count) or (perf_counter, "request", user index)
+        self.first_due = {}               # user index -> (when first made active, when its first arrival was due)
         set_active_users = self.scheduler.set_active_users
 
         def recording(count, now=None):
-            self.events.append((time.perf_counter(), "users", count))
+            t = time.perf_counter()
+            self.events.append((t, "users", count))
             set_active_users(count, now)
+            base = now if now is not None else t
+            for index in range(count):
+                if index not in self.first_due:           # its seeded offset, as the scheduler planned it
+                    self.first_due[index] = (t, base + self.plan.plans[index].first_arrival_s())
         self.scheduler.set_active_users = recording
 
     def _build_request(self, user_index, planned):
@@ -3572,7 +3586,7 @@ def capacity_run(tmp_path_factory):
                          "--cpu-mem-gb", "0.05", "--monitor-interval", "2.0", "--enable-autoscaling",
                          "--autoscaler-mode", "capacity", "--quiet", benchmark=RecordingBenchmark)
     return {"results": run.results, "events": run.bench.events, "drive_ended": run.bench.drive_ended,
-            "latency_samples": run.bench.latency_samples, "cache_dir": cache_dir}
+            "first_due": run.bench.first_due, "latency_samples": run.bench.latency_samples, "cache_dir": cache_dir}
 
 
 @pytest.fixture(scope="module")
@@ -3584,29 +3598,27 @@ def qos_run(tmp_path_factory):
                          "--autoscaler-mode", "qos", "--target-saturation", "0.5", "--quiet",
                          benchmark=RecordingBenchmark)
     return {"results": run.results, "events": run.bench.events, "drive_ended": run.bench.drive_ended,
-            "latency_samples": run.bench.latency_samples, "cache_dir": cache_dir}
+            "first_due": run.bench.first_due, "latency_samples": run.bench.latency_samples, "cache_dir": cache_dir}
 
 
-MAX_FIRST_ARRIVAL_S = max(p.think_time_s[1] for p in kv.PERSONAS.values())   # an added user arrives within this
-ARRIVAL_LATENESS_S = 2.0        # how late a starved scheduler thread may admit it (a loaded machine: seen > 0.3 s)
+ARRIVAL_LATENESS_S = 1.0        # how late a starved scheduler thread may admit a due user (loaded: seen > 0.3 s)
 
 
 def users_added_and_heard_from(run):
-    """(new users added early enough to arrive before the end and not retired meanwhile, those of them
-    that sent a request after being added)."""
+    """(users the autoscaler added whose first arrival was due, with room for a late scheduler, before
+    the end, and who were not retired meanwhile; those of them that sent a request after being added)."""
     changes = [(t, n) for t, kind, n in run["events"] if kind == "users"]
     requests = [(t, i) for t, kind, i in run["events"] if kind == "request"]
     expected, heard = set(), set()
-    for k in range(1, len(changes)):
-        added_at, count = changes[k]
-        window_end = added_at + MAX_FIRST_ARRIVAL_S + ARRIVAL_LATENESS_S
-        if window_end > run["drive_ended"]:
+    for index, (added_at, due) in run["first_due"].items():
+        by = due + ARRIVAL_LATENESS_S
+        if index < changes[0][1] or by > run["drive_ended"]:        # a first user, or due too late to tell
             continue
-        for index in range(max(n for _, n in changes[:k]), count):     # never active before
-            if all(n > index for t, n in changes[k + 1:] if t <= window_end):
-                expected.add((added_at, index))
-                if any(t >= added_at and i == index for t, i in requests):
-                    heard.add((added_at, index))
+        if any(n <= index for t, n in changes if added_at < t <= by):  # retired before it was heard from
+            continue
+        expected.add(index)
+        if any(t >= added_at and i == index for t, i in requests):
+            heard.add(index)
     return expected, heard
 
 
@@ -5209,6 +5221,10 @@ class TestCLI:
                 kv.validate_args(argparse.Namespace(**{**vars(original), field: value}))
         with pytest.raises(ValueError, match="--cache-dir /etc/kv is a system path"):
             kv.validate_args(argparse.Namespace(**{**vars(original), "cache_dir": "/etc/kv"}))
+        with pytest.raises(ValueError, match="--model must be one of tiny-1b, "):
+            kv.validate_args(argparse.Namespace(**{**vars(original), "model": "nope"}))
+        mode_alone = {k: v for k, v in vars(original).items() if k != "enable_autoscaling"}
+        assert kv.BenchmarkConfig.from_args(argparse.Namespace(**mode_alone)).autoscaler_mode is None
 
     def test_help_exits_0_quickly(self, tmp_path):
         t0 = time.monotonic()
@@ -6583,8 +6599,9 @@ class TestMPI:
         assert r["seed"] == 43 and r["config"]["num_users"] == 4 and "world_size" not in r
         assert r["config"]["cache_dir"] == str(cache) and list(cache.iterdir()) == []
         assert "started by python3, not by an MPI launcher" in caplog.text
-        monkeypatch.setattr(kv, "parent_process_name", lambda: "prterun")      # mpirun's own rank: MPI
-        assert kv.started_by_mpi_launcher()
+        for parent in ("prterun", "orted", "hydra_pmi_proxy", "slurmstepd", "bash", None):   # a rank itself
+            monkeypatch.setattr(kv, "parent_process_name", lambda: parent)
+            assert kv.started_by_mpi_launcher(), parent
 
     @pytest.mark.slow
     def test_the_harness_launcher_under_mpirun_gives_one_results_file_per_rank(self, tmp_path):

@@ -45,6 +45,7 @@ import argparse
 import bisect
 import dataclasses
 import errno
+import functools
 import zlib
 import hashlib
 import heapq
@@ -1256,6 +1257,71 @@ def finite_stamps(numbers: Any) -> Any:
     return out
 
 
+STAMP_TABLE_BITS = 18                   # 2**18 stamps (2 MiB): one run covers a 1 GiB stretch
+
+
+@functools.lru_cache(maxsize=1)
+def stamp_table() -> np.ndarray:
+    """finite_stamps(0 .. 2**STAMP_TABLE_BITS - 1), made once (read-only)."""
+    table = finite_stamps(np.arange(1 << STAMP_TABLE_BITS, dtype=np.uint64))
+    table.flags.writeable = False
+    return table
+
+
+def stamp_runs(first: int, count: int) -> Iterator[Tuple[int, int, int, int]]:
+    """The stamps of the numbers first .. first + count - 1 as runs (done, lo, take, high):
+    number first + done + j, for j < take, has the stamp stamp_table()[lo + j] | high.
+
+    finite_stamps sends each bit of a number to a fixed place of its stamp, so a number's
+    stamp is the OR of its low bits' stamp (a table entry) and its high bits' stamp (`high`);
+    a run ends where the high bits change. A stretch of any length is one OR per run."""
+    size = 1 << STAMP_TABLE_BITS
+    done = 0
+    while done < count:
+        number = first + done
+        lo = number % size
+        take = min(count - done, size - lo)
+        yield done, lo, take, finite_stamps(number - lo)
+        done += take
+
+
+def fill_entry(ops: Any, pool: Any, table: Any, layout: "EntryLayout", entry_offset: int, out: Any) -> None:
+    """Write bytes [entry_offset, entry_offset + size of `out`) of the entry at `layout` into
+    `out`: the pool from the entry's start (wrapping around its end), then every 4 KiB block's
+    first 8 bytes replaced by its stamp; a last block of 8 bytes or more gets the next stamp.
+
+    Written once over array operations (`ops`: nbytes, view, copy, words, or_stamp): the host
+    runs it over numpy (HOST_ARRAY_OPS), a GPU device over its library's arrays where `pool`
+    and `table` (stamp_table(), uploaded) live. A fill is one copy per pool wrap and one OR
+    per stamp run, however big the entry."""
+    if entry_offset % BLOCK_BYTES:
+        raise ValueError("entry_offset must be a multiple of BLOCK_BYTES")
+    pool_size, n = ops.nbytes(pool), ops.nbytes(out)
+    pos = (layout.pool_offset + entry_offset) % pool_size
+    done = 0
+    while done < n:
+        take = min(n - done, pool_size - pos)
+        ops.copy(ops.view(out, done, done + take), ops.view(pool, pos, pos + take))
+        done += take
+        pos = 0
+    count = n // BLOCK_BYTES + (n % BLOCK_BYTES >= STAMP_BYTES)
+    if not count:
+        return
+    heads = ops.words(ops.view(out, 0, (count - 1) * BLOCK_BYTES + STAMP_BYTES))[::BLOCK_BYTES // STAMP_BYTES]
+    for at, lo, take, high in stamp_runs(layout.stamp_base + entry_offset // BLOCK_BYTES, count):
+        ops.or_stamp(heads[at:at + take], table[lo:lo + take], high)
+
+
+def _host_or_stamp(dst: np.ndarray, src: np.ndarray, high: int) -> None:
+    np.bitwise_or(src, np.uint64(high), out=dst)
+
+
+# fill_entry's operations over numpy arrays (the host's fill; the GPU devices have their own).
+HOST_ARRAY_OPS = types.SimpleNamespace(
+    nbytes=lambda buf: buf.nbytes, view=lambda buf, start, stop: buf[start:stop],
+    copy=lambda dst, src: np.copyto(dst, src), words=lambda buf: buf.view(np.uint64), or_stamp=_host_or_stamp)
+
+
 @dataclass(frozen=True)
 class EntryLayout:
     """Where an entry's bytes come from: a start in the pool and a unique stamp base."""
@@ -1297,30 +1363,7 @@ class KVCacheGenerator:
 
     def fill(self, layout: EntryLayout, entry_offset: int, out: np.ndarray) -> None:
         """Write the entry's bytes [entry_offset, entry_offset + out.size) into the uint8 array `out`."""
-        if entry_offset % BLOCK_BYTES:
-            raise ValueError("entry_offset must be a multiple of BLOCK_BYTES")
-        pool = self._pool_bytes
-        pos = (layout.pool_offset + entry_offset) % pool.size
-        done, n = 0, out.size
-        while done < n:
-            take = min(n - done, pool.size - pos)
-            out[done:done + take] = pool[pos:pos + take]
-            done += take
-            pos = 0
-        self._stamp(layout, entry_offset, out)
-
-    @staticmethod
-    def _stamp(layout: EntryLayout, entry_offset: int, out: np.ndarray) -> None:
-        first_block = entry_offset // BLOCK_BYTES
-        full = out.size // BLOCK_BYTES
-        if full:
-            blocks = out[:full * BLOCK_BYTES].view(np.uint64).reshape(full, BLOCK_BYTES // 8)
-            numbers = np.arange(first_block, first_block + full, dtype=np.uint64) + np.uint64(layout.stamp_base)
-            blocks[:, 0] = finite_stamps(numbers)
-        tail = out.size - full * BLOCK_BYTES
-        if tail >= STAMP_BYTES:
-            stamp = finite_stamps(np.array([layout.stamp_base + first_block + full], dtype=np.uint64))
-            out[full * BLOCK_BYTES:full * BLOCK_BYTES + STAMP_BYTES] = stamp.view(np.uint8)
+        fill_entry(HOST_ARRAY_OPS, self._pool_bytes, stamp_table(), layout, entry_offset, out)
 
     def entry_bytes(self, key: str, nbytes: int) -> np.ndarray:
         out = np.empty(nbytes, dtype=np.uint8)
@@ -1753,7 +1796,6 @@ class GPUDevice(Protocol):
     def empty(self, nbytes: int) -> Any: ...                      # device uint8 buffer
     def nbytes(self, buf: Any) -> int: ...
     def view(self, buf: Any, start: int, stop: int) -> Any: ...   # 1-D slice, no copy
-    def rows(self, buf: Any, count: int, width: int) -> Any: ...
     def pinned_empty(self, nbytes: int) -> np.ndarray: ...        # page-locked host memory; RuntimeError if refused
     def register(self, host: np.ndarray) -> bool: ...             # pin an existing buffer until close()
     def stream(self) -> Any: ...                                  # the calling thread's stream
@@ -1764,7 +1806,6 @@ class GPUDevice(Protocol):
     def wait_for(self, fn: Callable[[], Any]) -> None: ...        # run on the thread's stream, wait for it
     def load_pool(self, pool_bytes: np.ndarray) -> None: ...      # KVCacheGenerator's pool, uploaded once
     def fill(self, layout: EntryLayout, entry_offset: int, out_dev: Any) -> None: ...   # KV made on the device
-    def stamp_bytes(self, first_value: int, count: int) -> Any: ...   # (count, 8) uint8: finite_stamps(first_value + i)
     def close(self) -> None: ...
 
 ChunkConsumer = Callable[[int, np.ndarray], None]     # (offset in the entry, the chunk's bytes)
@@ -2445,52 +2486,6 @@ class CPUMemoryBackend(StorageBackend):
 # GPU DEVICES
 # ============================================================================
 
-# --- KV born on the device ----------------------------------------------------------------
-# fill_on_device is written once over GPUDevice's array operations (nbytes, view, rows, d2d,
-# stamp_bytes), so that every library, and numpy in the tests, runs the very same steps.
-
-# finite_stamps spreads a number's low 60 bits over four float16 lanes of 15 bits each.
-_LANE_SHIFTS_IN = (0, 15, 30, 45)       # where each lane's 15 bits sit in the number
-_LANE_SHIFTS_OUT = (0, 16, 32, 48)      # where each lane sits in the stamp
-
-
-def lane_stamps(numbers: Any, shifts_in: Any, shifts_out: Any) -> Any:
-    """finite_stamps(numbers) for a 1-D integer array, all four lanes at once.
-
-    Same values as finite_stamps, in 8 array operations instead of its loop's 33: on a GPU
-    each is a kernel launch, which a small fill would feel. Operators and .sum(1) only, so
-    numpy, CuPy and PyTorch arrays all run it; `shifts_in`/`shifts_out` are _LANE_SHIFTS_IN /
-    _LANE_SHIFTS_OUT as arrays of the numbers' dtype and device (made once: no upload per call).
-    """
-    chunk = (numbers[:, None] >> shifts_in[None, :]) & 0x7FFF
-    lanes = (chunk & 0x3FFF) | ((chunk & 0x4000) << 1)       # bit 14 -> 15: the exponent stays finite
-    return (lanes << shifts_out[None, :]).sum(1)              # disjoint bits: the sum is the OR
-
-
-def fill_on_device(ops: Any, pool_dev: Any, layout: Any, entry_offset: int, out_dev: Any) -> None:
-    """Write bytes [entry_offset, entry_offset + size of out_dev) of the entry at `layout`
-    into `out_dev`: exactly KVCacheGenerator.fill's bytes, made where `pool_dev` lives."""
-    if entry_offset % BLOCK_BYTES:
-        raise ValueError("entry_offset must be a multiple of BLOCK_BYTES")
-    pool_size, n = ops.nbytes(pool_dev), ops.nbytes(out_dev)
-    pos = (layout.pool_offset + entry_offset) % pool_size
-    done = 0
-    while done < n:                                   # the pool, wrapping around its end
-        take = min(n - done, pool_size - pos)
-        ops.d2d(ops.view(out_dev, done, done + take), ops.view(pool_dev, pos, pos + take))
-        done += take
-        pos = 0
-    first_block = entry_offset // BLOCK_BYTES
-    full = n // BLOCK_BYTES
-    if full:                                          # one strided copy stamps every block
-        heads = ops.rows(ops.view(out_dev, 0, full * BLOCK_BYTES), full, BLOCK_BYTES)[:, :STAMP_BYTES]
-        ops.d2d(heads, ops.stamp_bytes(layout.stamp_base + first_block, full))
-    tail_at = full * BLOCK_BYTES
-    if n - tail_at >= STAMP_BYTES:                    # a partial last block gets the next stamp
-        tail = ops.rows(ops.view(out_dev, tail_at, tail_at + STAMP_BYTES), 1, STAMP_BYTES)
-        ops.d2d(tail, ops.stamp_bytes(layout.stamp_base + first_block + full, 1))
-
-
 def _same_nbytes(dst_nbytes: int, src_nbytes: int) -> int:
     # Library copies broadcast or convert silently; a size mismatch here is always a bug.
     if dst_nbytes != src_nbytes:
@@ -2581,7 +2576,8 @@ class _GPUDeviceBase:
         self._lock = threading.Lock()
         self._registered: Dict[int, np.ndarray] = {}     # pointer -> buffer (kept alive)
         self._pool: Any = None                           # KVCacheGenerator's pool, on the device
-        self._shifts: Tuple[Any, ...] = ()               # lane_stamps' constants, on the device
+        self._table: Any = None                          # stamp_table(), on the device (64-bit words)
+        self._ops: Any = None                            # _fill_ops(), made with the pool
 
     @staticmethod
     def view(buf: Any, start: int, stop: int) -> Any:
@@ -2589,31 +2585,33 @@ class _GPUDeviceBase:
 
     # --- KV born on the device ---
     def load_pool(self, pool_bytes: np.ndarray) -> None:
+        """Upload the generator's pool and the stamp table, once, at start-up (pageable is fine)."""
         pool = self.empty(pool_bytes.nbytes)
-        self.h2d(pool, pool_bytes)                    # once, at start-up: pageable is fine
-        with self._on_stream():
-            self._shifts = tuple(self._lane_constants(s) for s in (_LANE_SHIFTS_IN, _LANE_SHIFTS_OUT))
+        self.h2d(pool, pool_bytes)
+        table_bytes = stamp_table().view(np.uint8)
+        table = self.empty(table_bytes.nbytes)
+        self.h2d(table, table_bytes)
         self.sync()
-        self._pool = pool
+        self._ops = self._fill_ops()
+        self._pool, self._table = pool, self._ops.words(table)
 
     def fill(self, layout: EntryLayout, entry_offset: int, out_dev: Any) -> None:
+        """fill_entry on the device: one copy per pool wrap, one OR per stamp run."""
         if self._pool is None:
             raise RuntimeError("load_pool() first")
         with self._on_stream():                       # one stream context for the whole fill
-            fill_on_device(self._fill_ops(), self._pool, layout, entry_offset, out_dev)
+            fill_entry(self._ops, self._pool, self._table, layout, entry_offset, out_dev)
 
     def close(self) -> None:
         """Unpin what was registered (after every operation completed) and drop the pool."""
         pointers = self._take_registered()
         if pointers:
             _run_in_fresh_thread(lambda: self._unpin(pointers))
-        self._pool = None
-
-    def _lane_constants(self, values: Tuple[int, ...]) -> Any:
-        raise NotImplementedError
+        self._pool = self._table = None
 
     def _fill_ops(self) -> Any:
-        return self
+        """fill_entry's operations (nbytes, view, copy, words, or_stamp) in this library."""
+        raise NotImplementedError
 
     def _unpin(self, pointers: List[int]) -> None:
         raise NotImplementedError
@@ -2699,11 +2697,7 @@ class _TorchDevice(_GPUDeviceBase):
 
     @staticmethod
     def nbytes(buf: Any) -> int:
-        return buf.numel() * buf.element_size()
-
-    @staticmethod
-    def rows(buf: Any, count: int, width: int) -> Any:
-        return buf.view(count, width)
+        return buf.nbytes
 
     def pinned_empty(self, nbytes: int) -> np.ndarray:
         # Not torch.empty(pin_memory=True): its caching host allocator rounds the size up to
@@ -2730,7 +2724,12 @@ class _TorchDevice(_GPUDeviceBase):
 
     # --- streams and copies ---
     def _new_stream(self) -> Any:
-        return self._private_stream() or self._torch.cuda.Stream(device=self.device)
+        """The thread's stream, made the thread's current one for good (PyTorch keeps the
+        current stream per thread): every copy and kernel the thread enqueues lands on it
+        without a stream context per call, which costs more Python than a copy's launch."""
+        stream = self._private_stream() or self._torch.cuda.Stream(device=self.device)
+        self._torch.cuda.set_stream(stream)
+        return stream
 
     def _private_stream(self) -> Optional[Any]:
         """A stream of the thread's own (cudaStreamCreate, wrapped): PyTorch's pool has only 32
@@ -2759,48 +2758,37 @@ class _TorchDevice(_GPUDeviceBase):
     def h2d(self, dst_dev: Any, src_host: np.ndarray) -> None:
         src = self._host_tensor(src_host)
         _same_nbytes(self.nbytes(dst_dev), src.numel())
-        with self._torch.cuda.stream(self.stream()):
-            dst_dev.copy_(src, non_blocking=True)     # cudaMemcpyAsync on our stream
+        self.stream()
+        dst_dev.copy_(src, non_blocking=True)         # cudaMemcpyAsync on our stream
 
     def d2h(self, dst_host: np.ndarray, src_dev: Any) -> None:
         dst = self._host_tensor(dst_host)
         _same_nbytes(dst.numel(), self.nbytes(src_dev))
-        with self._torch.cuda.stream(self.stream()):
-            dst.copy_(src_dev, non_blocking=True)
+        self.stream()
+        dst.copy_(src_dev, non_blocking=True)
 
     def d2d(self, dst_dev: Any, src_dev: Any) -> None:
         _same_nbytes(self.nbytes(dst_dev), self.nbytes(src_dev))
-        with self._torch.cuda.stream(self.stream()):
-            dst_dev.copy_(src_dev, non_blocking=True)
+        self.stream()
+        dst_dev.copy_(src_dev, non_blocking=True)
 
     def _on_stream(self) -> Any:
-        return self._torch.cuda.stream(self.stream())
+        self.stream()                                 # current from its creation on: nothing to enter
+        return contextlib.nullcontext()
 
     def _new_done_event(self) -> Any:
         return self._torch.cuda.Event(blocking=True)  # no timing (the default): cheaper to record
 
     # --- KV born on the device ---
-    def _lane_constants(self, values: Tuple[int, ...]) -> Any:
-        return self._torch.tensor(values, dtype=self._torch.int64).to(self.device)
-
-    def stamp_bytes(self, first_value: int, count: int) -> Any:
-        # int64, not uint64: uint64 arithmetic is missing on CUDA in older PyTorch. The numbers
-        # are < 2**61 and PyTorch shifts left as unsigned, so the stamps' bytes are the same.
-        torch = self._torch
-        # arange from 0, then the offset: an integer arange near 2**60 may be sized in doubles.
-        numbers = torch.arange(count, dtype=torch.int64, device=self.device) + first_value
-        stamps = lane_stamps(numbers, *self._shifts)
-        return stamps.view(torch.uint8).view(count, STAMP_BYTES)
-
-    def _bare_d2d(self, dst_dev: Any, src_dev: Any) -> None:
-        _same_nbytes(self.nbytes(dst_dev), self.nbytes(src_dev))
-        dst_dev.copy_(src_dev, non_blocking=True)     # on the current stream: fill made it ours
+    def _or_stamp(self, dst: Any, src: Any, high: int) -> None:
+        # int64, not uint64 (uint64 arithmetic is missing on CUDA in older PyTorch): the same
+        # bits, with `high` read as a signed number.
+        self._torch.bitwise_or(src, high - (1 << 64) if high >> 63 else high, out=dst)
 
     def _fill_ops(self) -> Any:
-        # Copies without a stream context of their own: entering one costs ~5 us, a copy's
-        # launch less, and fill() has entered ours once for them all.
-        return types.SimpleNamespace(nbytes=self.nbytes, view=self.view, rows=self.rows, d2d=self._bare_d2d,
-                                     stamp_bytes=self.stamp_bytes)
+        int64 = self._torch.int64
+        return types.SimpleNamespace(nbytes=self.nbytes, view=self.view, copy=self.d2d,
+                                     words=lambda buf: buf.view(int64), or_stamp=self._or_stamp)
 
     def _unpin(self, pointers: List[int]) -> None:
         self._torch.cuda.set_device(self.device)
@@ -2842,10 +2830,6 @@ class _CupyDevice(_GPUDeviceBase):
     @staticmethod
     def nbytes(buf: Any) -> int:
         return int(buf.nbytes)
-
-    @staticmethod
-    def rows(buf: Any, count: int, width: int) -> Any:
-        return buf.reshape(count, width)
 
     def pinned_empty(self, nbytes: int) -> np.ndarray:
         # PinnedMemory is cudaHostAlloc itself, freed with its owner; not the pinned pool,
@@ -2909,7 +2893,7 @@ class _CupyDevice(_GPUDeviceBase):
         n = _same_nbytes(self.nbytes(dst_dev), self.nbytes(src_dev))
         if dst_dev.flags.c_contiguous and src_dev.flags.c_contiguous:
             self._memcpy(dst_dev.data.ptr, src_dev.data.ptr, n, _MEMCPY_D2D)
-        else:                                         # strided (the stamps): a copy kernel
+        else:                                         # strided: a copy kernel
             with self._device, self.stream():
                 dst_dev[...] = src_dev
 
@@ -2927,14 +2911,11 @@ class _CupyDevice(_GPUDeviceBase):
             super().sync()
 
     # --- KV born on the device ---
-    def _lane_constants(self, values: Tuple[int, ...]) -> Any:
-        return self._cp.asarray(np.array(values, dtype=np.uint64))
-
-    def stamp_bytes(self, first_value: int, count: int) -> Any:
+    def _fill_ops(self) -> Any:
         cp = self._cp                     # runs on the current stream: fill() enters ours
-        numbers = cp.arange(count, dtype=cp.uint64) + np.uint64(first_value)
-        stamps = lane_stamps(numbers, *self._shifts)
-        return stamps.view(cp.uint8).reshape(count, STAMP_BYTES)
+        return types.SimpleNamespace(
+            nbytes=self.nbytes, view=self.view, copy=self.d2d, words=lambda buf: buf.view(cp.uint64),
+            or_stamp=lambda dst, src, high: cp.bitwise_or(src, np.uint64(high), out=dst))
 
     def close(self) -> None:
         with self._lock:

@@ -1733,41 +1733,36 @@ class TestPipelinedStorageIO:
 BLOCK = kv.BLOCK_BYTES
 
 
-class NumpyOps:
-    """fill_on_device's ops over host numpy arrays: the reference the GPU libraries' ops must
-    match (kv-cache.py runs the same steps through PyTorch or CuPy)."""
-
-    SHIFTS_IN = np.array(kv._LANE_SHIFTS_IN, dtype=np.uint64)
-    SHIFTS_OUT = np.array(kv._LANE_SHIFTS_OUT, dtype=np.uint64)
-
-    @staticmethod
-    def nbytes(buf: np.ndarray) -> int:
-        return buf.nbytes
-
-    @staticmethod
-    def view(buf: np.ndarray, start: int, stop: int) -> np.ndarray:
-        return buf[start:stop]
-
-    @staticmethod
-    def rows(buf: np.ndarray, count: int, width: int) -> np.ndarray:
-        return buf.reshape(count, width)
-
-    @staticmethod
-    def d2d(dst: np.ndarray, src: np.ndarray) -> None:
-        kv._same_nbytes(dst.nbytes, src.nbytes)
-        np.copyto(dst, src)
-
-    @classmethod
-    def stamp_bytes(cls, first_value: int, count: int) -> np.ndarray:
-        numbers = np.arange(count, dtype=np.uint64) + np.uint64(first_value)
-        stamps = kv.lane_stamps(numbers, cls.SHIFTS_IN, cls.SHIFTS_OUT)
-        return stamps.astype("<u8", copy=False).view(np.uint8).reshape(count, kv.STAMP_BYTES)
+def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """A device copy over host memory (the fake GPU's h2d/d2h/d2d): bytes, sizes checked."""
+    kv._same_nbytes(dst.nbytes, src.nbytes)
+    np.copyto(dst, src)
 
 
+def reference_fill(pool: np.ndarray, layout, entry_offset: int, nbytes: int) -> bytes:
+    """An entry's bytes by their definition, block by block: the pool from the entry's start,
+    wrapping around, each block's first 8 bytes its stamp finite_stamps(stamp_base + block),
+    little-endian; a last block of 8 bytes or more stamped too."""
+    out = bytearray()
+    pos = (layout.pool_offset + entry_offset) % pool.size
+    while len(out) < nbytes:
+        take = min(nbytes - len(out), pool.size - pos)
+        out += pool[pos:pos + take].tobytes()
+        pos = 0
+    first = entry_offset // BLOCK
+    for i, at in enumerate(range(0, nbytes, BLOCK)):
+        if nbytes - at >= kv.STAMP_BYTES:
+            number = np.array([layout.stamp_base + first + i], dtype=np.uint64)
+            out[at:at + kv.STAMP_BYTES] = kv.finite_stamps(number).astype("<u8").tobytes()
+    return bytes(out)
 
 
 def pool_of(generator) -> np.ndarray:
     return generator.precomputed_buffer.view(np.uint8)
+
+
+def fill_host(pool: np.ndarray, layout, entry_offset: int, out: np.ndarray) -> None:
+    kv.fill_entry(kv.HOST_ARRAY_OPS, pool, kv.stamp_table(), layout, entry_offset, out)
 
 
 def host_fill(generator, layout, entry_offset: int, nbytes: int) -> np.ndarray:
@@ -1910,7 +1905,7 @@ class TestHostArena:
 
 
 # ============================================================================
-# fill_on_device with the numpy reference ops
+# fill_entry: the host's fill (fill_entry over numpy) against the definition
 # ============================================================================
 
 SIZES = [
@@ -1924,22 +1919,22 @@ SIZES = [
 ]
 
 
-class TestFillOnDeviceNumpy:
+class TestFillEntry:
     @pytest.mark.parametrize("nbytes", SIZES)
     @pytest.mark.parametrize("key", ["a", "user-17/turn-3", "prefix:system"])
     def test_matches_generator_fill(self, generator, key, nbytes):
         layout = generator.layout(key)
         out = np.empty(nbytes, dtype=np.uint8)
-        kv.fill_on_device(NumpyOps, pool_of(generator), layout, 0, out)
-        assert out.tobytes() == host_fill(generator, layout, 0, nbytes).tobytes()
+        fill_host(pool_of(generator), layout, 0, out)
+        assert out.tobytes() == reference_fill(pool_of(generator), layout, 0, nbytes)
 
     @pytest.mark.parametrize("entry_offset", [BLOCK, 8 * MIB, 3 * BLOCK])
     def test_matches_at_entry_offsets(self, generator, entry_offset):
         layout = generator.layout("offsets")
         nbytes = 2 * BLOCK + 300
         out = np.empty(nbytes, dtype=np.uint8)
-        kv.fill_on_device(NumpyOps, pool_of(generator), layout, entry_offset, out)
-        assert out.tobytes() == host_fill(generator, layout, entry_offset, nbytes).tobytes()
+        fill_host(pool_of(generator), layout, entry_offset, out)
+        assert out.tobytes() == reference_fill(pool_of(generator), layout, entry_offset, nbytes)
 
     @pytest.mark.parametrize("blocks_before_end", [1, 3])
     @pytest.mark.parametrize("nbytes", [6 * BLOCK, 6 * BLOCK + 50, 6 * BLOCK + 3])
@@ -1947,15 +1942,15 @@ class TestFillOnDeviceNumpy:
         pool = pool_of(generator)
         layout = kv.EntryLayout(pool.size - blocks_before_end * BLOCK, 2 ** 60 - 3)    # lanes overflow into bit 60
         out = np.empty(nbytes, dtype=np.uint8)
-        kv.fill_on_device(NumpyOps, pool, layout, 0, out)
-        assert out.tobytes() == host_fill(generator, layout, 0, nbytes).tobytes()
+        fill_host(pool, layout, 0, out)
+        assert out.tobytes() == reference_fill(pool_of(generator), layout, 0, nbytes)
 
     def test_wraps_when_entry_offset_passes_the_pool_end(self, generator):
         pool = pool_of(generator)
         layout = kv.EntryLayout(pool.size - 2 * BLOCK, 99)
         out = np.empty(3 * BLOCK, dtype=np.uint8)
-        kv.fill_on_device(NumpyOps, pool, layout, 4 * BLOCK, out)
-        assert out.tobytes() == host_fill(generator, layout, 4 * BLOCK, 3 * BLOCK).tobytes()
+        fill_host(pool, layout, 4 * BLOCK, out)
+        assert out.tobytes() == reference_fill(pool, layout, 4 * BLOCK, 3 * BLOCK)
 
     def test_entry_larger_than_the_pool_wraps_several_times(self, monkeypatch):
         monkeypatch.setattr(kv, "KV_POOL_VALUES", 2 * BLOCK)   # a generator whose pool is 4 blocks
@@ -1964,50 +1959,54 @@ class TestFillOnDeviceNumpy:
         layout = kv.EntryLayout(3 * BLOCK, 1000)
         nbytes = 11 * BLOCK + 40
         out = np.empty(nbytes, dtype=np.uint8)
-        kv.fill_on_device(NumpyOps, pool_of(small), layout, 0, out)
-        assert out.tobytes() == host_fill(small, layout, 0, nbytes).tobytes()
+        fill_host(pool_of(small), layout, 0, out)
+        assert out.tobytes() == reference_fill(pool_of(small), layout, 0, nbytes)
 
     def test_fills_a_view_inside_an_arena(self, generator):
         arena = kv.HostArena(kv.aligned_empty(8 * BLOCK))
         arena.alloc(BLOCK)
         out = arena.alloc(3 * BLOCK + 16)
         layout = generator.layout("in-arena")
-        kv.fill_on_device(NumpyOps, pool_of(generator), layout, 0, out)
-        assert out.tobytes() == host_fill(generator, layout, 0, out.size).tobytes()
+        fill_host(pool_of(generator), layout, 0, out)
+        assert out.tobytes() == reference_fill(pool_of(generator), layout, 0, out.size)
 
     def test_rejects_unaligned_entry_offset(self, generator):
         with pytest.raises(ValueError):
-            kv.fill_on_device(NumpyOps, pool_of(generator), generator.layout("x"), 100,
-                              np.empty(BLOCK, dtype=np.uint8))
+            fill_host(pool_of(generator), generator.layout("x"), 100, np.empty(BLOCK, dtype=np.uint8))
 
-    def test_stamp_bytes_are_finite_stamps_little_endian(self):
-        first = 2 ** 60 - 2
-        stamps = NumpyOps.stamp_bytes(first, 4)
-        assert stamps.shape == (4, 8)
-        expected = kv.finite_stamps(np.arange(first, first + 4, dtype=np.uint64))
-        assert [int.from_bytes(row.tobytes(), "little") for row in stamps] == [int(v) for v in expected]
+    def test_generator_fill_is_the_definition(self, generator):
+        layout = generator.layout("generator")
+        out = np.empty(9 * BLOCK + 70, dtype=np.uint8)
+        generator.fill(layout, 2 * BLOCK, out)
+        assert out.tobytes() == reference_fill(pool_of(generator), layout, 2 * BLOCK, out.size)
 
 
-class TestLaneStamps:
-    """lane_stamps is finite_stamps in fewer array operations: same numbers, same stamps."""
+class TestStampRuns:
+    """A run of stamps is a slice of the table OR'd with one number's stamp."""
 
-    SHIFTS = (NumpyOps.SHIFTS_IN, NumpyOps.SHIFTS_OUT)
+    @pytest.mark.parametrize("first,count", [
+        (0, 5), (12345, 1), ((1 << kv.STAMP_TABLE_BITS) - 3, 10),           # crosses one table boundary
+        (5 * (1 << kv.STAMP_TABLE_BITS) - 2, (1 << kv.STAMP_TABLE_BITS) + 7),  # three runs
+        (2 ** 60 - 4, 9), (2 ** 61 - 5, 12)])                               # past bit 60: ignored
+    def test_runs_give_finite_stamps(self, first, count):
+        table, got, covered = kv.stamp_table(), np.empty(count, dtype=np.uint64), 0
+        for done, lo, take, high in kv.stamp_runs(first, count):
+            assert done == covered and 0 < take and lo + take <= table.size
+            got[done:done + take] = table[lo:lo + take] | np.uint64(high)
+            covered += take
+        assert covered == count
+        np.testing.assert_array_equal(got, kv.finite_stamps(np.arange(count, dtype=np.uint64) + np.uint64(first)))
 
-    def test_equals_finite_stamps_on_random_numbers(self):
-        numbers = np.random.default_rng(7).integers(0, 2 ** 63, 200_000, dtype=np.uint64, endpoint=False)
-        np.testing.assert_array_equal(kv.lane_stamps(numbers, *self.SHIFTS), kv.finite_stamps(numbers))
+    def test_run_count(self):
+        size = 1 << kv.STAMP_TABLE_BITS
+        assert len(list(kv.stamp_runs(3 * size, size))) == 1
+        assert len(list(kv.stamp_runs(3 * size + 1, size))) == 2
+        assert list(kv.stamp_runs(7, 0)) == []
 
-    def test_equals_finite_stamps_on_lane_edges(self):
-        edges = [0, 1, 0x3FFF, 0x4000, 0x7FFF, 2 ** 15, 2 ** 60 - 1, 2 ** 60, 2 ** 64 - 1]
-        edges += [0x4000 << (15 * lane) for lane in range(4)] + [0x7FFF << (15 * lane) for lane in range(4)]
-        numbers = np.array(edges, dtype=np.uint64)
-        np.testing.assert_array_equal(kv.lane_stamps(numbers, *self.SHIFTS), kv.finite_stamps(numbers))
-
-    def test_signed_int64_gives_the_same_bytes(self):
-        # What PyTorch runs: int64 numbers (< 2**61), the top lane shifted into the sign bit.
-        numbers = np.array([2 ** 60 - 1, 0x4000 << 45, 12345], dtype=np.uint64)
-        signed = kv.lane_stamps(numbers.astype(np.int64), *(s.astype(np.int64) for s in self.SHIFTS))
-        assert signed.tobytes() == kv.finite_stamps(numbers).tobytes()
+    def test_table_is_read_only_finite_stamps(self):
+        table = kv.stamp_table()
+        assert table.size == 1 << kv.STAMP_TABLE_BITS and not table.flags.writeable
+        np.testing.assert_array_equal(table[:1000], kv.finite_stamps(np.arange(1000, dtype=np.uint64)))
 
 
 # ============================================================================
@@ -2071,7 +2070,7 @@ class TestOpenGpuDeviceWithoutLibraries:
 class _HostDevice(kv._GPUDeviceBase):
     """Every method of a GPU device (the interface listed above kv._GPUDeviceBase) over host
     memory: streams are names, events log what they wait for, copies are numpy copies, and
-    fill() is fill_on_device over numpy. With it the GPU tier's own code (GPUMemoryBackend,
+    fill() is fill_entry over numpy. With it the GPU tier's own code (GPUMemoryBackend,
     GPUDelivery, the page-locked arena, demotions, hits delivered to the GPU) runs and is
     checked without CUDA; only the libraries' calls are left to the CUDA tests.
     `keep_buffers`: remember every buffer empty() made (`made`), for tests that inspect them."""
@@ -2113,16 +2112,14 @@ class _HostDevice(kv._GPUDeviceBase):
             self.made.append(buf)
         return buf
 
-    nbytes = staticmethod(NumpyOps.nbytes)
-    rows = staticmethod(NumpyOps.rows)
-    d2d = staticmethod(NumpyOps.d2d)
-    stamp_bytes = staticmethod(NumpyOps.stamp_bytes)
+    nbytes = staticmethod(lambda buf: buf.nbytes)
+    d2d = staticmethod(host_copy)
 
     def h2d(self, dst, src):
-        NumpyOps.d2d(dst, kv._host_bytes(src))
+        host_copy(dst, kv._host_bytes(src))
 
     def d2h(self, dst, src):
-        NumpyOps.d2d(kv._host_bytes(dst), src)
+        host_copy(kv._host_bytes(dst), src)
 
     def pinned_empty(self, nbytes):
         host = kv.aligned_empty(nbytes)
@@ -2136,7 +2133,7 @@ class _HostDevice(kv._GPUDeviceBase):
         self._pool = pool_bytes
 
     def fill(self, layout, entry_offset, out_dev):
-        kv.fill_on_device(NumpyOps, self._pool, layout, entry_offset, out_dev)
+        fill_host(self._pool, layout, entry_offset, out_dev)
 
     def close(self):
         self._take_registered()
@@ -2314,7 +2311,7 @@ def torch_device_on_cpu(monkeypatch):
     kv._GPUDeviceBase.__init__(dev)
     dev._torch, dev.device, dev.device_index = torch, torch.device("cpu"), 0
     dev.library, dev.name = f"torch {torch.__version__}", "CPU tensors (no CUDA)"
-    dev._pool, dev._shifts, dev._alloc_stream = None, (), None
+    dev._pool, dev._table, dev._alloc_stream = None, None, None
     replaced = {"stream": lambda: None, "sync": lambda: None, "free_bytes": lambda: 1 << 40,
                 "register": lambda host: dev._keep_registered(kv._host_bytes(host).ctypes.data, host),
                 "close": lambda: (dev._take_registered(), setattr(dev, "_pool", None))}
@@ -2341,6 +2338,12 @@ class TestTorchArrayCodeOnCPU:
         dev.load_pool(pool_of(generator))
         layout = kv.EntryLayout(pool_of(generator).size - BLOCK, 2 ** 60 - 2)
         assert device_fill(dev, layout, 0, 4 * BLOCK + 9) == host_fill(generator, layout, 0, 4 * BLOCK + 9).tobytes()
+
+    def test_fill_across_stamp_runs_is_the_definition(self, torch_on_cpu, generator):
+        dev = torch_on_cpu
+        dev.load_pool(pool_of(generator))
+        layout = kv.EntryLayout(5 * BLOCK, (1 << kv.STAMP_TABLE_BITS) - 3)      # the stamps cross a run
+        assert device_fill(dev, layout, 0, 6 * BLOCK + 20) == reference_fill(pool_of(generator), layout, 0, 6 * BLOCK + 20)
 
     def test_copies_move_bytes_of_any_dtype(self, torch_on_cpu):
         dev = torch_on_cpu
@@ -2482,6 +2485,12 @@ class TestGPUDevice:
         device.load_pool(pool_of(generator))
         layout = kv.EntryLayout(pool_of(generator).size - 2 * BLOCK, 2 ** 60 - 3)
         assert device_fill(device, layout, 0, 5 * BLOCK + 12) == host_fill(generator, layout, 0, 5 * BLOCK + 12).tobytes()
+
+    def test_fill_across_stamp_runs_is_the_definition(self, device, generator):
+        device.load_pool(pool_of(generator))
+        layout = kv.EntryLayout(5 * BLOCK, (1 << kv.STAMP_TABLE_BITS) - 3)      # the stamps cross a run
+        assert device_fill(device, layout, 0, 6 * BLOCK + 20) == \
+            reference_fill(pool_of(generator), layout, 0, 6 * BLOCK + 20)
 
     def test_fills_from_many_threads_are_each_right(self, device, generator):
         device.load_pool(pool_of(generator))
@@ -2973,29 +2982,26 @@ class TestMultiTierCacheWithGPU:
             np.testing.assert_array_equal(data.reshape(-1).view(np.uint8),
                                           generator.generate(TOKENS, key).reshape(-1).view(np.uint8))
 
-    def test_two_threads_transfers_overlap_on_their_own_streams(self, gpu_cache):
-        gpu = gpu_cache.tiers.gpu
-        dev = gpu.device
+    def test_a_thread_waits_for_its_own_stream_only(self, gpu_cache):
+        """Another thread's long queue of copies (~80 ms of GPU work, not waited for) does not
+        hold up this thread's wait for its own small copy: it returns while that queue runs."""
+        dev = gpu_cache.tiers.gpu.device
         if isinstance(dev, _HostDevice) or dev.stream() is None:
             pytest.skip("streams are CUDA's: a device without CUDA has none to overlap")
-        streams, intervals, barrier = {}, [], threading.Barrier(2)
+        big, small, other = dev.empty(1024 * MIB), dev.empty(MIB), {}
 
-        def work(name):
-            buf = dev.empty(64 * MIB)
-            barrier.wait()
-            start = time.perf_counter()
-            dev.wait_for(lambda: [dev.d2d(dev.view(buf, 0, 32 * MIB), dev.view(buf, 32 * MIB, 64 * MIB))
-                               for _ in range(50)])
-            intervals.append((start, time.perf_counter()))
-            streams[name] = dev.stream()
-        threads = [threading.Thread(target=work, args=(n,)) for n in ("a", "b")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert streams["a"] is not streams["b"]
-        (a0, a1), (b0, b1) = sorted(intervals)
-        assert b0 < a1                                      # the second started before the first finished
+        def enqueue_long_queue():
+            for _ in range(200):
+                dev.d2d(dev.view(big, 0, 512 * MIB), dev.view(big, 512 * MIB, 1024 * MIB))
+            other["stream"] = dev.stream()
+        thread = threading.Thread(target=enqueue_long_queue)
+        thread.start()
+        thread.join()
+        dev.wait_for(lambda: dev.d2d(dev.view(small, 0, MIB // 2), dev.view(small, MIB // 2, MIB)))
+        queue_done = other["stream"].query() if hasattr(other["stream"], "query") else other["stream"].done
+        other["stream"].synchronize()
+        assert other["stream"] is not dev.stream()
+        assert not queue_done                               # this thread did not wait for the other's stream
 
     def test_gpu_is_the_first_tier(self, gpu_cache):
         assert gpu_cache._get_tier_order() == ["gpu", "cpu", "nvme"]

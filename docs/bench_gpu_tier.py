@@ -7,7 +7,7 @@
 For each entry size and thread count, every thread moves `--repeat` entries on its own CUDA
 stream and waits for that stream only. "raw" is the plain library (PyTorch or CuPy) call on
 page-locked host memory from the library's own allocator; "ours" is the same operation
-through kv-cache.py's GPU device (`open_gpu_device(...)`: h2d, d2h, d2d, fill, timed), on host
+through kv-cache.py's GPU device (`open_gpu_device(...)`: h2d, d2h, d2d, fill, wait_for), on host
 memory from its `pinned_empty`. Rows:
 
     h2d    pinned host -> GPU          (a CPU-tier hit delivered to the GPU)
@@ -37,7 +37,7 @@ import numpy as np
 SCRIPT = Path(__file__).resolve().parent.parent / "kv-cache.py"
 MIB = 1024 * 1024
 OPS = ("h2d", "d2h", "d2d", "fill")
-DEVICE_API = ("h2d", "d2h", "d2d", "fill", "timed", "load_pool", "pinned_empty", "empty", "view", "device_index")
+DEVICE_API = ("h2d", "d2h", "d2d", "fill", "wait_for", "load_pool", "pinned_empty", "empty", "view", "device_index")
 
 
 def load_kv_cache() -> Any:

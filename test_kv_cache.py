@@ -6922,28 +6922,51 @@ class TestMPI:
         mpiexec, env = _mpi_launcher()
         launcher = """import os, subprocess, sys
 rank = int(os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK"))
-script, base, cache = sys.argv[1:4]
+script, base, cache, config = sys.argv[1:5]
 out, rank_cache = f"{base}/rank_{rank}/kvcache_results.json", f"{cache}/rank_{rank}"
 os.makedirs(os.path.dirname(out))
 os.makedirs(rank_cache)
-sys.exit(subprocess.run([sys.executable, script, "--model", "tiny-1b", "--num-users", "8", "--max-requests", "8",
+sys.exit(subprocess.run([sys.executable, script, "--config", config, "--model", "tiny-1b", "--num-users", "8", "--max-requests", "8",
                          "--gpu-mem-gb", "0", "--cpu-mem-gb", "0", "--max-concurrent-allocs", "16",
                          "--generation-mode", "none", "--seed", str(42 + rank), "--output", out,
                          "--cache-dir", rank_cache, "--quiet"]).returncode)
 """
-        proc = run_cli(tmp_path / "results", tmp_path / "cache", cwd=tmp_path, timeout=120, env=env, code=launcher,
-                       launcher=[mpiexec, "-n", "2", "--oversubscribe"])
+        config = tmp_path / "config.yaml"                 # the harness passes --config (small entries here)
+        config.write_text("user_templates:\n  coding: {context_range: [256, 1024]}\n"
+                          "  document: {context_range: [256, 1024]}\n")
+        proc = run_cli(tmp_path / "results", tmp_path / "cache", config, cwd=tmp_path, timeout=120, env=env,
+                       code=launcher, launcher=[mpiexec, "-n", "2", "--oversubscribe"])
         assert proc.returncode == 0, proc.stderr[-3000:]
         for rank in (0, 1):
             r = json.loads((tmp_path / "results" / f"rank_{rank}" / "kvcache_results.json").read_text())
             cs = r["summary"]["cache_stats"]
             assert r["seed"] == 42 + rank and r["config"]["num_users"] == 8 and "world_size" not in r
+            assert r["config"]["config_file"] == str(config)
             assert cs["storage_entries"] > 0                       # what the harness checks per rank
             # The figures the harness sums: ours, to the digit.
             assert cs["tier_storage_read_bandwidth_gbps"] == cs["nvme_read_gib_per_sec_wall"]
             assert cs["tier_storage_write_bandwidth_gbps"] == cs["nvme_write_gib_per_sec_wall"] > 0
             assert cs["storage_write_device_p95_ms"] == cs["nvme_write_device_p95_ms"] is not None
             assert list((tmp_path / "cache" / f"rank_{rank}").iterdir()) == []      # no second rank level left
+
+    @pytest.mark.slow
+    def test_ranks_given_their_own_output_run_as_independent_benchmarks(self, tmp_path):
+        mpiexec, env = _mpi_launcher()
+
+        def rank(n):                                      # mpirun's MPMD form: one command per rank
+            return ["-n", "1", sys.executable, str(SCRIPT), "--model", "tiny-1b", "--num-users", "4",
+                    "--max-requests", "4", "--gpu-mem-gb", "0", "--cpu-mem-gb", "0", "--generation-mode", "none",
+                    "--seed", str(42 + n), "--output", str(tmp_path / f"r{n}.json"), "--cache-dir",
+                    str(tmp_path / f"cache{n}"), "--quiet"]
+        proc = subprocess.run([mpiexec, "--oversubscribe", *rank(0), ":", *rank(1)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for n in (0, 1):
+            r = json.loads((tmp_path / f"r{n}.json").read_text())
+            assert r["seed"] == 42 + n and r["config"]["num_users"] == 4 and "world_size" not in r
+            assert r["summary"]["cache_stats"]["storage_entries"] > 0
+            assert Path(r["summary"]["cache_stats"]["storage_run_dir"]).parent == tmp_path / f"cache{n}"
+            assert not (tmp_path / f"cache{n}").exists()        # exactly its --cache-dir (made, then removed)
 
     @pytest.mark.slow
     def test_one_rank_failing_to_start_stops_every_rank(self, tmp_path):

@@ -3402,6 +3402,7 @@ def gpu_errors_as_io_errors() -> Iterator[None]:
 # ============================================================================
 
 GPU_SCRATCH_BYTES = 256 * MIB           # device working memory a hit is delivered into, per transfer in flight
+GPU_FREE_SAMPLE_S = 0.1                 # how old the device's free-memory figure may be (GPUMemoryBackend.can_place)
 
 
 class GPUDelivery(ReadSink):
@@ -3489,11 +3490,16 @@ class GPUMemoryBackend(StorageBackend):
         self._has_pool = False
         self.delivery = GPUDelivery(self.device)
         self.keep_free_bytes = int(setting("gpu_backend", "free_memory_threshold") * self.device.total_bytes())
+        self._free_sample: Tuple[float, int] = (-math.inf, 0)    # (when, free bytes then, less our writes since)
 
     def can_place(self, nbytes: int) -> bool:
         """--config gpu_backend.free_memory_threshold: a write leaves at least that share of the
-        device's memory free (memory other processes took counts), else the cache demotes."""
-        return nbytes <= self.device.free_bytes() - self.keep_free_bytes
+        device's memory free (memory other processes took counts), else the cache demotes. The
+        driver is asked at most every GPU_FREE_SAMPLE_S (the call contends with every launch)."""
+        taken_at, free = self._free_sample
+        if time.monotonic() - taken_at > GPU_FREE_SAMPLE_S or nbytes > free - self.keep_free_bytes:
+            self._free_sample = taken_at, free = time.monotonic(), self.device.free_bytes()
+        return nbytes <= free - self.keep_free_bytes
 
     def load_generator(self, generator: KVCacheGenerator) -> None:
         """Upload the generator's pool once: from then on, generated entries are made on the device."""
@@ -3504,6 +3510,8 @@ class GPUMemoryBackend(StorageBackend):
         dev = self.device
         with gpu_errors_as_io_errors():
             buf = dev.empty(source.nbytes)
+            taken_at, free = self._free_sample
+            self._free_sample = taken_at, free - source.nbytes
             if source.layout is not None and self._has_pool:
                 transfer.timed(dev.wait_for, lambda: dev.fill(source.layout, 0, buf))
                 with transfer.untimed():                  # --verify: the same bytes made on the host

@@ -32,6 +32,7 @@ AUTOSCALE_S=300
 WORKLOADS=""
 USERS=""
 HIGH_USERS=""
+CPU_MEM_GB=""
 RAG=0
 RAG_DOCS=10
 CACHE_DIR=""
@@ -55,6 +56,8 @@ Usage: $(basename "$0") [options]
              ${ALL_WORKLOADS// /, }
   -u USERS   baseline user count (default: from RAM)
   -U USERS   high-load user count (default: from RAM)
+  -C GB      CPU tier budget in GiB, taken whole by each run that has the tier
+             (default: a quarter of RAM, at most 32)
   -R         add the RAG workload to every run
   -D DOCS    RAG documents (default: ${RAG_DOCS})
   -c DIR     cache directory on the storage under test (default: /mnt/nvme, /mnt/ssd, else a temporary directory)
@@ -81,7 +84,7 @@ set_submission_trials() {   # set_submission_trials N: -T, N trials for every su
 
 parse_args() {
     local opt
-    while getopts ":m:t:s:r:a:w:u:U:RD:c:o:T:nh" opt; do
+    while getopts ":m:t:s:r:a:w:u:U:C:RD:c:o:T:nh" opt; do
         case "$opt" in
             m) MODEL="$OPTARG" ;;
             t) TIER_S="$OPTARG" ;;
@@ -91,6 +94,7 @@ parse_args() {
             w) WORKLOADS="${OPTARG//,/ }" ;;
             u) USERS="$OPTARG" ;;
             U) HIGH_USERS="$OPTARG" ;;
+            C) CPU_MEM_GB="$OPTARG" ;;
             R) RAG=1 ;;
             D) RAG_DOCS="$OPTARG" ;;
             c) CACHE_DIR="$OPTARG" ;;
@@ -112,6 +116,7 @@ parse_args() {
     for value in "$USERS" "$HIGH_USERS"; do
         [ -z "$value" ] || is_positive_int "$value" || die_usage "user counts must be positive integers, got '${value}'"
     done
+    [ -z "$CPU_MEM_GB" ] || is_positive_int "$CPU_MEM_GB" || die_usage "-C needs a positive integer (GiB), got '${CPU_MEM_GB}'"
     WORKLOADS="${WORKLOADS:-$ALL_WORKLOADS}"
     local w
     for w in $WORKLOADS; do
@@ -137,10 +142,12 @@ detect_hardware() {
     local ram_kib
     ram_kib="$(awk '/^MemTotal:/ {print $2}' /proc/meminfo 2>/dev/null || echo 0)"
     RAM_GB=$(( ram_kib / 1024 / 1024 ))
-    # A quarter of RAM for the CPU tier, at most 32 GiB, at least 1.
-    CPU_MEM_GB=$(( RAM_GB / 4 ))
-    (( CPU_MEM_GB > 32 )) && CPU_MEM_GB=32
-    (( CPU_MEM_GB < 1 )) && CPU_MEM_GB=1
+    # A quarter of RAM for the CPU tier, at most 32 GiB, at least 1 (unless -C gave one).
+    if [ -z "$CPU_MEM_GB" ]; then
+        CPU_MEM_GB=$(( RAM_GB / 4 ))
+        (( CPU_MEM_GB > 32 )) && CPU_MEM_GB=32
+        (( CPU_MEM_GB < 1 )) && CPU_MEM_GB=1
+    fi
     if (( RAM_GB >= 64 )); then
         USERS="${USERS:-50}"; HIGH_USERS="${HIGH_USERS:-150}"
     else

@@ -727,37 +727,49 @@ class BenchmarkConfig:
         return cls(**values)
 
     def validate(self) -> "BenchmarkConfig":
-        """Raise UsageError naming the flag and the accepted range; touches nothing on disk. The
-        limits of users, duration and memory are --config validation_limits' (MAX_USERS, ...)."""
-        most_users = setting("validation_limits", "max_users")
-        most_s = setting("validation_limits", "max_duration_seconds")
-        _check_range("--num-users", self.num_users, 1, most_users, f"between 1 and {most_users:,}")
-        if self.duration_s is not None:
-            _check_range("--duration", self.duration_s, 1e-3, most_s, f"above 0 and at most {most_s:g} seconds")
-        for flag, value, key in (("--gpu-mem-gb", self.gpu_mem_gb, "max_gpu_memory_gb"),
-                                 ("--cpu-mem-gb", self.cpu_mem_gb, "max_cpu_memory_gb")):
-            most = setting("validation_limits", key)
-            _check_range(flag, value, 0, most, f"between 0 and {most:,} GB")
-        _check_range("--target-saturation", self.target_saturation, 0.0, 1.0, "between 0.0 and 1.0")
-        _check_range("--max-conversations", self.max_conversations, 1, 10_000_000, "at least 1")
-        _check_range("--request-rate", self.request_rate, 0, 1e6, "0 (no pacing) or a positive rate up to 1,000,000/s")
-        _check_range("--max-requests", self.max_requests, 0, 10 ** 12, "0 (no limit) or a positive count")
-        _check_range("--max-concurrent-allocs", self.max_concurrent_allocs, 0, 100_000,
-                     "0 (unlimited) or a positive count")
-        _check_range("--rag-num-docs", self.rag_num_docs, 0, 1_000_000, "between 0 and 1,000,000")
-        _check_range("--num-workers", self.worker_slots, 0, 1024, "0 (the default) or between 1 and 1024")
-        _check_range("--monitor-interval", self.monitor_interval_s, 0.1, 3600, "between 0.1 and 3600 seconds")
-        if self.storage_capacity_gb is not None:
-            _check_range("--storage-capacity-gb", self.storage_capacity_gb, 0, MAX_STORAGE_CAPACITY_GB,
-                         "0 (95% of the free space) or a positive size in GiB")
-        _check_dataset(self.dataset_path)
-        if self.seed is not None:
-            _check_range("--seed", self.seed, 0, 2 ** 63 - 1, "a non-negative integer below 2**63")
-        _check_cache_dir(self.cache_dir)
-        _check_outputs(self)
+        """Raise UsageError naming every flag out of its accepted range (one line: the problems
+        joined by "; ", as the original's validate_args listed them all); touches nothing on disk."""
+        problems = []
+        for check in self._checks():
+            try:
+                check()
+            except UsageError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise UsageError("; ".join(problems))
+        return self
+
+    def _checks(self) -> List[Callable[[], None]]:
+        """The checks, each raising UsageError. The limits of users, duration and memory are
+        --config validation_limits' (MAX_USERS, ...); the original's words say which side failed."""
+        users, most_s = setting("validation_limits", "max_users"), setting("validation_limits", "max_duration_seconds")
+        gpu, cpu = setting("validation_limits", "max_gpu_memory_gb"), setting("validation_limits", "max_cpu_memory_gb")
+        ranges = [
+            ("--num-users", self.num_users, 1, users, f"between 1 and {users:,}", "must be positive", "exceeds limit"),
+            ("--duration", self.duration_s, 1e-3, most_s, f"above 0 and at most {most_s:g} seconds",
+             "must be positive", f"exceeds {most_s / 3600:g} hours" if most_s >= 3600 else f"exceeds {most_s:g} seconds"),
+            ("--gpu-mem-gb", self.gpu_mem_gb, 0, gpu, f"between 0 and {gpu:,} GB", "cannot be negative", "exceeds limit"),
+            ("--cpu-mem-gb", self.cpu_mem_gb, 0, cpu, f"between 0 and {cpu:,} GB", "cannot be negative", "exceeds limit"),
+            ("--target-saturation", self.target_saturation, 0.0, 1.0, "between 0.0 and 1.0"),
+            ("--max-conversations", self.max_conversations, 1, 10_000_000, "at least 1", "must be positive"),
+            ("--request-rate", self.request_rate, 0, 1e6, "0 (no pacing) or a positive rate up to 1,000,000/s",
+             "cannot be negative"),
+            ("--max-requests", self.max_requests, 0, 10 ** 12, "0 (no limit) or a positive count", "cannot be negative"),
+            ("--max-concurrent-allocs", self.max_concurrent_allocs, 0, 100_000, "0 (unlimited) or a positive count",
+             "cannot be negative"),
+            ("--rag-num-docs", self.rag_num_docs, 0, 1_000_000, "between 0 and 1,000,000", "cannot be negative"),
+            ("--num-workers", self.worker_slots, 0, 1024, "0 (the default) or between 1 and 1024"),
+            ("--monitor-interval", self.monitor_interval_s, 0.1, 3600, "between 0.1 and 3600 seconds"),
+            ("--storage-capacity-gb", self.storage_capacity_gb, 0, MAX_STORAGE_CAPACITY_GB,
+             "0 (95% of the free space) or a positive size in GiB"),
+            ("--seed", self.seed, 0, 2 ** 63 - 1, "a non-negative integer below 2**63")]
+        checks: List[Callable[[], None]] = [functools.partial(_check_range, *r) for r in ranges if r[1] is not None]
+        return checks + [lambda: _check_dataset(self.dataset_path), lambda: _check_cache_dir(self.cache_dir),
+                         lambda: _check_outputs(self), self._check_fio]
+
+    def _check_fio(self) -> None:
         if self.fio_compare and shutil.which("fio") is None:
             raise UsageError("--fio-compare needs fio on the PATH (install it, e.g. apt-get install fio)")
-        return self
 
 
 # The original's flags whose value goes into a field of another name or meaning:
@@ -794,10 +806,15 @@ USER_TREES_IN_SYSTEM = ("/dev/shm",)    # shared memory: a tier users measure (t
 SPREADSHEET_SUFFIXES = (".xlsx", ".csv")
 
 
-def _check_range(flag: str, value: float, low: float, high: float, what: str) -> None:
+def _check_range(flag: str, value: float, low: float, high: float, what: str,
+                 below: Optional[str] = None, above: Optional[str] = None) -> None:
+    """`below` / `above`: the original's words for a value under / over the range ("must be
+    positive", "exceeds limit"), said first, the accepted range after them."""
     # Compared before any arithmetic, so that no size or shape of number can raise.
     if not (low <= value <= high) or (isinstance(value, float) and math.isnan(value)):
-        raise UsageError(f"{flag} must be {what}, got {_shown(value)}")
+        side = below if not value > high else above
+        said = f"{side} (accepted: {what})" if side else f"must be {what}"
+        raise UsageError(f"{flag} {said}, got {_shown(value)}")
 
 
 def _check_cache_dir(cache_dir: Optional[str]) -> None:
@@ -813,7 +830,8 @@ def _check_cache_dir(cache_dir: Optional[str]) -> None:
         if any(candidate == tree or candidate.startswith(tree + "/") for tree in USER_TREES_IN_SYSTEM):
             continue
         if candidate in SYSTEM_PATHS or any(candidate.startswith(tree + "/") for tree in SYSTEM_TREES):
-            raise UsageError(f"--cache-dir {cache_dir} is a system path; give a directory on the storage under test")
+            raise UsageError(f"--cache-dir {cache_dir} is a system path (it cannot be a system directory); "
+                             f"give a directory on the storage under test")
     if path.exists() and not path.is_dir():
         raise UsageError(f"--cache-dir {cache_dir} exists and is not a directory")
     existing = path
@@ -989,6 +1007,11 @@ def _weighted_choice(rng: random.Random, weighted: Sequence[Tuple[Any, float]]) 
 
 class UserSimulator:
     """Creates users from the three personas with the QoS mix of the original."""
+
+    @staticmethod
+    def _get_user_templates() -> Dict[str, Dict[str, Tuple[Any, Any]]]:
+        """v3.0's name for the personas' ranges in effect (--config user_templates, else built in)."""
+        return {name: {key: tuple(setting("user_templates", name, key)) for key in _TEMPLATE_KEYS} for name in PERSONAS}
 
     @staticmethod
     def generate_user(user_id: str, user_type: str = "chatbot", priority: int = 1,

@@ -5331,9 +5331,11 @@ class TestConfigChangesTheRun:
 
     def test_validation_limits(self, tmp_path):
         use_config(tmp_path, "validation_limits: {max_users: 10, max_duration_seconds: 30, max_cpu_memory_gb: 2}\n")
-        for flags, message in ((["--num-users", "11"], "--num-users must be between 1 and 10"),
-                               (["--num-users", "5", "--duration", "31"], "--duration must be above 0 and at most 30 seconds"),
-                               (["--num-users", "5", "--duration", "9", "--cpu-mem-gb", "3"], "--cpu-mem-gb must be between 0 and 2 GB")):
+        for flags, message in ((["--num-users", "11"], "--num-users exceeds limit (accepted: between 1 and 10)"),
+                               (["--num-users", "5", "--duration", "31"],
+                                "--duration exceeds 30 seconds (accepted: above 0 and at most 30 seconds)"),
+                               (["--num-users", "5", "--duration", "9", "--cpu-mem-gb", "3"],
+                                "--cpu-mem-gb exceeds limit (accepted: between 0 and 2 GB)")):
             with pytest.raises(kv.UsageError, match=re.escape(message)):
                 kv.validate_args(kv.build_parser().parse_args(flags))
 
@@ -5535,6 +5537,22 @@ class TestCLI:
                 kv.validate_args(argparse.Namespace(**{**vars(original), field: value}))
         with pytest.raises(ValueError, match="--cache-dir /etc/kv is a system path"):
             kv.validate_args(argparse.Namespace(**{**vars(original), "cache_dir": "/etc/kv"}))
+        # The original's words, and every problem in one error (v3.0's suite matches these).
+        for field, value, words in (("num_users", 0, "--num-users must be positive"),
+                                    ("num_users", 100_001, "--num-users exceeds limit"),
+                                    ("duration", 0, "--duration must be positive"),
+                                    ("duration", 86_401, "--duration exceeds 24 hours"),
+                                    ("gpu_mem_gb", -1, "--gpu-mem-gb cannot be negative"),
+                                    ("rag_num_docs", -1, "--rag-num-docs cannot be negative"),
+                                    ("max_conversations", 0, "--max-conversations must be positive"),
+                                    ("max_concurrent_allocs", -1, "--max-concurrent-allocs cannot be negative"),
+                                    ("cache_dir", "/etc/kv", "cannot be a system directory")):
+            with pytest.raises(ValueError, match=re.escape(words)):
+                kv.validate_args(argparse.Namespace(**{**vars(original), field: value}))
+        with pytest.raises(ValueError) as every:
+            kv.validate_args(argparse.Namespace(**{**vars(original), "num_users": -1, "duration": -1, "gpu_mem_gb": -1}))
+        assert [p.split()[0] for p in str(every.value).split("; ")] == ["--num-users", "--duration", "--gpu-mem-gb"]
+        assert "\n" not in str(every.value)
         with pytest.raises(ValueError, match="--model must be one of tiny-1b, "):
             kv.validate_args(argparse.Namespace(**{**vars(original), "model": "nope"}))
         mode_alone = {k: v for k, v in vars(original).items() if k != "enable_autoscaling"}

@@ -329,8 +329,10 @@ def _config_error(path: str, problem: str) -> UsageError:
 
 
 def _number(path: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
-        raise _config_error(path, f"must be a number, got {value!r}")
+    # A float is checked for finiteness; an int of any size is a number (math.isnan would overflow).
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and
+                                                                          not math.isfinite(value)):
+        raise _config_error(path, f"must be a number, got {_shown(value) if isinstance(value, int) else repr(value)}")
     return value
 
 

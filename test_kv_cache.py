@@ -5189,6 +5189,8 @@ class TestConfigLoader:
         ("qos_profiles:\n  batch:\n    target_latency_p99_ms: 100\n", "qos_profiles.batch.target_latency_p95_ms (1000) is above"),
         ("rag:\n  retrieval_distribution: gaussian\n", "rag.retrieval_distribution must be one of uniform, zipfian"),
         ("eviction: 3\n", "eviction must be a mapping"),
+        ("eviction:\n  target_usage_ratio: .nan\n", "eviction.target_usage_ratio must be a number, got nan"),
+        ("validation_limits:\n  max_users: -" + "9" * 400 + "\n", "validation_limits.max_users must be at least 1, got"),
         ("- a\n- b\n", "the file must be a mapping"),
         ("a: [\n", "not valid YAML"),
         ("model_configs:\n  new-model:\n    num_layers: 2\n", "model_configs.new-model is a new model and needs"),

@@ -5379,6 +5379,19 @@ def use_host_gpu_with(monkeypatch, free: int, total: int) -> list:
     return opened
 
 
+class TestMemoryTierBench:
+    @pytest.mark.slow
+    def test_it_measures_copyto_writes_and_reads_in_one_run(self, tmp_path):
+        proc = subprocess.run([sys.executable, str(SCRIPT.parent / "docs" / "bench_memory_tier.py"), "--size-mib", "4",
+                               "--threads", "1,2", "--entries", "2", "--repeat", "2", "--cache-dir", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["copyto"], ["write"], ["read"])]
+        assert [(r[0], r[1]) for r in rows] == [(op, n) for n in ("1", "2") for op in ("copyto", "write", "read")]
+        assert all(float(r[3]) > 0 for r in rows) and all(r[-1] != "-" for r in rows if r[0] != "copyto")
+        assert list(tmp_path.iterdir()) == []                 # the cache's run directory is gone
+
+
 class TestConfigInARun:
     @pytest.mark.slow
     def test_a_run_records_and_honours_the_file(self, tmp_path):

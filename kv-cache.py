@@ -596,9 +596,12 @@ class ConfigLoader:
 
     def effective(self) -> Dict[str, Any]:
         """Every key's value for the run: the file's, else the built-in default."""
+        def value(keys: Tuple[str, ...], key: ConfigKey) -> Any:
+            found = self.get(*keys, default=key.default)
+            return list(found) if isinstance(found, tuple) else found     # as the file and the JSON say it
+
         def walk(schema: Dict[str, Any], keys: Tuple[str, ...]) -> Dict[str, Any]:
-            return {k: walk(v, keys + (k,)) if isinstance(v, dict) else self.get(*keys, k, default=v.default)
-                    for k, v in schema.items()}
+            return {k: walk(v, keys + (k,)) if isinstance(v, dict) else value(keys + (k,), v) for k, v in schema.items()}
         return walk(CONFIG_SCHEMA, ())
 
 
@@ -1195,11 +1198,10 @@ class PlannedRequest:
                 round(self.rag_draw, 6))
 
 
-def conversation_turns(rng: random.Random) -> int:
-    """A conversation's number of turns: 1 to max_turns_per_conv (8 by default), uniformly; with
-    --config conversation.end_conversation_probability p, it ends after each turn with
-    probability p (a geometric count), at the latest at max_turns_per_conv."""
-    most, p_end = setting("conversation", "max_turns_per_conv"), setting("conversation", "end_conversation_probability")
+def conversation_turns(rng: random.Random, most: int, p_end: Optional[float]) -> int:
+    """A conversation's number of turns: 1 to `most` (--config conversation.max_turns_per_conv, 8
+    by default), uniformly; with end_conversation_probability `p_end`, it ends after each turn
+    with that probability (a geometric count), at the latest at `most`."""
     if p_end is None:
         return rng.randint(1, most)
     turns = 1
@@ -1222,6 +1224,9 @@ class UserPlan:
         self._seed = seed
         self._rng = random.Random(derive_seed(seed, "user-plan", user_index))
         self._matcher = matcher
+        self._persona = profile.persona                  # the run's settings, read once per user
+        self._turns = (setting("conversation", "max_turns_per_conv"),
+                       setting("conversation", "end_conversation_probability"))
         self._conversation = 0
         self._turn = 0
         self._turns_planned = 0
@@ -1237,15 +1242,15 @@ class UserPlan:
     def first_arrival_s(self) -> float:
         """Users do not all arrive at t=0: each starts within its first think time."""
         r = random.Random(derive_seed(self._seed, "first-arrival", self.user_index))
-        return r.uniform(0.0, self.profile.persona.think_time_s[1])
+        return r.uniform(0.0, self._persona.think_time_s[1])
 
     def _plan_one(self) -> PlannedRequest:
         r = self._rng
-        persona = self.profile.persona
+        persona = self._persona
         if self._turn >= self._turns_planned:
             self._conversation += 1
             self._turn = 0
-            self._turns_planned = conversation_turns(r)
+            self._turns_planned = conversation_turns(r, *self._turns)
         self._turn += 1
         prefix = self._matcher.match(r)
         return PlannedRequest(

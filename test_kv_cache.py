@@ -5257,7 +5257,8 @@ class TestConfigChangesTheRun:
         use_config(tmp_path, "conversation: {max_turns_per_conv: 1}\n")
         assert {r.turn for r in planned()[1]} == {1}
         use_config(tmp_path, "conversation: {max_turns_per_conv: 50, end_conversation_probability: 0.5}\n")
-        turns = [kv.conversation_turns(random.Random(i)) for i in range(2000)]
+        limits = [kv.setting("conversation", key) for key in ("max_turns_per_conv", "end_conversation_probability")]
+        turns = [kv.conversation_turns(random.Random(i), *limits) for i in range(2000)]
         assert max(turns) <= 50 and 0.45 < turns.count(1) / len(turns) < 0.55      # geometric: half end at once
 
     def test_rag(self, tmp_path):
@@ -5432,8 +5433,8 @@ class TestConfigInARun:
                                             "--quiet")).results
         assert shipped["config"]["config_file"] == str(SHIPPED_CONFIG) and plain["config"]["config_file"] is None
         assert shipped["workload_digest"] != plain["workload_digest"]             # the package's larger templates
-        assert plain["config"]["settings"]["user_templates"]["chatbot"]["context_range"] == [256, 1024] or \
-            tuple(plain["config"]["settings"]["user_templates"]["chatbot"]["context_range"]) == (256, 1024)
+        assert plain["config"]["settings"]["user_templates"]["chatbot"]["context_range"] == [256, 1024]
+        assert shipped["config"]["settings"]["user_templates"]["chatbot"]["context_range"] == [512, 4096]
 
 
 class TestCLI:

@@ -133,6 +133,10 @@ NPY_DATA_OFFSET = 4096                  # .npy header padded so the array starts
 HUGE_PAGE_BYTES = 2 * 1024 * 1024       # transparent huge page (x86-64, arm64 with 4 KiB pages)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)   # Linux only
 
+# --- Memory copies ---
+BOUNCE_BYTES = 4 * 1024 * 1024          # a memory read's bounce area, reused piece after piece: stays in cache
+MEMORY_PIECE_BYTES = 256 * 1024 * 1024  # the most one memory copy moves between stop checks (~20-40 ms)
+
 # --- Engine ---
 MAX_IN_FLIGHT_REQUESTS = 500            # the original's min(users, 500) requests processed at once
 DEFAULT_MONITOR_INTERVAL_S = 10.0
@@ -2881,9 +2885,9 @@ class CPUMemoryBackend(StorageBackend):
                 transfer.observe(data)
                 transfer.advance(data.size)
             else:
-                for offset in range(0, source.nbytes, IO_CHUNK_BYTES):
-                    transfer.check_stop()                 # in chunks, so that a stop is obeyed mid-entry
-                    part = data[offset:offset + IO_CHUNK_BYTES]
+                for offset in range(0, source.nbytes, MEMORY_PIECE_BYTES):
+                    transfer.check_stop()                 # in pieces, so that a stop is obeyed mid-entry
+                    part = data[offset:offset + MEMORY_PIECE_BYTES]
                     transfer.timed(source.fill, offset, part)
                     transfer.observe(part)
                     transfer.advance(part.size)
@@ -4300,6 +4304,7 @@ class MultiTierCache:
             raise
         self._abort = threading.Event()
         self.staging_pool = StagingPool(STAGING_AREAS, STAGING_BYTES)
+        self.bounce_pool = StagingPool(STAGING_AREAS, BOUNCE_BYTES)   # memory reads: never behind storage I/O
         if self.tiers.gpu is not None:                 # storage staging crosses PCIe too: pinned
             self.staging_pool.on_create = lambda area: pin_host_buffer(self.tiers.gpu.device, area)
         # Where reads end: in GPU memory with a GPU tier, else in host memory (the staging area).
@@ -4322,7 +4327,6 @@ class MultiTierCache:
         with self._lock:
             return self._usage[tier]
 
-
     def entry_location(self, key: str) -> Optional[str]:
         with self._lock:
             entry = self._entries.get(key)
@@ -4338,10 +4342,10 @@ class MultiTierCache:
 
     def _transfer(self, tier: str, op: str, nbytes: int, verify: bool) -> Transfer:
         """One operation on `tier`, stopped by the run's stop and recorded in the statistics. It
-        holds a staging area from the shared pool when it needs one (storage I/O, reads copied
-        out of memory, --verify of a GPU delivery); writes into memory need none."""
+        holds a staging area when it needs one: storage I/O from the storage pool, reads copied out
+        of memory (or --verify of a GPU delivery) a bounce area; writes into memory need none."""
         copies_out = op == "read" and (self.tiers.delivery is None or verify)   # else straight to the GPU
-        pool = self.staging_pool if tier == "nvme" or copies_out else None
+        pool = self.staging_pool if tier == "nvme" else self.bounce_pool if copies_out else None
         return Transfer(op, nbytes, tier=tier, stop=self._abort, pool=pool, verify=verify, stats=self.stats)
 
     # --- writes ---

@@ -2581,12 +2581,13 @@ def holders(cache, key):
 
 class TestMultiTierCache:
     def test_a_cpu_tier_copy_in_flight_at_the_stop_is_abandoned_and_counted(self, make_cache, monkeypatch):
-        cache = make_cache(cpu_entries=100)                      # room for a 1,000-token entry: three 8 MiB chunks
+        monkeypatch.setattr(kv, "MEMORY_PIECE_BYTES", 8 * MIB)   # a 1,000-token entry: three 8 MiB pieces
+        cache = make_cache(cpu_entries=100)
         inside, go = threading.Event(), threading.Event()
         fill = cache.generator.fill
 
         def slow_fill(layout, offset, out):
-            if offset == kv.IO_CHUNK_BYTES:                      # the second chunk: the stop comes now
+            if offset == 8 * MIB:                                # the second piece: the stop comes now
                 inside.set()
                 go.wait(10)
             fill(layout, offset, out)
@@ -2602,6 +2603,41 @@ class TestMultiTierCache:
         s = cache.get_stats(1.0)
         assert (s["cpu_aborted_writes"], s["cpu_writes"]) == (1, 0)
         assert cache._get_tier_usage("cpu") == 0 and cache.check_invariants() == []
+
+    def test_a_cpu_tier_write_is_one_fill_per_memory_piece(self, make_cache, monkeypatch):
+        cache = make_cache(cpu_entries=150)
+        tokens = kv.MEMORY_PIECE_BYTES // TOKEN_BYTES + 100     # a little more than one piece
+        fills, fill = [], cache.generator.fill
+
+        def counted(layout, offset, out):
+            fills.append((offset, out.size))
+            fill(layout, offset, out)
+        monkeypatch.setattr(cache.generator, "fill", counted)
+        assert cache.write_entry("big", tokens).tier == "cpu"
+        size = tokens * TOKEN_BYTES
+        assert fills == [(0, kv.MEMORY_PIECE_BYTES), (kv.MEMORY_PIECE_BYTES, size - kv.MEMORY_PIECE_BYTES)]
+
+    def test_a_memory_read_copies_through_a_bounce_area_that_storage_io_never_holds(self, make_cache, monkeypatch):
+        cache = make_cache(cpu_entries=100)
+        tokens = 3 * kv.BOUNCE_BYTES // TOKEN_BYTES + 1          # three bounce areas' worth and a bit
+        assert cache.write_entry("k", tokens).tier == "cpu"
+        pieces, copyto = [], np.copyto
+
+        def counted(dst, src, *args, **kwargs):
+            pieces.append(dst.size)
+            copyto(dst, src, *args, **kwargs)
+        monkeypatch.setattr(np, "copyto", counted)
+        result = []
+        with contextlib.ExitStack() as storage_io:             # every storage staging area taken
+            for _ in range(kv.STAGING_AREAS):
+                storage_io.enter_context(cache.staging_pool.lease())
+            reader = threading.Thread(target=lambda: result.append(cache.read_entry("k")))
+            reader.start()
+            reader.join(60)
+            assert not reader.is_alive(), "a memory read waited for a storage staging area"
+        assert (result[0].success, result[0].tier, result[0].tokens) == (True, "cpu", tokens)
+        size = tokens * TOKEN_BYTES
+        assert pieces == [kv.BOUNCE_BYTES] * 3 + [size - 3 * kv.BOUNCE_BYTES]
 
     def test_tiers_without_gpu(self, make_cache):
         cache = make_cache(cpu_entries=10)

@@ -5539,8 +5539,8 @@ class ProgressReporter:
         self._monitor = monitor
         self._duration_s = duration_s
         self._max_requests = max_requests
-        self._stream = stream if stream is not None else sys.stderr
-        self._tty = self._stream.isatty() if tty is None else tty
+        self._stream = stream if stream is not None else sys.stderr      # None: stderr closed (2>&-)
+        self._tty = bool(self._stream is not None and self._stream.isatty()) if tty is None else tty
         self.lines_written = 0
 
     def run(self, stop: threading.Event, t0: float) -> None:
@@ -5548,13 +5548,24 @@ class ProgressReporter:
         while not stop.wait(interval):
             self._write(self.format_line(self._monitor.sample(time.perf_counter() - t0)))
         if self._tty and self.lines_written:
-            self._stream.write("\n")
-            self._stream.flush()
+            self._emit("\n")
 
     def _write(self, line: str) -> None:
-        self._stream.write(f"\r\x1b[2K{line}" if self._tty else f"{line}\n")
-        self._stream.flush()
-        self.lines_written += 1
+        if self._emit(f"\r\x1b[2K{line}" if self._tty else f"{line}\n"):
+            self.lines_written += 1
+
+    def _emit(self, text: str) -> bool:
+        """Write to the stream; a closed or broken one (the reader went away) ends the progress
+        display, never the run."""
+        if self._stream is None:
+            return False
+        try:
+            self._stream.write(text)
+            self._stream.flush()
+            return True
+        except (OSError, ValueError):
+            self._stream = None
+            return False
 
     def format_line(self, p: Dict[str, Any]) -> str:
         elapsed = p["elapsed_s"]
@@ -7583,10 +7594,8 @@ def _remove_created_dirs(created: List[Path], comm: Any = None) -> None:
 
 
 def _write_outputs(config: BenchmarkConfig, results: Dict[str, Any], bench: IntegratedBenchmark) -> bool:
-    """The report on stdout, then the JSON, charts and spreadsheet; False when any could not be written."""
-    print(format_report(results))
-    if results.get("ranks"):
-        print(format_rank_table(results))
+    """The JSON, charts and spreadsheet, then the report on stdout (a closed terminal costs the
+    report at most); False when any file could not be written."""
     output = config.output or default_output_path()
     writers = [("results", output, lambda: write_json(results, output))]
     if config.plot:
@@ -7601,7 +7610,21 @@ def _write_outputs(config: BenchmarkConfig, results: Dict[str, Any], bench: Inte
         except (OSError, ValueError) as exc:
             ok = False
             logger.error("could not write the %s to %s: %s", what, where, exc)
+    print_report(format_report(results) + (f"\n{format_rank_table(results)}" if results.get("ranks") else ""))
     return ok
+
+
+def print_report(text: str) -> None:
+    """The report on stdout. A closed stdout (None) prints nothing; one whose reader went away
+    (`| head`, `| true`) is pointed at /dev/null, so that the exit's own flush cannot fail."""
+    try:
+        print(text, flush=True)
+    except (BrokenPipeError, ValueError):
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        logger.warning("stdout was closed: the report was not printed (the results file has it)")
 
 
 def _fio_steps(config: BenchmarkConfig, m: RunMeasurements) -> Dict[str, Any]:

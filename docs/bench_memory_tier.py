@@ -9,7 +9,7 @@ For each thread count, every thread works on entries of its own, all threads sta
     copyto   numpy.copyto of a SIZE array into another, already mapped (the machine's copy rate)
     write    MultiTierCache.allocate_cache of a new SIZE entry in the CPU tier (kv-cache.py's
              prefill write: the KV made from the generator's pool into the tier's arena)
-    read     MultiTierCache.read_entry of such an entry (a hit copied into the worker's staging area)
+    read     MultiTierCache.read_entry of such an entry (a hit copied out through a 4 MiB bounce area)
 
 GB/s is decimal (1e9 bytes/s): all threads' bytes over the wall time from the first thread's
 start to the last thread's end; ours/copyto is the ratio of those rates. P95 is per operation.

@@ -864,10 +864,29 @@ def _check_dataset(dataset_path: Optional[str]) -> None:
         raise UsageError(f"--dataset-path {dataset_path}: the file is empty (expected ShareGPT JSON)")
 
 
+TEMPORARY_NAME_EXTRA_BYTES = len(".") + len(".") + 8 + len(".tmp")   # _write_file's ".NAME.XXXXXXXX.tmp"
+
+
+def _name_max(directory: Path) -> int:
+    """The longest file name (bytes) the file system under `directory` takes (255 where unknown)."""
+    existing = directory.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        return os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
 def _check_output_path(flag: str, output: Optional[str]) -> None:
     if output is None:
         return
     path = Path(output).expanduser()
+    longest = _name_max(path.parent) - TEMPORARY_NAME_EXTRA_BYTES      # an output is written beside itself first
+    if len(os.fsencode(path.name)) > longest:
+        raise UsageError(f"{flag} {output}: the file name is {len(os.fsencode(path.name))} bytes; at most "
+                         f"{longest} here (the file system's limit less {TEMPORARY_NAME_EXTRA_BYTES} for the "
+                         f"temporary name it is written under first)")
     if path.is_dir():
         raise UsageError(f"{flag} {output} is a directory; give a file name")
     parent = path.parent if str(path.parent) else Path(".")
@@ -898,6 +917,9 @@ def _check_outputs(config: "BenchmarkConfig") -> None:
     outputs = (("--output", config.output), ("--xlsx-output", config.xlsx_output), ("--fio-job", config.fio_job))
     for flag, value in outputs:
         _check_output_path(flag, value)
+    if config.output is None and not os.access(".", os.W_OK | os.X_OK):
+        raise UsageError(f"--output not given, and the working directory {os.getcwd()} is not writable for the "
+                         f"default results file; give --output FILE")
     if config.xlsx_output is not None and Path(config.xlsx_output).suffix.lower() not in SPREADSHEET_SUFFIXES:
         raise UsageError(f"--xlsx-output {config.xlsx_output}: the name must end in .xlsx or .csv")
     _check_plot_dir(config.plot)

@@ -6009,6 +6009,9 @@ class TestReliability:
         pytest.param(["--dataset-path", "{not_a_list}"], "--dataset-path", id="dataset-path not a list"),
         pytest.param(["--no-such-flag"], "--no-such-flag", id="unknown flag"),
         pytest.param(["--duration", "ten"], "--duration", id="non-numeric value"),
+        pytest.param(["--output", "{tmp}/" + "r" * 250 + ".json"], "--output", id="output name too long for its temporary"),
+        pytest.param(["--output", "{tmp}/" + "r" * 300 + ".json"], "--output", id="output name too long"),
+        pytest.param(["--fio-job", "{tmp}/" + "j" * 245 + ".fio"], "--fio-job", id="fio-job name too long"),
     ])
     def test_bad_input_exits_2_with_one_line_and_touches_nothing(self, tmp_path, argv, flag):
         inputs = tmp_path / "inputs"
@@ -6034,6 +6037,23 @@ class TestReliability:
         assert sorted(p.name for p in tmp_path.iterdir()) == ["inputs"]     # no cache dir, no results file
         assert sorted(p.name for p in inputs.iterdir()) == ["malformed.json", "not_a_list.json"]
         assert ours_there() == before
+
+    def test_an_unwritable_working_directory_without_output_is_refused_before_the_run(self, tmp_path):
+        cwd, cache = tmp_path / "readonly", tmp_path / "cache"
+        cwd.mkdir()
+        if os.geteuid() == 0:                                   # root writes through modes: make it immutable
+            if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", cwd]).returncode:
+                pytest.skip("root, and no immutable directories here")
+        else:
+            cwd.chmod(0o555)
+        try:
+            proc = run_cli(*SMALL_RUN, "--num-users", "2", "--duration", "1", "--cpu-mem-gb", "0.05",
+                           "--cache-dir", cache, cwd=cwd, timeout=30)
+        finally:
+            subprocess.run(["chattr", "-i", cwd]) if os.geteuid() == 0 else cwd.chmod(0o755)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.count("\n") == 1 and "--output" in proc.stderr and str(cwd) in proc.stderr
+        assert not cache.exists() and list(cwd.iterdir()) == []
 
     def test_bad_dataset_content_is_the_only_line_on_stderr(self, tmp_path):
         dataset = tmp_path / "d.json"

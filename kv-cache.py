@@ -813,6 +813,7 @@ SYSTEM_TREES = tuple(p for p in SYSTEM_PATHS if p != "/")     # nothing inside t
 FORBIDDEN_CACHE_PREFIXES = frozenset(SYSTEM_TREES)
 USER_TREES_IN_SYSTEM = ("/dev/shm",)    # shared memory: a tier users measure (tmpfs), not a system file
 SPREADSHEET_SUFFIXES = (".xlsx", ".csv")
+CHART_NAMES = ("throughput.png", "latency_cdf.png", "tier_occupancy.png", "autoscaler.png")   # --plot's files
 
 
 def _check_range(flag: str, value: float, low: float, high: float, what: str,
@@ -923,8 +924,9 @@ def _check_outputs(config: "BenchmarkConfig") -> None:
     if config.xlsx_output is not None and Path(config.xlsx_output).suffix.lower() not in SPREADSHEET_SUFFIXES:
         raise UsageError(f"--xlsx-output {config.xlsx_output}: the name must end in .xlsx or .csv")
     _check_plot_dir(config.plot)
+    charts = tuple((f"--plot's {name}", str(Path(config.plot) / name)) for name in CHART_NAMES) if config.plot else ()
     seen: Dict[str, str] = {}
-    for flag, value in outputs + (("--dataset-path", config.dataset_path),):
+    for flag, value in charts + outputs + (("--dataset-path", config.dataset_path),):
         if value is None:
             continue
         real = os.path.realpath(Path(value).expanduser())
@@ -7078,20 +7080,36 @@ def make_plots(results: Dict[str, Any], latency_samples: Dict[str, List[float]],
     timeline = results["timeline"]
     title = (f"{results['config']['model']}, {results['config']['num_users']} users, "
              f"{results['config']['generation_mode']} generation")
-    written = [_plot_throughput(plt, timeline, title, out / "throughput.png"),
-               _plot_latency_cdf(plt, latency_samples, title, out / "latency_cdf.png"),
-               _plot_tier_usage(plt, timeline, results["summary"]["cache_stats"], title, out / "tier_occupancy.png")]
+    throughput, latency, tiers, autoscaler = (out / name for name in CHART_NAMES)
+    written = [_plot_throughput(plt, timeline, title, throughput),
+               _plot_latency_cdf(plt, latency_samples, title, latency),
+               _plot_tier_usage(plt, timeline, results["summary"]["cache_stats"], title, tiers)]
     if results["summary"].get("autoscaling_summary"):
-        written.append(_plot_autoscaling(plt, timeline, results["summary"]["autoscaling_summary"], title,
-                                         out / "autoscaler.png"))
+        written.append(_plot_autoscaling(plt, timeline, results["summary"]["autoscaling_summary"], title, autoscaler))
     return [str(p) for p in written if p is not None]
 
 
 def _save(plt: Any, fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    """Save a chart as a new file: `path`, or NAME_2.png, NAME_3.png, ... when something of that
+    name (a file, a link) is there already. A chart never replaces or writes through anything."""
+    try:
+        fig.tight_layout()
+        for n in itertools.count(1):
+            target = path if n == 1 else path.with_name(f"{path.stem}_{n}{path.suffix}")
+            try:
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # O_EXCL: links too
+            except FileExistsError:
+                continue
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    fig.savefig(f, dpi=110, format="png")
+            except BaseException:
+                target.unlink(missing_ok=True)
+                raise
+            return target
+        raise AssertionError("unreachable")
+    finally:
+        plt.close(fig)
 
 
 def _plot_throughput(plt: Any, timeline: List[Dict[str, Any]], title: str, path: Path) -> Optional[Path]:
@@ -7627,8 +7645,10 @@ def _write_outputs(config: BenchmarkConfig, results: Dict[str, Any], bench: Inte
     ok = True
     for what, where, write in writers:
         try:
-            if write():                           # falsy: skipped (a library is missing; it said so)
-                logger.info("%s written to %s", what.capitalize(), where)
+            written = write()                     # falsy: skipped (a library is missing; it said so)
+            if written:
+                logger.info("%s written to %s", what.capitalize(),
+                            ", ".join(written) if isinstance(written, list) else where)
         except (OSError, ValueError) as exc:
             ok = False
             logger.error("could not write the %s to %s: %s", what, where, exc)

@@ -5145,6 +5145,21 @@ class TestPlots:
         assert os.listdir(tmp_path) == ["suite.png"]
 
     @pytest.mark.slow
+    def test_charts_never_replace_or_write_through_what_is_there(self, engine_run, tmp_path):
+        matplotlib_or_skip()
+        charts, outside = tmp_path / "charts", tmp_path / "outside.png"
+        charts.mkdir()
+        (charts / "latency_cdf.png").write_bytes(b"the user's own chart")
+        outside.write_bytes(b"a file outside the folder")
+        (charts / "throughput.png").symlink_to(outside)
+        written = kv.make_plots(engine_run["results"], engine_run["bench"].latency_samples, str(charts))
+        assert sorted(Path(p).name for p in written) == ["latency_cdf_2.png", "throughput_2.png", "tier_occupancy.png"]
+        assert (charts / "latency_cdf.png").read_bytes() == b"the user's own chart"
+        assert outside.read_bytes() == b"a file outside the folder" and (charts / "throughput.png").is_symlink()
+        for path in written:
+            assert_chart(Path(path))
+
+    @pytest.mark.slow
     def test_without_matplotlib_there_are_no_charts(self, engine_run, tmp_path, monkeypatch, caplog):
         monkeypatch.setattr(kv, "_pyplot", lambda: None)
         assert kv.make_plots(engine_run["results"], engine_run["bench"].latency_samples, str(tmp_path / "c")) == []
@@ -6012,6 +6027,8 @@ class TestReliability:
         pytest.param(["--output", "{tmp}/" + "r" * 250 + ".json"], "--output", id="output name too long for its temporary"),
         pytest.param(["--output", "{tmp}/" + "r" * 300 + ".json"], "--output", id="output name too long"),
         pytest.param(["--fio-job", "{tmp}/" + "j" * 245 + ".fio"], "--fio-job", id="fio-job name too long"),
+        pytest.param(["--plot", "{tmp}/inputs", "--output", "{tmp}/inputs/tier_occupancy.png"], "--output",
+                     id="output named as a chart"),
     ])
     def test_bad_input_exits_2_with_one_line_and_touches_nothing(self, tmp_path, argv, flag):
         inputs = tmp_path / "inputs"

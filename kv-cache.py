@@ -61,6 +61,7 @@ import os
 import queue
 import random
 import re
+import shlex
 import shutil
 import signal
 import stat as stat_module
@@ -5216,6 +5217,9 @@ FIO_MAX_FILES_PER_JOB = 512             # fio holds every file open; the open-fi
 FIO_JOB_NAME = "kv-cache-replay"
 FIO_MAX_DATASET_BYTES = 4 * GIB         # fio writes its files before it starts: a bounded lay-out
 FIO_LAYOUT_ALLOWANCE_S = 300.0          # --fio-compare: time for that lay-out beyond the job's runtime
+FIO_OUTPUT_MAX_BYTES = 64 * MIB         # fio's JSON read back at most (a replay's is a few KB)
+FIO_STOP_GRACE_S = 1.0                  # a stopped fio: SIGTERM to its group, SIGKILL this much later
+FIO_JOB_FILE = "replay.fio"             # --fio-compare's job, in its own directory beside fio's files
 
 
 def _integer_percentages(weights: Sequence[int]) -> List[int]:
@@ -5261,21 +5265,25 @@ def fio_bssplit(sizes: Dict[Any, int]) -> str:
     return ":".join(f"{size}/{pct}" for size, pct in zip(counts, shares) if pct > 0)
 
 
-def _fio_directory(directory: str) -> str:
-    """fio splits `directory` at ':' (several directories), so a colon in the path is escaped."""
-    if "\n" in directory or "\r" in directory:
-        raise ValueError(f"a directory name with a line break cannot go in an fio job: {directory!r}")
-    return directory.replace(":", "\\:")
+def _fio_where(directory: Optional[str]) -> str:
+    """The comment saying where to run the job. fio reads option values its own way (it cuts them
+    at ';' and '#', splits `directory` at ':', expands ${VAR}), so no path goes into an option:
+    fio lays its files out in the directory it is started in."""
+    if directory is None:
+        return "# Run it in a directory on the drive under test: fio --output-format=json <this file>"
+    shown = ("(a path with control characters: see the run's --cache-dir)"
+             if any(ord(c) < 32 or ord(c) == 127 for c in directory) else shlex.quote(directory))
+    return f"# Run it in a directory on the drive under test, e.g. the run's: cd {shown} && fio --output-format=json <this file>"
 
 
 def _fio_header(run: Dict[str, Any], rw_note: str) -> List[str]:
-    """Comment lines: which run this replays and what to compare fio's figures with."""
+    """Comment lines: which run this replays, what to compare fio's figures with, where to run it."""
     lines = [f"# fio job replaying the storage tier of a kv-cache.py run ({rw_note})"]
     for key, value in (run.get("header") or {}).items():
         lines.append(f"# {key}: {' '.join(str(value).split())}")
     lines += ["# Compare fio's per-direction bw (GiB/s) and lat mean/P95 (group_reporting: one line each)",
               "# with the storage tier's read/write bandwidth and mean latency above.",
-              "# Run: fio --output-format=json <this file>"]
+              _fio_where(run.get("directory"))]
     return lines
 
 
@@ -5319,7 +5327,8 @@ def fio_job_text(run: Dict[str, Any]) -> str:
     """An fio job file reproducing the storage tier's I/O of a run (pure).
 
     run keys:
-        directory        where fio writes its files (the run's cache directory)
+        directory        where the run's storage tier was (named in a comment; fio lays its files
+                         out in the directory it is started in)
         direct           True for O_DIRECT (--io-mode direct), False for buffered
         read_sizes       {request_bytes: count} of the storage tier's reads (keys may be strings)
         write_sizes      {request_bytes: count} of its writes
@@ -5344,7 +5353,6 @@ def fio_job_text(run: Dict[str, Any]) -> str:
     ioengine = run.get("ioengine") or ("libaio" if depth > 1 else "psync")
     lines = _fio_header(run, rw_note) + [
         "", "[global]",
-        f"directory={_fio_directory(str(run['directory']))}",
         f"direct={1 if run.get('direct') else 0}",
         f"ioengine={ioengine}", f"iodepth={depth}",
         f"runtime={max(1, math.ceil(float(run.get('runtime_s') or 1)))}", "time_based=1",
@@ -5363,7 +5371,7 @@ def fio_job_text(run: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def fio_replay_spec(cs: Dict[str, Any], run_label: str, elapsed_s: float, directory: str,
+def fio_replay_spec(cs: Dict[str, Any], run_label: str, elapsed_s: float, directory: Optional[str],
                     runtime_s: Optional[float] = None) -> Dict[str, Any]:
     """fio_job_text's input for a finished run (pure), from its `cache_stats`: the storage tier's
     request sizes, the depth it kept in flight (streams = mean transfers in flight / IO_DEPTH,
@@ -5447,16 +5455,23 @@ def parse_fio_json(text: str) -> Dict[str, Any]:
     """Read and write figures from `fio --output-format=json` output (pure).
 
     Latency is fio's lat_ns (submission + completion: what an application sees) when the
-    job recorded it, else clat_ns. Raises ValueError when there is no JSON or no jobs.
+    job recorded it, else clat_ns. Raises ValueError when there is no JSON or no jobs, when
+    it is not of fio's shape, or when a figure is not a finite number >= 0.
     """
     result = _json_object_in(text)
     jobs = result.get("jobs") or []
     if not jobs:
         raise ValueError("fio's JSON output has no jobs")
-    out: Dict[str, Any] = {"fio_version": result.get("fio version"), "jobs": len(jobs),
-                           "errors": sum(1 for job in jobs if job.get("error"))}
-    for op in ("read", "write"):
-        out.update(_fio_direction(jobs, op))
+    try:
+        out: Dict[str, Any] = {"fio_version": result.get("fio version"), "jobs": len(jobs),
+                               "errors": sum(1 for job in jobs if job.get("error"))}
+        for op in ("read", "write"):
+            out.update(_fio_direction(jobs, op))
+    except (AttributeError, TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"fio's JSON is not of the shape fio writes ({type(exc).__name__}: {exc})") from None
+    for name, value in out.items():
+        if isinstance(value, float) and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"fio reported {name} = {value}: not a finite number >= 0")
     return out
 
 
@@ -5465,31 +5480,78 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def run_fio(job_path: Path, runtime_s: float, timeout_s: float) -> Dict[str, Any]:
+class FioStopped(RuntimeError):
+    """fio was stopped because the run was asked to stop (SIGINT, SIGTERM)."""
+
+
+def run_fio(job_path: Path, runtime_s: float, timeout_s: float,
+            should_stop: Callable[[], bool] = lambda: False) -> Dict[str, Any]:
     """Runs an fio job file and returns parse_fio_json of its output.
 
-    timeout_s must leave time beyond runtime_s: fio first lays out (writes) its files.
-    Raises RuntimeError, with fio's last line of stderr, when fio is missing or fails.
+    fio starts in the job's directory (where it lays out its files) and in a session of its own:
+    a Ctrl-C reaches us, not fio, and we end it. Its output goes to unlinked temporary files and
+    is read back up to FIO_OUTPUT_MAX_BYTES. timeout_s must leave time beyond runtime_s: fio
+    first lays out (writes) its files. When `should_stop()` turns true, or at the timeout, fio's
+    group gets SIGTERM, then SIGKILL FIO_STOP_GRACE_S later. Raises FioStopped when stopped,
+    RuntimeError (with fio's last line of stderr) when fio is missing, fails or times out.
     """
-    import shutil
     import subprocess
     if shutil.which("fio") is None:
         raise RuntimeError("fio is not installed (or not on PATH): install it, e.g. apt-get install fio")
     if timeout_s <= runtime_s:
         raise ValueError(f"timeout_s ({timeout_s}) must exceed the job's runtime_s ({runtime_s})")
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            proc = subprocess.Popen(["fio", "--output-format=json", f"./{job_path.name}"], cwd=job_path.parent,
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+        except OSError as exc:
+            raise RuntimeError(f"fio could not start: {exc}") from None
+        ended = _wait_for_fio(proc, time.monotonic() + timeout_s, should_stop)
+        stdout, stderr = _read_capped(out, FIO_OUTPUT_MAX_BYTES), _read_capped(err, 64 * 1024, tail=True)
+    if ended == "stopped":
+        raise FioStopped("fio was stopped: the run was interrupted")
+    if ended == "timeout":
+        raise RuntimeError(f"fio ran past {timeout_s:g} s on {job_path}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"fio failed (exit {proc.returncode}): {_last_line(stderr or stdout or '')}")
+    if stdout is None:
+        raise RuntimeError(f"fio's output is over {FIO_OUTPUT_MAX_BYTES // MIB} MiB: not a replay's report")
     try:
-        done = subprocess.run(["fio", "--output-format=json", str(job_path)], capture_output=True,
-                              text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"fio ran past {timeout_s:g} s on {job_path}") from None
-    except OSError as exc:
-        raise RuntimeError(f"fio could not start: {exc}") from None
-    if done.returncode != 0:
-        raise RuntimeError(f"fio failed (exit {done.returncode}): {_last_line(done.stderr or done.stdout)}")
-    try:
-        return parse_fio_json(done.stdout)
+        return parse_fio_json(stdout)
     except ValueError as exc:
-        raise RuntimeError(f"fio's output could not be read: {exc}; {_last_line(done.stderr)}") from None
+        raise RuntimeError(f"fio's output could not be read: {exc}; {_last_line(stderr or '')}") from None
+
+
+def _wait_for_fio(proc: Any, deadline: float, should_stop: Callable[[], bool]) -> str:
+    """Wait for fio: 'done', or 'stopped' / 'timeout' once its group is ended."""
+    import subprocess
+    while True:
+        try:
+            proc.wait(timeout=0.1)
+            return "done"
+        except subprocess.TimeoutExpired:
+            pass
+        why = "stopped" if should_stop() else "timeout" if time.monotonic() >= deadline else None
+        if why is None:
+            continue
+        for sig, grace in ((signal.SIGTERM, FIO_STOP_GRACE_S), (signal.SIGKILL, None)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return why
+
+
+def _read_capped(f: Any, limit: int, tail: bool = False) -> Optional[str]:
+    """A temporary file's text: the whole of it up to `limit` bytes (None beyond), or its last `limit` bytes."""
+    size = f.seek(0, os.SEEK_END)
+    if size > limit and not tail:
+        return None
+    f.seek(max(0, size - limit) if tail else 0)
+    return f.read(limit).decode("utf-8", "replace")
 
 
 class StorageMonitor:
@@ -5867,7 +5929,7 @@ class RunMeasurements:
 
     @property
     def interrupted(self) -> bool:
-        return any(p.stop_reason in EXIT_SIGNAL for p in (self.ranks or [self]))
+        return any(p.stop_reason in EXIT_SIGNAL for p in [self, *self.ranks])
 
     def latency_samples(self) -> Dict[str, List[float]]:
         """Every operation's total latency per tier and operation, seconds (for --plot)."""
@@ -7237,7 +7299,7 @@ def _umask() -> int:
 
 
 def _write_text_file(path: str, text: str) -> str:
-    return _write_file(path, text.encode("utf-8"))
+    return _write_file(path, text.encode("utf-8", "surrogateescape"))    # a path's non-UTF-8 bytes as they are
 
 
 def _write_file(path: str, data: bytes) -> str:
@@ -7669,17 +7731,13 @@ def print_report(text: str) -> None:
         logger.warning("stdout was closed: the report was not printed (the results file has it)")
 
 
-def _fio_steps(config: BenchmarkConfig, m: RunMeasurements) -> Dict[str, Any]:
+def _fio_steps(config: BenchmarkConfig, m: RunMeasurements, should_stop: Callable[[], bool]) -> Dict[str, Any]:
     """--fio-job: the replay job next to the results; --fio-compare: fio runs it right away, in a
-    directory of its own inside --cache-dir (removed afterwards), for as long as the run took.
-    Returns what they add to the summary."""
+    directory of its own inside --cache-dir, for as long as the run took (`should_stop`: a signal
+    ends it). Returns what they add to the summary: a failure is an error there (exit status 1)."""
     if not (config.fio_job or config.fio_compare):
         return {}
     cs, cache_dir = cache_figures(m), config.cache_dir or tempfile.gettempdir()
-    if not cs["nvme_reads"] + cs["nvme_writes"]:     # nothing reached storage: nothing to replay (not a failure)
-        note = "the storage tier moved nothing in this run: no fio job to write or compare"
-        logger.warning("%s", note)
-        return {"fio_job_note": note}
     label = (f"model {m.config.model.name}, {m.config.num_users} users, seed {m.seed}, "
              f"workload digest {m.workload_digest}")
     added: Dict[str, Any] = {}
@@ -7688,27 +7746,42 @@ def _fio_steps(config: BenchmarkConfig, m: RunMeasurements) -> Dict[str, Any]:
             _write_text_file(config.fio_job, fio_job_text(fio_replay_spec(cs, label, m.elapsed_s, cache_dir)))
             added["fio_job"] = config.fio_job
             logger.info("fio job written to %s", config.fio_job)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError) as exc:            # ValueError: the storage tier moved nothing to replay
             added["fio_job_error"] = str(exc)
-            logger.error("could not write the fio job to %s: %s", config.fio_job, exc)
+            logger.error("no fio job written to %s: %s", config.fio_job, exc)
     if config.fio_compare and not m.interrupted:
-        added["fio_comparison"] = _run_fio_comparison(cs, label, m.elapsed_s, cache_dir)
+        added["fio_comparison"] = _run_fio_comparison(cs, label, m.elapsed_s, cache_dir, should_stop)
     return added
 
 
-def _run_fio_comparison(cs: Dict[str, Any], label: str, elapsed_s: float, cache_dir: str) -> Dict[str, Any]:
+def _run_fio_comparison(cs: Dict[str, Any], label: str, elapsed_s: float, cache_dir: str,
+                        should_stop: Callable[[], bool]) -> Dict[str, Any]:
     runtime_s = max(1.0, elapsed_s)
     workdir = Path(tempfile.mkdtemp(prefix="kvcache_fio_", dir=cache_dir))
     try:
-        job = workdir / "replay.fio"
-        job.write_text(fio_job_text(fio_replay_spec(cs, label, elapsed_s, str(workdir), runtime_s)))
+        job = workdir / FIO_JOB_FILE
+        _write_text_file(str(job), fio_job_text(fio_replay_spec(cs, label, elapsed_s, None, runtime_s)))
         logger.info("--fio-compare: replaying the storage I/O with fio for %.0f s...", runtime_s)
-        return fio_comparison(cs, run_fio(job, runtime_s, timeout_s=runtime_s + FIO_LAYOUT_ALLOWANCE_S))
+        return fio_comparison(cs, run_fio(job, runtime_s, runtime_s + FIO_LAYOUT_ALLOWANCE_S, should_stop))
     except (OSError, ValueError, RuntimeError) as exc:
         logger.error("--fio-compare failed: %s", exc)
         return {"error": str(exc)}
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)      # our directory: fio's files and the job
+        _remove_fio_files(workdir)
+
+
+def _remove_fio_files(workdir: Path) -> None:
+    """The replay's clean-up: its job and the files fio laid out (NAME.JOB.FILE), then the directory
+    if that left it empty. A file someone else put there stays, and so does the directory."""
+    ours = re.compile(rf"{re.escape(FIO_JOB_NAME)}\.\d+\.\d+|{re.escape(FIO_JOB_FILE)}")
+    for entry in os.scandir(workdir):
+        if ours.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+    try:
+        workdir.rmdir()
+    except OSError:
+        logger.warning("left %s: it holds files the fio replay did not make", workdir)
 
 
 def _exit_status(bench: IntegratedBenchmark, results: Dict[str, Any], outputs_written: bool) -> int:
@@ -7859,7 +7932,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _remove_created_dirs(created_dirs, comm)
         return _exit_status(bench, assemble_results(measured), True)
     bench.latency_samples = world.latency_samples()
-    world.fio = _fio_steps(setup.config, world)      # while --cache-dir still exists
+    world.fio = _fio_steps(setup.config, world, lambda: stop.signal_name is not None)   # --cache-dir still exists
+    if stop.signal_name is not None and not world.interrupted:    # a signal after the workload (the fio replay)
+        world.stop_reason = bench.stop_reason = stop.signal_name
     _remove_created_dirs(created_dirs, comm)
     results = assemble_results(world)
     return _exit_status(bench, results, _write_outputs(setup.config, results, bench))

@@ -31,6 +31,7 @@ import random
 import re
 import resource
 import select
+import shlex
 import shutil
 import signal
 import stat
@@ -143,7 +144,7 @@ def run_cli(*args, cwd, timeout=90, env=None, preexec_fn=None, launcher=(), code
     its stderr as it comes, send it signals); the process is killed if the test leaves it running."""
     cmd = [*map(str, launcher), sys.executable, *(["-c", code] if code else []), str(SCRIPT), *map(str, args)]
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, preexec_fn=preexec_fn, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, errors="backslashreplace")
     try:
         if while_running is not None:
             while_running(proc)
@@ -4503,6 +4504,45 @@ def _bssplit(spec):
     return [(int(s), int(p)) for s, p in (item.split("/") for item in spec.split(":"))]
 
 
+FAKE_FIO = """#!{python}
+import json, os, sys, time
+mode = os.environ["FAKE_FIO_MODE"]
+with open(os.environ["FAKE_FIO_LOG"], "a") as log:
+    log.write(f"{{os.getpid()}} {{os.getcwd()}}\\n")
+if mode == "hang":
+    time.sleep(600)
+with open("kv-cache-replay.0.0", "wb") as f:
+    f.write(b"x" * 4096)
+if mode == "intruder":
+    with open("someone-else.txt", "w") as f:
+        f.write("not fio's")
+side = {{"bw_bytes": 1e9, "iops": 100.0, "io_bytes": 10 ** 9, "total_ios": 10,
+        "lat_ns": {{"N": 10, "mean": 1e6, "percentile": {{"95.000000": 2e6}}}}}}
+job = {{"read": dict(side), "write": dict(side)}}
+if mode == "nan":
+    job["read"]["bw_bytes"] = float("nan")
+if mode == "negative":
+    job["write"]["bw_bytes"] = -3833990
+if mode == "huge":
+    for _ in range(65):
+        sys.stdout.write(" " * (1 << 20))
+print(json.dumps({{"jobs": [1, 2]}} if mode == "shape" else {{"fio version": "fio-fake", "jobs": [job]}}))
+"""
+
+
+def fake_fio(tmp_path, mode):
+    """An `fio` first on the PATH that logs '<pid> <cwd>' and then behaves as `mode` says: 'hang',
+    'intruder' (a file of someone else's beside its own), 'shape' / 'nan' / 'negative' / 'huge'
+    (output of the wrong shape, bad figures, 65 MiB), else a normal report. Returns (env, log)."""
+    bin_dir, log = tmp_path / "fakebin", tmp_path / "fio.log"
+    bin_dir.mkdir()
+    fio = bin_dir / "fio"
+    fio.write_text(FAKE_FIO.format(python=sys.executable))
+    fio.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_FIO_MODE": mode,
+            "FAKE_FIO_LOG": str(log)}, log
+
+
 def _fio_or_skip():
     if shutil.which("fio") is None:
         pytest.skip("fio is not installed (apt-get install fio)")
@@ -4511,7 +4551,7 @@ def _fio_or_skip():
 class TestFioJobText:
     def test_global_section(self, tmp_path):
         g = _options(kv.fio_job_text(_run(tmp_path)))["global"]
-        assert g["directory"] == str(tmp_path) and g["direct"] == "0"
+        assert "directory" not in g and g["direct"] == "0"          # fio lays out where it is started
         assert g["ioengine"] == "libaio" and g["iodepth"] == "4"
         assert g["runtime"] == "3" and g["time_based"] == "1" and g["group_reporting"] == "1"
         assert g["refill_buffers"] == "1" and g["buffer_compress_percentage"] == "0"
@@ -4568,9 +4608,15 @@ class TestFioJobText:
         with pytest.raises(ValueError):
             kv.fio_job_text(_run(tmp_path, read_sizes={}, write_sizes={}))
 
-    def test_colon_in_directory_is_escaped(self, tmp_path):
-        g = _options(kv.fio_job_text(_run(tmp_path, directory="/mnt/a:b")))["global"]
-        assert g["directory"] == "/mnt/a\\:b"
+    @pytest.mark.parametrize("directory", ["/mnt/a:b", "/x;y", "/x#y", "/x/${HOME}/z", "/a\nb", "/it's here"])
+    def test_no_path_reaches_fios_options_only_a_comment_says_where(self, tmp_path, directory):
+        text = kv.fio_job_text(_run(tmp_path, directory=directory))
+        options = [line for line in text.splitlines() if line and not line.startswith("#")]
+        assert not any(line.startswith("directory") or "/x" in line or "/mnt" in line for line in options)
+        where = [line for line in text.splitlines() if line.startswith("# Run it in a directory")]
+        assert len(where) == 1 and "fio --output-format=json" in where[0]
+        if "\n" not in directory:
+            assert f"cd {shlex.quote(directory)} &&" in where[0]
 
     def test_fio_parses_the_job(self, tmp_path):
         _fio_or_skip()
@@ -5727,7 +5773,7 @@ class TestDriveViewEndToEnd:
         assert status == 0, err
         text = job.read_text()
         assert "# run: model tiny-1b, 4 users, seed 3, workload digest" in text
-        assert f"directory={cache}" in text and "[kv-cache-replay]" in text
+        assert f"cd {cache} && fio" in text and "directory=" not in text and "[kv-cache-replay]" in text
         parsed = subprocess.run(["fio", "--parse-only", str(job)], capture_output=True, text=True)
         assert parsed.returncode == 0, parsed.stderr
         short = tmp_path / "short.fio"
@@ -6008,6 +6054,81 @@ class TestReliability:
                        cwd=tmp_path, preexec_fn=lambda: os.close(2))              # `2>&-`: sys.stderr is None
         r = results_of(proc, tmp_path)
         assert r["requests_completed"] > 0 and "STORAGE PERFORMANCE ASSESSMENT" in proc.stdout
+
+    # --- the fio replay --------------------------------------------------------
+    def test_fio_replay_stays_in_its_own_directory_whatever_the_path(self, tmp_path):
+        _fio_or_skip()
+        mine = tmp_path / "x"                                   # what fio would take for the directory
+        mine.mkdir()
+        (mine / "kv-cache-replay.0.0").write_bytes(b"the user's file")
+        cache = tmp_path / "x;y#z ${HOME}"
+        cache.mkdir()
+        proc = run_cli(*SMALL_RUN, "--num-users", "2", "--max-requests", "3", "--cpu-mem-gb", "0", "--seed", "3",
+                       "--cache-dir", cache, "--output", tmp_path / "r.json", "--fio-compare", cwd=tmp_path, timeout=120)
+        r = results_of(proc, tmp_path)
+        assert "error" not in r["summary"]["fio_comparison"]
+        assert [p.name for p in mine.iterdir()] == ["kv-cache-replay.0.0"]
+        assert (mine / "kv-cache-replay.0.0").read_bytes() == b"the user's file"
+        assert list(cache.iterdir()) == []
+
+    def test_a_non_utf8_path_is_written_as_bytes(self, tmp_path):
+        cache = Path(os.fsdecode(bytes(tmp_path) + b"/cache-\xff"))
+        job = Path(os.fsdecode(bytes(tmp_path) + b"/job-\xfe.fio"))
+        proc = run_cli(*SMALL_RUN, "--num-users", "2", "--max-requests", "3", "--cpu-mem-gb", "0", "--seed", "3",
+                       "--cache-dir", cache, "--output", tmp_path / "r.json", "--fio-job", job, cwd=tmp_path)
+        r = results_of(proc, tmp_path)
+        assert r["summary"]["fio_job"] == str(job) and b"/cache-\xff" in job.read_bytes()
+        assert "UnicodeEncodeError" not in proc.stderr
+
+    def test_nothing_to_replay_is_a_fio_job_error(self, tmp_path):
+        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "1",
+                                  "--fio-job", tmp_path / "j.fio"), cwd=tmp_path)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        r = json.loads((tmp_path / "r.json").read_text())
+        assert "nothing for fio to replay" in r["summary"]["fio_job_error"] and not (tmp_path / "j.fio").exists()
+
+    @pytest.mark.parametrize("mode,why", [("shape", "not of the shape fio writes"), ("nan", "not a finite number"),
+                                          ("negative", "not a finite number"), ("huge", "over 64 MiB")])
+    def test_whatever_fio_prints_the_run_ends_with_its_results(self, tmp_path, mode, why):
+        env, log = fake_fio(tmp_path, mode)
+        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "3", "--cpu-mem-gb", "0",
+                                  "--fio-compare"), cwd=tmp_path, env=env)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        r = json.loads((tmp_path / "r.json").read_text())
+        assert why in r["summary"]["fio_comparison"]["error"] and "fio failed" in proc.stdout
+        assert log.read_text().count("\n") == 1
+
+    def test_the_replays_clean_up_leaves_what_fio_did_not_make(self, tmp_path):
+        env, log = fake_fio(tmp_path, "intruder")
+        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "3", "--cpu-mem-gb", "0",
+                                  "--fio-compare"), cwd=tmp_path, env=env)
+        r = results_of(proc, tmp_path)
+        assert r["summary"]["fio_comparison"]["fio"]["fio_version"] == "fio-fake"
+        workdir = Path(log.read_text().split()[1])
+        assert [p.name for p in workdir.iterdir()] == ["someone-else.txt"] and "left " in proc.stderr
+
+    @pytest.mark.parametrize("to_group", [False, True], ids=["kill -INT pid", "Ctrl-C to the group"])
+    def test_a_signal_during_the_replay_stops_fio_and_writes_interrupted_results(self, tmp_path, to_group):
+        env, log = fake_fio(tmp_path, "hang")
+
+        def interrupt_the_replay(proc):
+            for line in proc.stderr:
+                if "--fio-compare: replaying" in line:
+                    break
+            while not log.exists():
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGINT) if to_group else proc.send_signal(signal.SIGINT)
+        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "3", "--cpu-mem-gb", "0",
+                                  "--fio-compare"), cwd=tmp_path, env=env, timeout=60,
+                       preexec_fn=os.setsid, while_running=interrupt_the_replay)
+        assert proc.returncode == 130 and "Traceback" not in proc.stderr
+        r = json.loads((tmp_path / "r.json").read_text())
+        assert r["interrupted"] is True and r["summary"]["stop_reason"] == "SIGINT"
+        assert "interrupted" in r["summary"]["fio_comparison"]["error"]
+        fio_pid = int(log.read_text().split()[0])
+        with pytest.raises(ProcessLookupError):
+            os.kill(fio_pid, 0)
+        assert files_under(tmp_path / "cache") == []
 
     # --- bad input -----------------------------------------------------------
     @pytest.mark.parametrize("argv,flag", [

@@ -30,6 +30,7 @@ SUBMISSION_S=300        # seed 001, MLPerf Submission Guidelines: --duration 300
 PRODUCTION_S=180
 AUTOSCALE_S=300
 WORKLOADS=""
+WORKLOADS_GIVEN=0
 USERS=""
 HIGH_USERS=""
 CPU_MEM_GB=""
@@ -75,7 +76,12 @@ die_usage() {
     exit 2
 }
 
-is_positive_int() { [[ "$1" =~ ^[1-9][0-9]*$ ]]; }
+is_positive_int() { [[ "$1" =~ ^[1-9][0-9]{0,8}$ ]]; }      # nine digits at most: bash arithmetic never overflows
+
+# check_int NAME VALUE MAX: VALUE is an integer from 1 to MAX, else exit 2 naming NAME
+check_int() {
+    is_positive_int "$2" && (( $2 <= $3 )) || die_usage "$1 needs an integer from 1 to $3, got '$2'"
+}
 
 set_submission_trials() {   # set_submission_trials N: -T, N trials for every submission option
     local option
@@ -91,7 +97,7 @@ parse_args() {
             s) SATURATION_S="$OPTARG"; SUBMISSION_S="$OPTARG" ;;
             r) PRODUCTION_S="$OPTARG" ;;
             a) AUTOSCALE_S="$OPTARG" ;;
-            w) WORKLOADS="${OPTARG//,/ }" ;;
+            w) WORKLOADS="${OPTARG//,/ }"; WORKLOADS_GIVEN=1 ;;
             u) USERS="$OPTARG" ;;
             U) HIGH_USERS="$OPTARG" ;;
             C) CPU_MEM_GB="$OPTARG" ;;
@@ -113,15 +119,47 @@ parse_args() {
                  "${SUBMISSION_TRIALS[@]}"; do
         is_positive_int "$value" || die_usage "a positive integer is needed, got '${value}'"
     done
-    for value in "$USERS" "$HIGH_USERS"; do
-        [ -z "$value" ] || is_positive_int "$value" || die_usage "user counts must be positive integers, got '${value}'"
+    for value in "$TIER_S" "$SATURATION_S" "$SUBMISSION_S" "$PRODUCTION_S" "$AUTOSCALE_S"; do
+        check_int "a duration" "$value" 86400            # kv-cache.py's --duration limit
     done
-    [ -z "$CPU_MEM_GB" ] || is_positive_int "$CPU_MEM_GB" || die_usage "-C needs a positive integer (GiB), got '${CPU_MEM_GB}'"
+    for value in "$USERS" "$HIGH_USERS"; do
+        [ -z "$value" ] || [[ "$value" =~ ^[0-9]+$ ]] || die_usage "user counts must be positive integers, got '${value}'"
+        [ -z "$value" ] || check_int "a user count" "$value" 100000        # kv-cache.py's --num-users limit
+    done
+    if [ -n "$CPU_MEM_GB" ]; then
+        [[ "$CPU_MEM_GB" =~ ^[0-9]+$ ]] || die_usage "-C needs a positive integer (GiB), got '${CPU_MEM_GB}'"
+        check_int "-C" "$CPU_MEM_GB" 16384                # kv-cache.py's --cpu-mem-gb limit
+    fi
+    check_int "-D" "$RAG_DOCS" 1000000
+    for value in "${SUBMISSION_TRIALS[@]}"; do check_int "-T" "$value" 1000; done
+    if (( WORKLOADS_GIVEN )) && [ -z "${WORKLOADS// /}" ]; then die_usage "-w needs at least one workload"; fi
     WORKLOADS="${WORKLOADS:-$ALL_WORKLOADS}"
     local w
     for w in $WORKLOADS; do
         [[ " $ALL_WORKLOADS " == *" $w "* ]] || die_usage "unknown workload '$w'"
     done
+    if [ -n "$RESULTS_DIR" ] && [ -e "$RESULTS_DIR" ] && [ ! -d "$RESULTS_DIR" ]; then
+        die_usage "-o ${RESULTS_DIR} exists and is not a directory"
+    fi
+}
+
+# check_python: python3 can load kv-cache.py and knows MODEL; else one line and exit 2, before any run.
+check_python() {
+    local why
+    why="$("$PYTHON" - "$BENCH" "$MODEL" 2>&1 <<'PYEOF'
+import importlib.util, sys
+try:
+    spec = importlib.util.spec_from_file_location("kv_cache", sys.argv[1])
+    kv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kv)
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc} (pip install -r requirements.txt)")
+    sys.exit(1)
+if sys.argv[2] not in kv.available_models():
+    print(f"unknown model '{sys.argv[2]}'; choose from {', '.join(sorted(kv.available_models()))}")
+    sys.exit(1)
+PYEOF
+)" || { echo "$(basename "$0"): error: ${why:-${PYTHON} cannot run ${BENCH}}" | head -n 1 >&2; exit 2; }
 }
 
 # --- Hardware detection ---------------------------------------------------------
@@ -188,8 +226,18 @@ run_bench() {
     echo ">>> ${name}: ${cmd[*]}"
     (( DRY_RUN )) && return 0
     local rc=0
-    "${cmd[@]}" > "${RESULTS_DIR}/log_${name}.txt" 2>&1 || rc=$?
-    if (( rc == 0 )); then
+    # In the background and waited for, so that a signal to the wrapper runs its trap at once
+    # (bash runs traps only between commands); the trap passes the signal on to the run.
+    "${cmd[@]}" > "${RESULTS_DIR}/log_${name}.txt" 2>&1 &
+    CHILD=$!
+    while true; do
+        rc=0; wait "$CHILD" || rc=$?
+        kill -0 "$CHILD" 2>/dev/null || break            # ended; else a trapped signal woke us
+    done
+    CHILD=""
+    if [ -n "$STOPPED_BY" ]; then
+        STATUS[$name]="interrupted (SIG${STOPPED_BY}, exit ${rc})"; FAILED+=("$name")
+    elif (( rc == 0 )); then
         STATUS[$name]="ok"
     elif (( rc == 1 )) && [ -f "${RESULTS_DIR}/results_${name}.json" ]; then
         STATUS[$name]="degraded"; FAILED+=("$name")
@@ -199,7 +247,27 @@ run_bench() {
     printf '%s\t%s\n' "$name" "${STATUS[$name]}" >> "${RESULTS_DIR}/status.tsv"
     echo "<<< ${name}: ${STATUS[$name]} (log: ${RESULTS_DIR}/log_${name}.txt)"
     tail -n 3 "${RESULTS_DIR}/log_${name}.txt" | sed 's/^/    /'
+    if [ -n "$STOPPED_BY" ]; then
+        echo "Stopped by SIG${STOPPED_BY}: no further scenario runs." >&2
+        exit_for_signal
+    fi
 }
+
+# on_signal NAME: SIGINT/SIGTERM to the wrapper (or Ctrl-C to its group): pass it on to the
+# run in progress, which writes its partial results; then the suite ends (run_bench exits).
+CHILD=""
+STOPPED_BY=""
+on_signal() {
+    STOPPED_BY="$1"
+    if [ -n "$CHILD" ]; then
+        kill -"$1" "$CHILD" 2>/dev/null || true
+    else
+        echo "Stopped by SIG$1." >&2
+        exit_for_signal
+    fi
+}
+
+exit_for_signal() { if [ "$STOPPED_BY" = INT ]; then exit 130; else exit 143; fi; }
 
 # --- Scenarios (seed 000, section 4) ------------------------------------------------
 
@@ -275,7 +343,10 @@ PYEOF
 }
 
 main() {
+    trap 'on_signal INT' INT
+    trap 'on_signal TERM' TERM
     parse_args "$@"
+    check_python
     detect_hardware
     RESULTS_DIR="${RESULTS_DIR:-./kv_cache_results_$(date +%Y%m%d_%H%M%S)}"
     (( DRY_RUN )) || mkdir -p "$RESULTS_DIR"

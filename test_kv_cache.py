@@ -6816,6 +6816,67 @@ class TestWrapper:
         assert proc.stderr.splitlines()[0] == f"kv-cache-wrapper.sh: error: {message}"
         assert "Usage:" in proc.stderr
 
+    @pytest.mark.parametrize("args,message", [
+        (["-w", ","], "-w needs at least one workload"),
+        (["-w", ""], "-w needs at least one workload"),
+        (["-u", "99999999999999999999"], "a user count needs an integer from 1 to 100000, got '99999999999999999999'"),
+        (["-U", "100001"], "a user count needs an integer from 1 to 100000, got '100001'"),
+        (["-t", "86401"], "a duration needs an integer from 1 to 86400, got '86401'"),
+        (["-C", "99999999999"], "-C needs an integer from 1 to 16384, got '99999999999'"),
+        (["-o", "{file}"], "-o {file} exists and is not a directory"),
+        (["-m", "nonsense"], "unknown model 'nonsense'; choose from "),
+    ], ids=["-w comma", "-w empty", "-u overflow", "-U over the limit", "-t over a day", "-C overflow",
+            "-o a file", "-m unknown"])
+    def test_bad_values_exit_2_before_any_run(self, tmp_path, args, message):
+        a_file = tmp_path / "results.txt"
+        a_file.write_text("mine")
+        args = [a.format(file=a_file) for a in args]
+        proc = run_wrapper(*args, "-c", tmp_path / "cache", cwd=tmp_path,
+                           env=dict(os.environ, PYTHON=sys.executable))
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr.splitlines()[0].startswith(f"kv-cache-wrapper.sh: error: {message.format(file=a_file)}")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["results.txt"] and a_file.read_text() == "mine"
+
+    def test_a_python_without_numpy_gets_one_line(self, tmp_path):
+        blocker = tmp_path / "blocker"
+        blocker.mkdir()
+        (blocker / "numpy.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\")\n")
+        work = tmp_path / "work"
+        work.mkdir()
+        proc = run_wrapper("-m", "tiny-1b", "-w", "cpu-only", cwd=work,
+                           env=dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(blocker)))
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.count("\n") == 1 and "No module named 'numpy'" in proc.stderr
+        assert "Traceback" not in proc.stderr and list(work.iterdir()) == []
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("to_group", [False, True], ids=["kill -INT wrapper", "Ctrl-C to the group"])
+    def test_sigint_ends_the_suite_with_130_and_runs_no_further_scenario(self, tmp_path, to_group):
+        out = tmp_path / "out"
+        proc = subprocess.Popen(["bash", str(WRAPPER), "-m", "tiny-1b", "-t", "60", "-u", "4", "-C", "1",
+                                 "-w", "cpu-only,storage-only", "-c", tmp_path / "cache", "-o", out],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=fake_nvidia_smi(tmp_path / "bin", NO_GPU) | {"PYTHON": sys.executable},
+                                start_new_session=True)
+        try:
+            for line in proc.stdout:
+                if line.startswith(">>> cpu-only"):
+                    break
+            log = out / "log_cpu-only.txt"
+            while "Running" not in (log.read_text() if log.exists() else ""):
+                time.sleep(0.1)
+            os.killpg(proc.pid, signal.SIGINT) if to_group else proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        assert proc.returncode == 130, stderr
+        assert "Stopped by SIGINT: no further scenario runs." in stderr and ">>> storage-only" not in stdout
+        assert (out / "status.tsv").read_text() == "cpu-only\tinterrupted (SIGINT, exit 130)\n"
+        assert json.loads((out / "results_cpu-only.json").read_text())["interrupted"] is True
+        assert not (out / "log_storage-only.txt").exists()
+
     def test_help_exits_0(self, tmp_path):
         proc = run_wrapper("-h", cwd=tmp_path)
         assert proc.returncode == 0 and proc.stderr == ""

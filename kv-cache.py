@@ -3883,19 +3883,42 @@ def _criterion(name: str, target: float, actual: Optional[float], unit: str, pas
     return {"name": name, "target": target, "actual": actual, "unit": unit, "passed": bool(passed)}
 
 
+DEVICE_READ_CHECK_MIN_BYTES = 16 * MIB   # storage reads below this are too few to judge where they were served
+DEVICE_READ_MIN_SHARE = 0.10            # the device must see at least this share of the storage tier's reads
+
+
+def reads_not_on_device(app_bytes_read: float, device_stats: Optional[Dict[str, Any]]) -> Optional[str]:
+    """Why the storage tier's reads did not reach the device, or None (pure): the kernel's
+    counters for the device show under DEVICE_READ_MIN_SHARE of the bytes the tier read (a file
+    system that takes O_DIRECT but serves it from the page cache: ext4 with data=journal).
+    None too when the device was not sampled or the tier read too little to judge."""
+    if not device_stats or not device_stats.get("available") or app_bytes_read < DEVICE_READ_CHECK_MIN_BYTES:
+        return None
+    device_bytes = device_stats.get("bytes_read")
+    if device_bytes is None or device_bytes >= DEVICE_READ_MIN_SHARE * app_bytes_read:
+        return None
+    return (f"the storage tier read {app_bytes_read / GIB:.2f} GB but {device_stats.get('device')} read "
+            f"{device_bytes / GIB:.2f} GB: the reads were served from memory (the page cache), not the device")
+
+
 def evaluate_storage_performance(profile: str, stats: Dict[str, Any]) -> Dict[str, Any]:
     """PASS/FAIL criteria for the storage assessment.
 
     latency profile: the original's four criteria; a criterion whose tier saw
-    no I/O is listed under `not_applicable` instead of passing silently.
+    no I/O is listed under `not_applicable` instead of passing silently, and so is
+    the storage read criterion when the reads did not reach the device
+    (`storage_reads_not_on_device`, with its reason).
     throughput profile: the storage tier sustained throughput with no I/O errors.
     """
     criteria: List[Dict[str, Any]] = []
-    not_applicable: List[str] = []
+    why_not: Dict[str, str] = {}                       # criterion not applicable -> why
+    off_device = stats.get("storage_reads_not_on_device")
     if profile == "throughput":
         tput = stats["nvme_throughput"]
-        if stats["nvme_reads"] + stats["nvme_writes"] == 0:
-            not_applicable.append("Storage tier throughput > 0 tok/s")
+        if off_device:
+            why_not["Storage tier throughput > 0 tok/s"] = off_device
+        elif stats["nvme_reads"] + stats["nvme_writes"] == 0:
+            why_not["Storage tier throughput > 0 tok/s"] = "tier not used in this run"
         else:
             criteria.append(_criterion("Storage tier throughput > 0 tok/s", 0.0, tput, "tok/s", tput > 0))
         errors = stats["io_errors"]
@@ -3908,8 +3931,10 @@ def evaluate_storage_performance(profile: str, stats: Dict[str, Any]) -> Dict[st
                 stats.get("cpu_read_p95_ms"), stats.get("cpu_write_p95_ms"))),
         )
         for name, target, actual in checks:
-            if actual is None:
-                not_applicable.append(name)
+            if off_device and name.startswith("NVMe Read"):
+                why_not[name] = off_device
+            elif actual is None:
+                why_not[name] = "tier not used in this run"
             else:
                 criteria.append(_criterion(name, target, actual, "ms", actual < target))
         lookups = stats["cache_hits"] + stats["cache_misses"]
@@ -3918,14 +3943,14 @@ def evaluate_storage_performance(profile: str, stats: Dict[str, Any]) -> Dict[st
             criteria.append(_criterion("Cache Hit Rate > 30%", MIN_CACHE_HIT_RATE * 100.0, rate, "%",
                                        rate > MIN_CACHE_HIT_RATE * 100.0))
         else:
-            not_applicable.append("Cache Hit Rate > 30%")
+            why_not["Cache Hit Rate > 30%"] = "no cache lookups in this run"
     passed = sum(1 for c in criteria if c["passed"])
     if not criteria:
         status = "INCONCLUSIVE"
     else:
         status = "PASS" if passed == len(criteria) else "FAIL"
     return {"overall_status": status, "profile": profile, "criteria": criteria, "passed_count": passed,
-            "total_count": len(criteria), "not_applicable": not_applicable}
+            "total_count": len(criteria), "not_applicable": list(why_not), "not_applicable_reasons": why_not}
 
 
 def _max_or_none(*values: Optional[float]) -> Optional[float]:
@@ -3970,12 +3995,13 @@ class CacheReport:
     tiers_info: Dict[str, Any]
 
 
-def cache_stats_summary(report: CacheReport, profile: str,
-                        windows: Sequence[Tuple[Dict[str, int], float]]) -> Dict[str, Any]:
+def cache_stats_summary(report: CacheReport, profile: str, windows: Sequence[Tuple[Dict[str, int], float]],
+                        device_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The cache's section of the results (`summary.cache_stats`), from counters and samples.
     Totals count everything; a wall-basis rate divides what was moved up to the stop (the
     counters taken then) by the measured window, per window (one per MPI rank) and summed,
-    so that work finishing in the shutdown tail does not inflate it."""
+    so that work finishing in the shutdown tail does not inflate it. `device_stats`: the
+    device's counters over the run, to tell whether the storage reads reached it."""
     c, samples, entry_counts = defaultdict(int, report.counters), report.samples, report.entry_counts
     hits, misses = c["cache_hits"], c["cache_misses"]
     stats: Dict[str, Any] = {
@@ -4026,6 +4052,9 @@ def cache_stats_summary(report: CacheReport, profile: str,
     stats["nvme_read_gib_per_sec_busy"] = _ratio(c["nvme_bytes_read"] / GIB, stats.get("nvme_read_device_busy_s", 0.0))
     stats["nvme_write_gib_per_sec_busy"] = _ratio(c["nvme_bytes_written"] / GIB, stats.get("nvme_write_device_busy_s", 0.0))
     stats.update(_v30_figures(c, samples, entry_counts, windows))
+    stats["storage_reads_not_on_device"] = reads_not_on_device(c["nvme_bytes_read"], device_stats)
+    if stats["storage_reads_not_on_device"] and "storage_io_mode" in stats:
+        stats["storage_io_mode"] += ", but the reads did not reach the device (served from the page cache)"
     stats["storage_health"] = evaluate_storage_performance(profile, stats)
     return stats
 
@@ -6462,7 +6491,7 @@ def cache_figures(m: RunMeasurements) -> Dict[str, Any]:
     sums of the ranks')."""
     windows = [(p.window_counters if p.window_counters is not None else p.cache.counters, p.elapsed_s)
                for p in (m.ranks or [m])]
-    return cache_stats_summary(m.cache, m.config.performance_profile, windows)
+    return cache_stats_summary(m.cache, m.config.performance_profile, windows, m.device_stats)
 
 
 def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
@@ -6710,8 +6739,7 @@ def _report_assessment(add: Callable[[str], None], health: Dict[str, Any]) -> No
             shown = f"{actual}"
         add(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['name']}: {shown}")
     for name in health["not_applicable"]:
-        why = "no cache lookups in this run" if "Hit Rate" in name else "tier not used in this run"
-        add(f"  [N/A ] {name}: {why}")
+        add(f"  [N/A ] {name}: {health.get('not_applicable_reasons', {}).get(name, 'tier not used in this run')}")
 
 
 def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str, Any]) -> None:
@@ -7793,8 +7821,11 @@ def _exit_status(bench: IntegratedBenchmark, results: Dict[str, Any], outputs_wr
         logger.error("%s; exit status 1", missing)
     baseline_failed = bool(summary["io_baseline"] and "error" in summary["io_baseline"])
     fio_failed = "error" in (summary.get("fio_comparison") or {}) or "fio_job_error" in summary
+    off_device = summary["cache_stats"].get("storage_reads_not_on_device")
+    if off_device:
+        logger.error("%s; exit status 1", off_device)
     degraded = (summary["io_errors"] or summary["thread_errors"] or summary["verify_mismatches"]
-                or baseline_failed or fio_failed or missing or not outputs_written)
+                or baseline_failed or fio_failed or missing or off_device or not outputs_written)
     return EXIT_DEGRADED if degraded else EXIT_OK
 
 

@@ -3388,6 +3388,29 @@ class TestMetrics:
         assert set(health["not_applicable"]) == {"NVMe Write P95 < 500ms", "NVMe Read P95 < 200ms",
                                                  "Cache Hit Rate > 30%"}
 
+    @pytest.mark.parametrize("app_bytes,device,judged", [
+        (4 * GIB, {"available": True, "device": "loop0", "bytes_read": 0}, True),
+        (4 * GIB, {"available": True, "device": "loop0", "bytes_read": int(0.09 * 4 * GIB)}, True),
+        (4 * GIB, {"available": True, "device": "vda", "bytes_read": -(-4 * GIB // 10)}, False),
+        (kv.DEVICE_READ_CHECK_MIN_BYTES - 1, {"available": True, "device": "vda", "bytes_read": 0}, False),
+        (4 * GIB, {"available": False, "device": None, "reason": "tmpfs has no block device"}, False),
+        (4 * GIB, None, False),
+    ], ids=["nothing reached", "9 % reached", "10 % reached", "too little read", "no device", "not sampled"])
+    def test_reads_that_did_not_reach_the_device_are_named(self, app_bytes, device, judged):
+        why = kv.reads_not_on_device(app_bytes, device)
+        assert (why is not None) == judged
+        if judged:
+            assert why.startswith("the storage tier read 4.00 GB but loop0 read") and "page cache" in why
+
+    @pytest.mark.parametrize("profile,name", [("latency", "NVMe Read P95 < 200ms"),
+                                              ("throughput", "Storage tier throughput > 0 tok/s")])
+    def test_reads_off_the_device_pass_no_storage_criterion(self, profile, name):
+        stats = dict(LATENCY_STATS_ALL_PASS, nvme_throughput=1500.0, io_errors=0, nvme_reads=5, nvme_writes=5,
+                     storage_reads_not_on_device="served from memory")
+        health = kv.evaluate_storage_performance(profile, stats)
+        assert name not in [c["name"] for c in health["criteria"]] and name in health["not_applicable"]
+        assert health["not_applicable_reasons"][name] == "served from memory"
+
     def test_nothing_measured_is_inconclusive(self):
         stats = {"cache_hits": 0, "cache_misses": 0, "cache_hit_rate": 0.0}
         health = kv.evaluate_storage_performance("latency", stats)
@@ -6129,6 +6152,33 @@ class TestReliability:
         with pytest.raises(ProcessLookupError):
             os.kill(fio_pid, 0)
         assert files_under(tmp_path / "cache") == []
+
+    # --- reads the file system kept from the device ------------------------------
+    @pytest.mark.slow
+    def test_o_direct_served_from_the_page_cache_is_named_and_degraded(self, tmp_path):
+        """ext4 mounted data=journal takes O_DIRECT opens but serves reads from the page cache."""
+        image, mnt = tmp_path / "journal.img", tmp_path / "mnt"
+        mnt.mkdir()
+        if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
+            pytest.skip("needs root and mkfs.ext4 to mount an ext4 image with data=journal")
+        with open(image, "wb") as f:
+            f.truncate(512 * MIB)
+        made = subprocess.run(["mkfs.ext4", "-q", "-F", image], capture_output=True)
+        if made.returncode or subprocess.run(["mount", "-o", "loop,data=journal", image, mnt],
+                                             capture_output=True).returncode:
+            pytest.skip("cannot mount a loop device here")
+        try:
+            proc = run_cli(*SMALL_RUN, "--num-users", "4", "--duration", "3", "--cpu-mem-gb", "0", "--seed", "3",
+                           "--cache-dir", mnt, "--output", tmp_path / "r.json", cwd=tmp_path, timeout=120)
+        finally:
+            subprocess.run(["umount", mnt], capture_output=True)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        cs = json.loads((tmp_path / "r.json").read_text())["summary"]["cache_stats"]
+        assert cs["nvme_bytes_read_gb"] * GIB >= kv.DEVICE_READ_CHECK_MIN_BYTES
+        assert "page cache" in cs["storage_reads_not_on_device"]
+        assert cs["storage_io_mode"] == "O_DIRECT, but the reads did not reach the device (served from the page cache)"
+        assert "NVMe Read P95 < 200ms" in cs["storage_health"]["not_applicable"]
+        assert "[N/A ] NVMe Read P95 < 200ms: the storage tier read" in proc.stdout
 
     # --- bad input -----------------------------------------------------------
     @pytest.mark.parametrize("argv,flag", [

@@ -58,6 +58,7 @@ import logging
 import math
 import mmap
 import os
+import platform
 import queue
 import random
 import re
@@ -5009,6 +5010,7 @@ class BlockDeviceMonitor:
         wall_s = sample[0] - t0
         assert self.device is not None
         return {"available": True, "device": self.device.name, "disk": self.device.disk, "reason": None,
+                "host": platform.node(),
                 "logical_block_bytes": self.device.logical_block_bytes, "window_s": wall_s,
                 **device_window_stats(first, sample[1], wall_s)}
 
@@ -5955,6 +5957,7 @@ class RunMeasurements:
     fio: Dict[str, Any] = field(default_factory=dict)
     ranks: List["RunMeasurements"] = field(default_factory=list)
     rank: Optional[int] = None
+    ranks_without_results: List[int] = field(default_factory=list)   # ranks stopped before their workload
 
     @property
     def interrupted(self) -> bool:
@@ -6548,7 +6551,8 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "summary": summary,
     }
     if m.ranks:
-        results["world_size"] = len(m.ranks)
+        results["world_size"] = len(m.ranks) + len(m.ranks_without_results)
+        results["ranks_without_results"] = m.ranks_without_results
         results["ranks"] = [{"rank": p.rank, "seed": p.seed, "config": config_block(p.config),
                              "workload_digest": p.workload_digest, "summary": assemble_results(p)["summary"]}
                             for p in m.ranks]
@@ -7493,10 +7497,19 @@ def _sum_timelines(timelines: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]
     return merged
 
 
-def merge_measurements(config: BenchmarkConfig, parts: List[RunMeasurements]) -> RunMeasurements:
-    """The world's measurements from the ranks' (in rank order): request records and cache
-    samples pooled (so percentiles come from all samples), counts and bytes added up; each
-    rank's stays in `ranks`, for the per-rank table and the rates summed over the ranks."""
+def merge_measurements(config: BenchmarkConfig, gathered: List[Optional[RunMeasurements]]) -> Optional[RunMeasurements]:
+    """The world's measurements from the ranks' (in rank order; None: a rank stopped before its
+    workload began, named in `ranks_without_results`): request records and cache samples
+    pooled (so percentiles come from all samples), counts and bytes added up, the devices the
+    ranks sampled merged; each rank's stays in `ranks`, for the per-rank table and the rates
+    summed over the ranks. None when no rank measured anything."""
+    parts = [p for p in gathered if p is not None]
+    missing = [rank for rank, p in enumerate(gathered) if p is None]
+    if missing:
+        logger.warning("MPI ranks %s stopped before their workload began: the results are the other ranks'",
+                       ", ".join(map(str, missing)))
+    if not parts:
+        return None
     counters = sum((collections.Counter(p.cache.counters) for p in parts), collections.Counter())
     entry_counts = sum((collections.Counter(p.cache.entry_counts) for p in parts), collections.Counter())
     samples: Dict[Tuple[str, str], Tuple[List[float], ...]] = defaultdict(lambda: ([], [], []))
@@ -7514,7 +7527,46 @@ def merge_measurements(config: BenchmarkConfig, parts: List[RunMeasurements]) ->
         peak_in_flight=sum(p.peak_in_flight for p in parts), stop_reason=parts[0].stop_reason,
         thread_errors=[f"rank {p.rank}: {e}" for p in parts for e in p.thread_errors],
         process_cpu_s=sum(p.process_cpu_s for p in parts), shutdown_tail_s=max(p.shutdown_tail_s for p in parts),
-        ranks=list(parts))
+        device_stats=merge_device_stats([p.device_stats for p in parts]), ranks=list(parts),
+        ranks_without_results=missing)
+
+
+_DEVICE_SUMS = ("reads_completed", "reads_merged", "bytes_read", "writes_completed", "writes_merged",
+                "bytes_written", "flushes_completed", "discards_completed", "bytes_discarded")
+
+
+def merge_device_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """The world's DEVICE section from the ranks' (pure). Ranks of one node that sampled the same
+    device saw the same counters: it counts once (the longest window). Different devices add
+    up their requests, bytes, rates and queue depths; await is the mean over their requests,
+    utilization the busiest device's. None when no rank sampled a device."""
+    sampled = [d for d in parts if d and d.get("available")]
+    if not sampled:
+        return next((d for d in parts if d), None)
+    devices: Dict[Tuple[Any, Any], Dict[str, Any]] = {}
+    for d in sampled:
+        key = (d.get("host"), d.get("device"))
+        if key not in devices or d["window_s"] > devices[key]["window_s"]:
+            devices[key] = d
+    merged = dict(max(devices.values(), key=lambda d: d["window_s"]), ranks_sampled=len(sampled),
+                  devices=sorted(f"{host}:{name}" for host, name in devices))
+    if len(devices) == 1:
+        return merged
+    every = list(devices.values())
+    def total(name: str) -> Optional[float]:
+        values = [d.get(name) for d in every]
+        return None if None in values else sum(values)
+    for name in _DEVICE_SUMS + ("read_gib_per_sec", "write_gib_per_sec", "avg_queue_depth"):
+        merged[name] = total(name)
+    for op, done, moved in (("read", "reads_completed", "bytes_read"), ("write", "writes_completed", "bytes_written")):
+        merged[f"{op}_gb"] = _per(merged[moved], GIB)
+        merged[f"mean_{op}_request_bytes"] = _per(merged[moved], merged[done])
+        weighted = [(d.get(f"{op}_await_ms"), d.get(done)) for d in every]
+        merged[f"{op}_await_ms"] = (None if any(a is None or n is None for a, n in weighted) else
+                                    _per(sum(a * n for a, n in weighted), merged[done]))
+    merged["utilization"] = max((d.get("utilization") or 0.0 for d in every), default=None)
+    merged["device"] = "+".join(sorted({str(d.get("device")) for d in every}))
+    return merged
 
 
 def format_rank_table(results: Dict[str, Any]) -> str:
@@ -7527,6 +7579,8 @@ def format_rank_table(results: Dict[str, Any]) -> str:
                      f"{s['avg_throughput_tokens_per_sec']:>10,.1f} {s['nvme_throughput']:>14,.1f} "
                      f"{_fmt_ms(s['end_to_end_latency_ms']['p95']):>11} {_fmt_ms(s['storage_io_latency_ms']['p95']):>15}"
                      f"  {r['config']['cache_dir']}")
+    for rank in results.get("ranks_without_results") or []:
+        lines.append(f"  {rank:>4} stopped before its workload began: no results")
     return "\n".join(lines)
 
 
@@ -7841,11 +7895,14 @@ def _mpi_config(config: BenchmarkConfig, launch: Tuple[int, int]) -> BenchmarkCo
     return rank_config(config, rank, size)
 
 
-def _gather_to_rank0(measured: RunMeasurements, world_config: BenchmarkConfig,
+def _gather_to_rank0(measured: Optional[RunMeasurements], world_config: BenchmarkConfig,
                      rank: int) -> Optional[RunMeasurements]:
-    """Every rank sends what it measured to rank 0, which returns the world's (others: None)."""
+    """Every rank sends what it measured to rank 0 (None: stopped before its workload began, so
+    that no rank waits for it forever); rank 0 returns the world's (None when no rank measured
+    anything), the others None."""
     from mpi4py import MPI                           # initialised already by the import in main
-    measured.rank = rank
+    if measured is not None:
+        measured.rank = rank
     gathered = MPI.COMM_WORLD.gather(measured, root=0)
     return merge_measurements(world_config, gathered) if rank == 0 else None
 
@@ -7909,21 +7966,29 @@ def _widen_cuda_work_queues() -> None:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_WORK_QUEUES)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    _limit_malloc_arenas()
-    _widen_cuda_work_queues()
+def _launch_and_logging(args: argparse.Namespace) -> Optional[Tuple[int, int]]:
+    """The MPI launch this process takes part in (None: none, or it runs independently), and
+    logging set up for it: one voice, rank 0's."""
     launch = mpi_launch()
     independent = independent_run_reason(args.output, launch)
     if independent:                                  # a harness's child, or a rank with its own --output
         launch = None
     rank = launch[0] if launch else 0
-    quiet = not args.progress or rank != 0           # one voice: rank 0's
+    quiet = not args.progress or rank != 0
     logging.basicConfig(level=logging.WARNING if quiet else getattr(logging, args.log_level),
                         format=f"%(levelname)s: {f'[rank {rank}] ' if launch else ''}%(message)s")
     if independent:
         logger.info("MPI rank variables found, but %s: it runs as an independent benchmark (exactly its own "
                     "--output, --cache-dir, --seed and --num-users; no merging)", independent)
+    return launch
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    _limit_malloc_arenas()
+    _widen_cuda_work_queues()
+    launch = _launch_and_logging(args)
+    rank = launch[0] if launch else 0
     stop = StopRequest()
     setup = _set_up(args, launch, stop)
     comm, created_dirs, bench = setup.comm, setup.created_dirs, setup.bench
@@ -7946,12 +8011,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if comm is not None:
             logger.info("MPI: %d ranks; rank 0 gathers the results", comm.Get_size())
             comm.Barrier()                           # all ranks start together
-        measured = bench.measure()
-    except Interrupted:                              # before the workload began: nothing to report
-        _remove_created_dirs(created_dirs)
-        print(f"kv-cache.py: interrupted by {stop.signal_name} before the workload began; nothing written",
-              file=sys.stderr)
-        return EXIT_SIGNAL.get(stop.signal_name or "", EXIT_DEGRADED)
+        measured: Optional[RunMeasurements] = bench.measure()
+    except Interrupted:                              # before the workload began: nothing of this rank's
+        measured = None
     except BaseException:
         if comm is not None:                         # the other ranks would wait for this one forever
             logger.exception("rank %d failed; aborting all ranks", rank)
@@ -7959,8 +8021,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _remove_created_dirs(created_dirs)
         raise
     world = _gather_to_rank0(measured, setup.world_config, rank) if comm is not None else measured
-    if world is None:                                # another rank than 0: its part is reported by rank 0
+    if world is None:                                # a rank other than 0 (rank 0 reports it), or nothing measured
         _remove_created_dirs(created_dirs, comm)
+        if measured is None:
+            print(f"kv-cache.py: interrupted by {stop.signal_name} before the workload began; nothing written",
+                  file=sys.stderr)
+            return EXIT_SIGNAL.get(stop.signal_name or "", EXIT_DEGRADED)
         return _exit_status(bench, assemble_results(measured), True)
     bench.latency_samples = world.latency_samples()
     world.fio = _fio_steps(setup.config, world, lambda: stop.signal_name is not None)   # --cache-dir still exists

@@ -7142,6 +7142,22 @@ def _mpi_launcher():
     return mpiexec, env
 
 
+def _rank_pid(rank: int, marker: str) -> int:
+    """The pid of the MPI rank `rank` running kv-cache.py with `marker` on its command line."""
+    for _ in range(200):
+        for entry in Path("/proc").iterdir():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+                environ = (entry / "environ").read_bytes()
+            except (OSError, ValueError):
+                continue
+            if marker.encode() in cmdline and b"kv-cache.py" in cmdline and \
+                    f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ.split(b"\0"):
+                return int(entry.name)
+        time.sleep(0.05)
+    raise AssertionError(f"no rank {rank} process found")
+
+
 class TestMPI:
     def test_launcher_is_detected_from_its_environment(self, monkeypatch):
         for var in MPI_ENV_VARS:
@@ -7157,6 +7173,24 @@ class TestMPI:
         monkeypatch.setenv("PMI_RANK", "0")
         monkeypatch.setenv("PMI_SIZE", "2")
         assert kv.mpi_launch() == (0, 2)
+
+    def test_device_samples_merge_once_per_device_and_add_up_across_devices(self):
+        def sample(host, device, window, read, reads, await_ms, util):
+            return {"available": True, "host": host, "device": device, "window_s": window, "bytes_read": read,
+                    "reads_completed": reads, "read_await_ms": await_ms, "bytes_written": 0, "writes_completed": 0,
+                    "write_await_ms": None, "reads_merged": 0, "writes_merged": 0, "flushes_completed": 0,
+                    "discards_completed": 0, "bytes_discarded": 0, "read_gib_per_sec": read / GIB / window,
+                    "write_gib_per_sec": 0.0, "avg_queue_depth": 1.0, "utilization": util}
+        same = kv.merge_device_stats([sample("n1", "vda", 4.0, 4 * GIB, 400, 2.0, 0.5),
+                                      sample("n1", "vda", 4.1, 4 * GIB + MIB, 401, 2.0, 0.5)])
+        assert same["bytes_read"] == 4 * GIB + MIB and same["ranks_sampled"] == 2 and same["devices"] == ["n1:vda"]
+        two = kv.merge_device_stats([sample("n1", "vda", 4.0, 4 * GIB, 400, 1.0, 0.5),
+                                     sample("n2", "vda", 4.0, 2 * GIB, 100, 6.0, 0.9), None])
+        assert two["bytes_read"] == 6 * GIB and two["reads_completed"] == 500 and two["devices"] == ["n1:vda", "n2:vda"]
+        assert two["read_await_ms"] == pytest.approx((400 * 1.0 + 100 * 6.0) / 500) and two["utilization"] == 0.9
+        assert two["read_gib_per_sec"] == pytest.approx(1.5) and two["write_await_ms"] is None
+        unsampled = {"available": False, "device": None, "reason": "tmpfs has no block device"}
+        assert kv.merge_device_stats([unsampled, unsampled]) == unsampled and kv.merge_device_stats([]) is None
 
     def test_importing_the_module_does_not_import_mpi4py(self):
         code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('k', sys.argv[1]); "
@@ -7255,6 +7289,12 @@ class TestMPI:
             sum(x["summary"]["cache_stats"]["nvme_bytes_written_gb"] for x in ranks))
         assert "PER-RANK RESULTS" in proc.stdout and proc.stdout.count("KV CACHE BENCHMARK RESULTS") == 1
         assert not cache.exists()                      # made by the benchmark, so removed by it
+        if ranks[0]["summary"]["device_stats"]["available"]:           # one node: one device, counted once
+            d = s["device_stats"]
+            assert d["available"] and d["ranks_sampled"] == 2 and len(d["devices"]) == 1
+            assert d["bytes_written"] == max(x["summary"]["device_stats"]["bytes_written"] for x in ranks
+                                             if x["summary"]["device_stats"]["window_s"] == d["window_s"])
+            assert "N/A: not sampled" not in proc.stdout
 
     def test_a_ranks_child_runs_as_an_independent_benchmark(self, tmp_path, monkeypatch, caplog):
         """MLPerf Storage's harness: mpirun starts a launcher per rank, which runs kv-cache.py as its
@@ -7333,6 +7373,27 @@ sys.exit(subprocess.run([sys.executable, script, "--config", config, "--model", 
             assert not (tmp_path / f"cache{n}").exists()        # exactly its --cache-dir (made, then removed)
 
     @pytest.mark.slow
+    def test_a_rank_stopped_before_its_workload_does_not_hang_the_others(self, tmp_path):
+        mpiexec, env = _mpi_launcher()
+        out = tmp_path / "agg.json"
+
+        def stop_rank_1_in_its_baseline(proc):
+            for line in proc.stderr:                     # rank 0 logs; rank 1 measures its baseline too
+                if "Measuring the raw bandwidth" in line:
+                    break
+            os.kill(_rank_pid(1, str(out)), signal.SIGTERM)
+        proc = run_cli("--model", "tiny-1b", "--num-users", "4", "--duration", "3", "--gpu-mem-gb", "0",
+                       "--cpu-mem-gb", "0.05", "--generation-mode", "none", "--io-baseline", "--cache-dir",
+                       tmp_path / "cache", "--output", out, cwd=tmp_path, timeout=120, env=env,
+                       launcher=[mpiexec, "-n", "2", "--oversubscribe"], while_running=stop_rank_1_in_its_baseline)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr     # rank 1's 143 is the job's status
+        r = json.loads(out.read_text())
+        assert r["world_size"] == 2 and [x["rank"] for x in r["ranks"]] == [0] and r["ranks_without_results"] == [1]
+        assert r["summary"]["total_requests"] == r["ranks"][0]["summary"]["total_requests"] > 0
+        assert "ranks 1 stopped before their workload began" in proc.stderr
+        assert "   1 stopped before its workload began: no results" in proc.stdout
+        assert not (tmp_path / "cache").exists()
+
     def test_one_rank_failing_to_start_stops_every_rank(self, tmp_path):
         mpiexec, env = _mpi_launcher()
         cache = tmp_path / "cache"

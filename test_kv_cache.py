@@ -4536,7 +4536,7 @@ if mode == "hang":
     time.sleep(600)
 with open("kv-cache-replay.0.0", "wb") as f:
     f.write(b"x" * 4096)
-if mode == "intruder":
+if mode == "shape":
     with open("someone-else.txt", "w") as f:
         f.write("not fio's")
 side = {{"bw_bytes": 1e9, "iops": 100.0, "io_bytes": 10 ** 9, "total_ios": 10,
@@ -4555,8 +4555,8 @@ print(json.dumps({{"jobs": [1, 2]}} if mode == "shape" else {{"fio version": "fi
 
 def fake_fio(tmp_path, mode):
     """An `fio` first on the PATH that logs '<pid> <cwd>' and then behaves as `mode` says: 'hang',
-    'intruder' (a file of someone else's beside its own), 'shape' / 'nan' / 'negative' / 'huge'
-    (output of the wrong shape, bad figures, 65 MiB), else a normal report. Returns (env, log)."""
+    'shape' / 'nan' / 'negative' / 'huge' (output of the wrong shape, bad figures, 65 MiB), else a
+    normal report; 'shape' also leaves a file of someone else's beside its own. Returns (env, log)."""
     bin_dir, log = tmp_path / "fakebin", tmp_path / "fio.log"
     bin_dir.mkdir()
     fio = bin_dir / "fio"
@@ -6112,21 +6112,24 @@ class TestReliability:
 
     @pytest.mark.parametrize("mode,why", [("shape", "not of the shape fio writes"), ("nan", "not a finite number"),
                                           ("negative", "not a finite number"), ("huge", "over 64 MiB")])
-    def test_whatever_fio_prints_the_run_ends_with_its_results(self, tmp_path, mode, why):
+    def test_whatever_fio_prints_is_an_error_not_an_exception(self, tmp_path, monkeypatch, mode, why):
         env, log = fake_fio(tmp_path, mode)
+        for name in ("PATH", "FAKE_FIO_MODE", "FAKE_FIO_LOG"):
+            monkeypatch.setenv(name, env[name])
+        job = tmp_path / "replay" / "replay.fio"
+        job.parent.mkdir()
+        job.write_text("[global]\n")
+        with pytest.raises(RuntimeError, match=why):
+            kv.run_fio(job, 1, 30)
+        assert Path(log.read_text().split()[1]) == job.parent          # fio ran where its job is
+
+    def test_fio_of_the_wrong_shape_costs_the_comparison_not_the_run_and_leaves_others_files(self, tmp_path):
+        env, log = fake_fio(tmp_path, "shape")                      # it also leaves a file of someone else's
         proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "3", "--cpu-mem-gb", "0",
                                   "--fio-compare"), cwd=tmp_path, env=env)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         r = json.loads((tmp_path / "r.json").read_text())
-        assert why in r["summary"]["fio_comparison"]["error"] and "fio failed" in proc.stdout
-        assert log.read_text().count("\n") == 1
-
-    def test_the_replays_clean_up_leaves_what_fio_did_not_make(self, tmp_path):
-        env, log = fake_fio(tmp_path, "intruder")
-        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "3", "--cpu-mem-gb", "0",
-                                  "--fio-compare"), cwd=tmp_path, env=env)
-        r = results_of(proc, tmp_path)
-        assert r["summary"]["fio_comparison"]["fio"]["fio_version"] == "fio-fake"
+        assert "not of the shape fio writes" in r["summary"]["fio_comparison"]["error"] and "fio failed" in proc.stdout
         workdir = Path(log.read_text().split()[1])
         assert [p.name for p in workdir.iterdir()] == ["someone-else.txt"] and "left " in proc.stderr
 
@@ -7382,7 +7385,7 @@ sys.exit(subprocess.run([sys.executable, script, "--config", config, "--model", 
                 if "Measuring the raw bandwidth" in line:
                     break
             os.kill(_rank_pid(1, str(out)), signal.SIGTERM)
-        proc = run_cli("--model", "tiny-1b", "--num-users", "4", "--duration", "3", "--gpu-mem-gb", "0",
+        proc = run_cli("--model", "tiny-1b", "--num-users", "4", "--duration", "1", "--gpu-mem-gb", "0",
                        "--cpu-mem-gb", "0.05", "--generation-mode", "none", "--io-baseline", "--cache-dir",
                        tmp_path / "cache", "--output", out, cwd=tmp_path, timeout=120, env=env,
                        launcher=[mpiexec, "-n", "2", "--oversubscribe"], while_running=stop_rank_1_in_its_baseline)

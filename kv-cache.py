@@ -3998,11 +3998,10 @@ class CacheReport:
 
 def cache_stats_summary(report: CacheReport, profile: str, windows: Sequence[Tuple[Dict[str, int], float]],
                         device_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The cache's section of the results (`summary.cache_stats`), from counters and samples.
-    Totals count everything; a wall-basis rate divides what was moved up to the stop (the
-    counters taken then) by the measured window, per window (one per MPI rank) and summed,
-    so that work finishing in the shutdown tail does not inflate it. `device_stats`: the
-    device's counters over the run, to tell whether the storage reads reached it."""
+    """The cache's section of the results (`summary.cache_stats`), from counters and samples (and the
+    device's, to tell whether storage reads reached it). Totals count everything; a wall-basis rate
+    divides what was moved up to the stop by the measured window, per window (one per MPI rank)
+    and summed, so that work finishing in the shutdown tail does not inflate it."""
     c, samples, entry_counts = defaultdict(int, report.counters), report.samples, report.entry_counts
     hits, misses = c["cache_hits"], c["cache_misses"]
     stats: Dict[str, Any] = {
@@ -4045,16 +4044,15 @@ def cache_stats_summary(report: CacheReport, profile: str, windows: Sequence[Tup
     stats["nvme_write_gib_per_sec_wall"] = wall_rate("nvme_bytes_written", scale=GIB)
     stats["tokens_read"] = sum(c[f"{t}_tokens_read"] for t in TIER_NAMES)
     stats["tokens_written"] = sum(c[f"{t}_tokens_written"] for t in TIER_NAMES)
-    stats["retired_entries_deleted"] = c["retired_entries_deleted"]
-    stats["verify_checked"] = c["verify_checked"]
-    stats["verify_mismatches"] = c["verify_mismatches"]
+    for name in ("retired_entries_deleted", "verify_checked", "verify_mismatches"):
+        stats[name] = c[name]
     stats.update(report.tiers_info)
     # Device-busy basis: bytes over the wall time during which at least one such I/O was in flight.
     stats["nvme_read_gib_per_sec_busy"] = _ratio(c["nvme_bytes_read"] / GIB, stats.get("nvme_read_device_busy_s", 0.0))
     stats["nvme_write_gib_per_sec_busy"] = _ratio(c["nvme_bytes_written"] / GIB, stats.get("nvme_write_device_busy_s", 0.0))
     stats.update(_v30_figures(c, samples, entry_counts, windows))
-    stats["storage_reads_not_on_device"] = reads_not_on_device(c["nvme_bytes_read"], device_stats)
-    if stats["storage_reads_not_on_device"] and "storage_io_mode" in stats:
+    stats["storage_reads_not_on_device"] = off_device = reads_not_on_device(c["nvme_bytes_read"], device_stats)
+    if off_device and "storage_io_mode" in stats:
         stats["storage_io_mode"] += ", but the reads did not reach the device (served from the page cache)"
     stats["storage_health"] = evaluate_storage_performance(profile, stats)
     return stats

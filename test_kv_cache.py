@@ -6066,14 +6066,14 @@ def unwritable_results_run(tmp_path_factory):
 class TestReliability:
     # --- closed terminals -------------------------------------------------
     def test_a_reader_that_went_away_costs_the_report_never_the_results(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--duration", "1", "--cpu-mem-gb", "0.05"),
+        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0.05"),
                        cwd=tmp_path, while_running=lambda p: p.stdout.close())    # `| true`: nobody reads
         r = results_of(proc, tmp_path)
         assert r["requests_completed"] > 0
         assert "Traceback" not in proc.stderr and "the report was not printed" in proc.stderr
 
     def test_a_closed_stderr_still_runs_and_writes_everything(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--duration", "1", "--cpu-mem-gb", "0.05"),
+        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0.05"),
                        cwd=tmp_path, preexec_fn=lambda: os.close(2))              # `2>&-`: sys.stderr is None
         r = results_of(proc, tmp_path)
         assert r["requests_completed"] > 0 and "STORAGE PERFORMANCE ASSESSMENT" in proc.stdout
@@ -6171,7 +6171,7 @@ class TestReliability:
                                              capture_output=True).returncode:
             pytest.skip("cannot mount a loop device here")
         try:
-            proc = run_cli(*SMALL_RUN, "--num-users", "4", "--duration", "3", "--cpu-mem-gb", "0", "--seed", "3",
+            proc = run_cli(*SMALL_RUN, "--num-users", "4", "--max-requests", "3", "--cpu-mem-gb", "0", "--seed", "3",
                            "--cache-dir", mnt, "--output", tmp_path / "r.json", cwd=tmp_path, timeout=120)
         finally:
             subprocess.run(["umount", mnt], capture_output=True)
@@ -7385,7 +7385,7 @@ sys.exit(subprocess.run([sys.executable, script, "--config", config, "--model", 
                 if "Measuring the raw bandwidth" in line:
                     break
             os.kill(_rank_pid(1, str(out)), signal.SIGTERM)
-        proc = run_cli("--model", "tiny-1b", "--num-users", "4", "--duration", "1", "--gpu-mem-gb", "0",
+        proc = run_cli("--model", "tiny-1b", "--num-users", "4", "--max-requests", "4", "--gpu-mem-gb", "0",
                        "--cpu-mem-gb", "0.05", "--generation-mode", "none", "--io-baseline", "--cache-dir",
                        tmp_path / "cache", "--output", out, cwd=tmp_path, timeout=120, env=env,
                        launcher=[mpiexec, "-n", "2", "--oversubscribe"], while_running=stop_rank_1_in_its_baseline)

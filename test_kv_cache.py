@@ -6171,8 +6171,8 @@ class TestReliability:
                                              capture_output=True).returncode:
             pytest.skip("cannot mount a loop device here")
         try:
-            proc = run_cli(*SMALL_RUN, "--num-users", "4", "--max-requests", "3", "--cpu-mem-gb", "0", "--seed", "3",
-                           "--cache-dir", mnt, "--output", tmp_path / "r.json", cwd=tmp_path, timeout=120)
+            proc = run_cli(*SMALL_RUN, "--num-users", "1", "--max-requests", "1", "--cpu-mem-gb", "0", "--seed", "7",
+                           "--cache-dir", mnt, "--output", tmp_path / "r.json", cwd=tmp_path, timeout=300)
         finally:
             subprocess.run(["umount", mnt], capture_output=True)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr

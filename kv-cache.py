@@ -682,6 +682,8 @@ class BenchmarkConfig:
     seed: Optional[int] = None
     max_requests: int = 0
     worker_slots: int = 0                         # requests processed at once; 0: min(users, MAX_IN_FLIGHT_REQUESTS)
+    prefill_only: bool = False                    # a disaggregated prefill node (NodeRole)
+    decode_only: bool = False                     # a disaggregated decode node: contexts written before the timer
     # memory tiers
     gpu_mem_gb: float = 16.0
     cpu_mem_gb: float = 32.0
@@ -776,11 +778,15 @@ class BenchmarkConfig:
             ("--seed", self.seed, 0, 2 ** 63 - 1, "a non-negative integer below 2**63")]
         checks: List[Callable[[], None]] = [functools.partial(_check_range, *r) for r in ranges if r[1] is not None]
         return checks + [lambda: _check_dataset(self.dataset_path), lambda: _check_cache_dir(self.cache_dir),
-                         lambda: _check_outputs(self), self._check_fio]
+                         lambda: _check_outputs(self), self._check_fio, self._check_node_role]
 
     def _check_fio(self) -> None:
         if self.fio_compare and shutil.which("fio") is None:
             raise UsageError("--fio-compare needs fio on the PATH (install it, e.g. apt-get install fio)")
+
+    def _check_node_role(self) -> None:
+        if self.prefill_only and self.decode_only:
+            raise UsageError("--prefill-only and --decode-only cannot be combined (a node is one or the other)")
 
 
 # The original's flags whose value goes into a field of another name or meaning:
@@ -2537,11 +2543,17 @@ class NVMeBackend(StorageBackend):
         supported, reason = probe_direct_io(self.base_path)
         self.direct_io = supported if direct_io is None else (direct_io and supported)
         self.io_mode = "O_DIRECT" if self.direct_io else f"buffered + fdatasync + fadvise(DONTNEED): {reason}"
-        self.busy = {"read": BusyClock(), "write": BusyClock()}
-        # Sizes of the read and write requests issued to the file system ({bytes: count}), for --fio-job.
-        self.request_sizes: Dict[str, Dict[int, int]] = {"read": defaultdict(int), "write": defaultdict(int)}
-        self._file_sizes: List[int] = [0, 0, 0, 0]            # files written: count, bytes, smallest, largest
+        self.reset_accounting()
         self._trash_ids = itertools.count(1)
+
+    def reset_accounting(self) -> None:
+        """Forget what the tier did so far (busy clocks, request and file sizes): the measurement
+        starts now (after --decode-only's set-up)."""
+        with self._lock:
+            self.busy = {"read": BusyClock(), "write": BusyClock()}
+            # Sizes of the read and write requests issued to the file system ({bytes: count}), for --fio-job.
+            self.request_sizes: Dict[str, Dict[int, int]] = {"read": defaultdict(int), "write": defaultdict(int)}
+            self._file_sizes: List[int] = [0, 0, 0, 0]        # files written: count, bytes, smallest, largest
 
     # --- paths and buffers ---
     def _path(self, key: str) -> Path:
@@ -4150,6 +4162,12 @@ class CacheStats:
         with self._lock:
             self.counters[name] += amount
             return self.counters[name]
+
+    def reset(self) -> None:
+        """Forget every counter and sample: the measurement starts now."""
+        with self._lock:
+            self.counters.clear()
+            self.samples.clear()
 
     def snapshot(self) -> Tuple[Dict[str, int], Dict[Tuple[str, str], Tuple[List[float], ...]]]:
         with self._lock:
@@ -5844,6 +5862,82 @@ class WorkloadAutoscaler:
 
 
 # ============================================================================
+# NODE ROLES: DISAGGREGATED PREFILL AND DECODE
+# ============================================================================
+# A mixed node (the default) prefills and decodes every request. In a disaggregated deployment
+# a prefill node writes the KV of prompts and hands the first token on (--prefill-only: prefill
+# writes, the prefix and multi-turn reads, no decode reads, no generation), and a decode node
+# receives that KV and generates (--decode-only: each user's context is written before the
+# timer, then a request reads it, decodes, and writes only its generated tokens' KV).
+
+NODE_ROLE_NOTES = {
+    "mixed": "prefill and decode on this node",
+    "prefill-only": ("disaggregated prefill node: prefill writes and the prefix and multi-turn reads "
+                     "(unless disabled), no decode reads, no generation; a request emits its first token"),
+    "decode-only": ("disaggregated decode node: each user's context written before the timer; a request "
+                    "reads it, one decode read per 32 generated tokens, and writes its generated tokens' KV"),
+}
+DECODE_CONTEXT_THREADS = 8              # --decode-only's set-up writes contexts on this many threads
+DECODE_CONTEXT_PROGRESS_S = 5.0         # a progress line this often during that set-up
+
+
+def node_role(config: BenchmarkConfig) -> str:
+    return "prefill-only" if config.prefill_only else "decode-only" if config.decode_only else "mixed"
+
+
+def decode_context_key(user_index: int) -> str:
+    """The key of user `user_index`'s context on a decode node (written by write_decode_contexts)."""
+    return f"decode_context_user{user_index}"
+
+
+def reset_statistics(cache: "MultiTierCache") -> None:
+    """Forget what the cache and its storage tier counted so far: the measurement starts now."""
+    cache.stats.reset()
+    cache.backends["nvme"].reset_accounting()
+
+
+def write_decode_contexts(cache: "MultiTierCache", plan: WorkloadPlan, users: int,
+                          should_stop: Callable[[], bool]) -> Dict[str, Any]:
+    """--decode-only's set-up, before the timer: user i's context, as many tokens as the seed gives
+    its first request, written as decode_context_key(i) through the waterfall (as KV arriving from
+    prefill nodes would be), on DECODE_CONTEXT_THREADS threads, with a progress line every few
+    seconds. A stop asked for meanwhile aborts the writes in flight and raises Interrupted. Then
+    the statistics are reset. Returns what was written and where it lies."""
+    from concurrent.futures import ThreadPoolExecutor, wait
+    tokens = [plan.plans[i].peek(1)[0].context_tokens for i in range(users)]
+    per_token, t0 = cache.model_config.kv_cache_size_per_token, time.perf_counter()
+    logger.info("--decode-only: writing %d users' contexts (%.2f GB) before the timer...", users,
+                sum(tokens) * per_token / GIB)
+    with ThreadPoolExecutor(max_workers=max(1, min(DECODE_CONTEXT_THREADS, users)), thread_name_prefix="kv-ctx") as pool:
+        pending = {pool.submit(cache.write_entry, decode_context_key(i), tokens[i]) for i in range(users)}
+        next_line = t0 + DECODE_CONTEXT_PROGRESS_S
+        while pending:
+            _, pending = wait(pending, timeout=0.1)
+            if should_stop():
+                cache.abort_io()
+                for future in pending:
+                    future.cancel()
+            elif time.perf_counter() >= next_line:
+                next_line += DECODE_CONTEXT_PROGRESS_S
+                logger.info("--decode-only: %d of %d contexts written", users - len(pending), users)
+    if should_stop():
+        raise Interrupted()
+    where = {tier: {"entries": 0, "gb": 0.0} for tier in TIER_NAMES}
+    for i in range(users):
+        tier = cache.entry_location(decode_context_key(i))
+        if tier is not None:
+            where[tier]["entries"] += 1
+            where[tier]["gb"] += tokens[i] * per_token / GIB
+    reset_statistics(cache)
+    written = sum(w["entries"] for w in where.values())
+    summary = {"users": users, "contexts_written": written, "gb": sum(w["gb"] for w in where.values()),
+               "seconds": time.perf_counter() - t0, "by_tier": where}
+    logger.info("--decode-only: %d contexts (%.2f GB) written in %.1f s: %s", written, summary["gb"],
+                summary["seconds"], ", ".join(f"{t} {w['gb']:.2f} GB" for t, w in where.items()))
+    return summary
+
+
+# ============================================================================
 # BENCHMARK ENGINE
 # ============================================================================
 
@@ -5956,6 +6050,7 @@ class RunMeasurements:
     ranks: List["RunMeasurements"] = field(default_factory=list)
     rank: Optional[int] = None
     ranks_without_results: List[int] = field(default_factory=list)   # ranks stopped before their workload
+    decode_contexts: Optional[Dict[str, Any]] = None                 # --decode-only's set-up (write_decode_contexts)
 
     @property
     def interrupted(self) -> bool:
@@ -6148,6 +6243,8 @@ class IntegratedBenchmark:
         self.autoscaler = (WorkloadAutoscaler(config.autoscaler_mode, config.target_saturation, config.num_users)
                            if config.autoscaler_mode else None)
         self.workers = WorkerPool(self._spawn, self._serve_one, self._stop)
+        self.role = node_role(config)
+        self.decode_contexts: Optional[Dict[str, Any]] = None
 
     # --- control ---
     def request_stop(self, reason: str) -> None:
@@ -6165,6 +6262,9 @@ class IntegratedBenchmark:
         try:
             if self.config.io_baseline and not self._stop.is_set():
                 self._measure_baseline()
+            if self.role == "decode-only" and not self._stop.is_set():
+                self.decode_contexts = write_decode_contexts(self.cache, self.plan, self.config.num_users,
+                                                             self._stop.is_set)
             if self._stop.is_set():                    # stopped before the workload began: no results
                 raise Interrupted()
             cpu0 = time.process_time()
@@ -6345,6 +6445,21 @@ class IntegratedBenchmark:
     def _process(self, req: InferenceRequest) -> Optional[RequestRecord]:
         req.start_time = time.perf_counter()
         io = RequestIO()
+        if self.role != "decode-only":                 # a decode node's context came from a prefill node
+            self._prefill(req, io)
+        generation_s = 0.0 if self.role == "prefill-only" else self._decode(req, io)
+        if generation_s is None or io.aborted:
+            self.recorder.abandon()
+            return None
+        req.complete_time = time.perf_counter()
+        generated = 1 if self.role == "prefill-only" else req.generate_tokens   # a prefill node emits the first token
+        return RequestRecord(req.qos_level.value, req.context_tokens, generated,
+                             req.complete_time - req.submit_time, req.start_time - req.submit_time,
+                             io.storage_s, io.prefill_s, io.decode_s, generation_s, io.tokens)
+
+    def _prefill(self, req: InferenceRequest, io: RequestIO) -> None:
+        """The prefill: shared prefix, multi-turn resume (every earlier turn), RAG chunks, then the
+        request's own KV written."""
         cache = self.cache
         if req.prefix_key and self.config.prefix_caching:
             found = io.add("prefill", cache.read_entry(req.prefix_key, InferencePhase.PREFILL, req.prefix_type))
@@ -6361,19 +6476,14 @@ class IntegratedBenchmark:
                 if not read.aborted:
                     self.rag.record_read(read.latency_s)
         io.add("prefill", cache.write_entry(req.cache_key, req.context_tokens, InferencePhase.PREFILL))
-        generation_s = self._decode(req, io)
-        if generation_s is None or io.aborted:
-            self.recorder.abandon()
-            return None
-        req.complete_time = time.perf_counter()
-        return RequestRecord(req.qos_level.value, req.context_tokens, req.generate_tokens,
-                             req.complete_time - req.submit_time, req.start_time - req.submit_time,
-                             io.storage_s, io.prefill_s, io.decode_s, generation_s, io.tokens)
 
     def _decode(self, req: InferenceRequest, io: "RequestIO") -> Optional[float]:
-        """Decode reads interleaved with simulated generation; None when the run stopped first."""
+        """Decode reads of the request's context interleaved with simulated generation (a decode
+        node then writes the generated tokens' KV); None when the run stopped first."""
         if req.phase is InferencePhase.PREFILL or req.generate_tokens <= 0:
             return 0.0
+        decode_node = self.role == "decode-only"
+        key = decode_context_key(req.user_index) if decode_node else req.cache_key
         per_token_s = setting("generation_timing", self.config.generation_mode.value)
         batch = setting("decode", "batch_size")           # tokens per decode read (DECODE_TOKENS_PER_READ)
         reads = 1 + req.generate_tokens // batch
@@ -6383,13 +6493,16 @@ class IntegratedBenchmark:
             if self._stop.is_set():
                 return None
             if step < reads:
-                io.add("decode", self.cache.read_entry(req.cache_key, InferencePhase.DECODE, "user"))
+                io.add("decode", self.cache.read_entry(key, InferencePhase.DECODE, "user"))
             if step < steps and per_token_s > 0:
                 tokens = min(batch, req.generate_tokens - step * batch)
                 t = time.perf_counter()
                 if self._stop.wait(tokens * per_token_s):
                     return None
                 generation_s += time.perf_counter() - t
+        if decode_node:
+            io.add("decode", self.cache.write_entry(f"{req.cache_key}_generated", req.generate_tokens,
+                                                    InferencePhase.DECODE))
         return generation_s
 
     # --- results ---
@@ -6404,7 +6517,8 @@ class IntegratedBenchmark:
             io_baseline=self.io_baseline, process_cpu_s=self.process_cpu_s, shutdown_tail_s=self.shutdown_tail_s,
             autoscaling=(scaling.history, scaling.summary(self.scheduler.active_users)) if scaling else None,
             rag_stats=self.rag.stats() if self.rag else None,
-            dataset_stats=self.dataset.stats() if self.dataset else None, device_stats=self.device_stats)
+            dataset_stats=self.dataset.stats() if self.dataset else None, device_stats=self.device_stats,
+            decode_contexts=self.decode_contexts)
 
 
 # ============================================================================
@@ -6529,6 +6643,8 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "peak_in_flight": m.peak_in_flight,
         "conversations_evicted": m.conversations_evicted,
         "stop_reason": m.stop_reason,
+        "node_role": node_role(m.config),
+        "decode_contexts": m.decode_contexts,
         "thread_errors": list(m.thread_errors),
         **_storage_figures(cache_stats, m),
         **m.fio,
@@ -6689,6 +6805,7 @@ def format_report(results: Dict[str, Any]) -> str:
     else:
         add("Reads delivered to: host memory (no GPU tier)")
     add(f"Workload digest: {results['workload_digest']}")
+    _report_node_role(add, s)
     if cfg.get("config_file"):
         add(f"Configuration file: {cfg['config_file']} (sha256 {cfg['config_sha256'][:16]}...; every value "
             f"in the results' config.settings)")
@@ -6719,6 +6836,18 @@ def format_report(results: Dict[str, Any]) -> str:
             add(f"  - {error}")
     add("=" * 80)
     return "\n".join(lines)
+
+
+def _report_node_role(add: Callable[[str], None], s: Dict[str, Any]) -> None:
+    role = s.get("node_role") or "mixed"
+    if role == "mixed":
+        return
+    add(f"Node: {role} ({NODE_ROLE_NOTES[role]})")
+    ctx = s.get("decode_contexts")
+    if ctx:
+        add(f"  Contexts written before the timer: {ctx['contexts_written']:,} of {ctx['users']:,} users, "
+            f"{ctx['gb']:.2f} GB in {ctx['seconds']:.1f} s; where they lie: "
+            + ", ".join(f"{_V30_TIER_NAMES.get(t, t).upper()} {w['entries']:,} ({w['gb']:.2f} GB)" for t, w in ctx["by_tier"].items()))
 
 
 def _report_assessment(add: Callable[[str], None], health: Dict[str, Any]) -> None:
@@ -7614,6 +7743,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--disable-prefix-caching", action="store_true", help="no shared system-prompt caching")
     w.add_argument("--seed", type=int, default=None, help="seed for an identical workload on every run (MLPerf: 42)")
     w.add_argument("--max-requests", type=int, default=0, help="stop after N completed requests (0: no limit)")
+    w.add_argument("--prefill-only", action="store_true",
+                   help="a disaggregated prefill node: prefill writes, no decode reads, no generation "
+                        "(prefix and multi-turn reads stay unless disabled)")
+    w.add_argument("--decode-only", action="store_true",
+                   help="a disaggregated decode node: each user's context is written before the timer; "
+                        "requests read it, decode, and write only the generated tokens' KV")
     w.add_argument("--num-workers", type=int, default=0, dest="worker_slots",
                    help=f"requests processed at once, a worker thread each (default: as the original, "
                         f"min(users, {MAX_IN_FLIGHT_REQUESTS}), following the autoscaler's user count)")

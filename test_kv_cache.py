@@ -5990,6 +5990,63 @@ class TestEndToEnd:
         assert cache_dir.is_dir() and files_under(cache_dir) == []
 
 
+class TestNodeRoles:
+    """--prefill-only and --decode-only: the two halves of a disaggregated deployment."""
+
+    @pytest.mark.slow
+    def test_a_prefill_node_writes_and_does_not_read_back(self, tmp_path):
+        proc = run_cli(*small_run(tmp_path, "--num-users", "6", "--max-requests", "12", "--cpu-mem-gb", "0",
+                                  "--seed", "42", "--prefill-only", "--disable-multi-turn",
+                                  "--disable-prefix-caching"), cwd=tmp_path)
+        r = results_of(proc, tmp_path)
+        s, cs = r["summary"], r["summary"]["cache_stats"]
+        read, written = cs["nvme_bytes_read_gb"], cs["nvme_bytes_written_gb"]
+        assert written > 0 and read <= 0.05 * (read + written)
+        assert cs["decode_reads"] == 0 and cs["prefill_writes"] >= s["total_requests"] >= 12
+        assert s["total_tokens"] == s["total_requests"]            # each request emits its first token
+        assert s["generation_latency_ms"]["p95"] == 0.0
+        assert s["node_role"] == "prefill-only" and r["config"]["prefill_only"] is True
+        assert "Node: prefill-only (disaggregated prefill node" in proc.stdout
+
+    @pytest.mark.slow
+    def test_a_decode_node_reads_contexts_written_before_the_timer(self, tmp_path):
+        users = 6
+        proc = run_cli(*small_run(tmp_path, "--num-users", str(users), "--max-requests", "12", "--cpu-mem-gb", "0.1",
+                                  "--seed", "42", "--decode-only"), cwd=tmp_path)
+        r = results_of(proc, tmp_path)
+        s, cs = r["summary"], r["summary"]["cache_stats"]
+        read, written = cs["nvme_bytes_read_gb"], cs["nvme_bytes_written_gb"]
+        assert read > 0 and written <= 0.05 * (read + written)
+        assert cs["prefill_writes"] == 0 and cs["decode_reads"] > 0      # the set-up's writes are not counted
+        ctx = s["decode_contexts"]
+        plan = kv.WorkloadPlan("tiny-1b", users, 42)
+        expected_gb = sum(p.peek(1)[0].context_tokens for p in plan.plans) * TOKEN_BYTES / GIB
+        assert ctx["users"] == ctx["contexts_written"] == users
+        assert ctx["gb"] == pytest.approx(expected_gb)
+        assert sum(w["entries"] for w in ctx["by_tier"].values()) == users
+        assert ctx["by_tier"]["cpu"]["entries"] > 0 and ctx["by_tier"]["nvme"]["entries"] > 0   # the waterfall
+        assert s["node_role"] == "decode-only" and r["config"]["decode_only"] is True
+        assert "  Contexts written before the timer: 6 of 6 users" in proc.stdout
+
+    @pytest.mark.slow
+    def test_an_evicted_context_is_a_miss_not_a_zero_ms_read(self, tmp_path):
+        proc = run_cli(*small_run(tmp_path, "--num-users", "8", "--max-requests", "16", "--cpu-mem-gb", "0",
+                                  "--storage-capacity-gb", "0.1", "--seed", "42", "--decode-only"), cwd=tmp_path)
+        r = results_of(proc, tmp_path)
+        s, cs = r["summary"], r["summary"]["cache_stats"]
+        assert s["decode_contexts"]["contexts_written"] < 8                # some never fit, or left
+        assert cs["user_cache_misses"] > 0
+        storage_reads = cs["nvme_reads"] + cs["cpu_reads"] + cs["gpu_reads"]
+        assert cs["user_cache_hits"] == storage_reads                      # every read counted is a hit
+
+    def test_a_stop_during_the_decode_set_up_is_interrupted(self, make_cache):
+        cache = make_cache(cpu_entries=10)
+        plan = kv.WorkloadPlan("tiny-1b", 4, 42)
+        with pytest.raises(kv.Interrupted):
+            kv.write_decode_contexts(cache, plan, 4, lambda: True)
+        assert not cache.write_entry("after", 10).success              # the writes in flight were aborted
+
+
 # ============================================================================
 # RELIABILITY AND SAFETY (docs/reliability.md lists each case and its tests)
 # ============================================================================
@@ -6201,6 +6258,8 @@ class TestReliability:
         pytest.param(["--output", "{tmp}/" + "r" * 250 + ".json"], "--output", id="output name too long for its temporary"),
         pytest.param(["--output", "{tmp}/" + "r" * 300 + ".json"], "--output", id="output name too long"),
         pytest.param(["--fio-job", "{tmp}/" + "j" * 245 + ".fio"], "--fio-job", id="fio-job name too long"),
+        pytest.param(["--prefill-only", "--decode-only"], "--prefill-only and --decode-only",
+                     id="prefill-only with decode-only"),
         pytest.param(["--plot", "{tmp}/inputs", "--output", "{tmp}/inputs/tier_occupancy.png"], "--output",
                      id="output named as a chart"),
     ])
@@ -6693,17 +6752,18 @@ class TestReliability:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
     @pytest.mark.slow
-    @pytest.mark.parametrize("phase", ["set-up", "io-baseline"])
+    @pytest.mark.parametrize("phase", ["set-up", "io-baseline", "decode-only set-up"])
     def test_an_interrupt_is_honoured_in_any_phase(self, tmp_path, phase):
         cache = tmp_path / "cache"
-        args = (["--num-users", "100000", "--duration", "60"] if phase == "set-up"
-                else ["--num-users", "2", "--duration", "60", "--io-baseline"])
-        marker = "workload digest" if phase == "set-up" else "Measuring the raw bandwidth"
+        args = {"set-up": ["--num-users", "100000", "--duration", "60"],
+                "io-baseline": ["--num-users", "2", "--duration", "60", "--io-baseline"],
+                "decode-only set-up": ["--num-users", "400", "--duration", "60", "--decode-only"]}[phase]
+        marker = {"io-baseline": "Measuring the raw bandwidth", "decode-only set-up": "contexts (", "set-up": None}[phase]
 
         def interrupt_in_the_phase(proc):
             deadline = time.monotonic() + 30
             seen = ""
-            if phase == "io-baseline":                         # wait until the baseline is running
+            if marker:                                         # wait until the phase is running
                 while marker not in seen and time.monotonic() < deadline:
                     seen += proc.stderr.readline()
             else:

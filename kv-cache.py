@@ -5937,6 +5937,17 @@ def write_decode_contexts(cache: "MultiTierCache", plan: WorkloadPlan, users: in
     return summary
 
 
+def merge_decode_contexts(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """The ranks' --decode-only set-ups as one (pure): counts and GiB added up, the longest time."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return None
+    return {"users": sum(p["users"] for p in parts), "contexts_written": sum(p["contexts_written"] for p in parts),
+            "gb": sum(p["gb"] for p in parts), "seconds": max(p["seconds"] for p in parts),
+            "by_tier": {tier: {"entries": sum(p["by_tier"][tier]["entries"] for p in parts),
+                               "gb": sum(p["by_tier"][tier]["gb"] for p in parts)} for tier in TIER_NAMES}}
+
+
 # ============================================================================
 # BENCHMARK ENGINE
 # ============================================================================
@@ -7655,7 +7666,7 @@ def merge_measurements(config: BenchmarkConfig, gathered: List[Optional[RunMeasu
         thread_errors=[f"rank {p.rank}: {e}" for p in parts for e in p.thread_errors],
         process_cpu_s=sum(p.process_cpu_s for p in parts), shutdown_tail_s=max(p.shutdown_tail_s for p in parts),
         device_stats=merge_device_stats([p.device_stats for p in parts]), ranks=list(parts),
-        ranks_without_results=missing)
+        ranks_without_results=missing, decode_contexts=merge_decode_contexts([p.decode_contexts for p in parts]))
 
 
 _DEVICE_SUMS = ("reads_completed", "reads_merged", "bytes_read", "writes_completed", "writes_merged",

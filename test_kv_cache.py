@@ -6039,6 +6039,17 @@ class TestNodeRoles:
         storage_reads = cs["nvme_reads"] + cs["cpu_reads"] + cs["gpu_reads"]
         assert cs["user_cache_hits"] == storage_reads                      # every read counted is a hit
 
+    def test_the_ranks_decode_set_ups_add_up(self):
+        one = {"users": 3, "contexts_written": 3, "gb": 1.5, "seconds": 2.0,
+               "by_tier": {"gpu": {"entries": 0, "gb": 0.0}, "cpu": {"entries": 1, "gb": 0.5},
+                           "nvme": {"entries": 2, "gb": 1.0}}}
+        two = dict(one, contexts_written=2, gb=1.0, seconds=3.0,
+                   by_tier=dict(one["by_tier"], nvme={"entries": 1, "gb": 0.5}))
+        merged = kv.merge_decode_contexts([one, None, two])
+        assert (merged["users"], merged["contexts_written"], merged["gb"], merged["seconds"]) == (6, 5, 2.5, 3.0)
+        assert merged["by_tier"]["nvme"] == {"entries": 3, "gb": 1.5} and merged["by_tier"]["cpu"]["entries"] == 2
+        assert kv.merge_decode_contexts([None, None]) is None
+
     def test_a_stop_during_the_decode_set_up_is_interrupted(self, make_cache):
         cache = make_cache(cpu_entries=10)
         plan = kv.WorkloadPlan("tiny-1b", 4, 42)

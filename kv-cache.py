@@ -38,6 +38,7 @@ Sections, in the order data flows through the program (each uses only those abov
     METRIC MATH                       pure functions over counters and samples
     MULTI-TIER CACHE                  EvictionPolicy, waterfall LRU over the tiers
     MONITORING AND AUTOSCALING        timeline, block-device counters, --io-baseline, fio, autoscaler
+    NODE ROLES                        --prefill-only, --decode-only (its contexts before the timer)
     BENCHMARK ENGINE                  scheduler, workers, request flow, RunMeasurements
     STATISTICS AND REPORTS            assemble_results (once), console, JSON, Excel, charts
     MULTI-NODE (MPI)                  ranks' shares, merging their measurements
@@ -6649,13 +6650,11 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "bottlenecks": diagnose_bottlenecks(summaries["e2e"], summaries["queue"], summaries["storage"],
                                             summaries["generation"], cache_stats),
         "workload_digest": m.workload_digest,
-        "requests_admitted": m.admitted,
-        "requests_abandoned": m.abandoned,
+        "requests_admitted": m.admitted, "requests_abandoned": m.abandoned,
         "peak_in_flight": m.peak_in_flight,
         "conversations_evicted": m.conversations_evicted,
         "stop_reason": m.stop_reason,
-        "node_role": node_role(m.config),
-        "decode_contexts": m.decode_contexts,
+        "node_role": node_role(m.config), "decode_contexts": m.decode_contexts,
         "thread_errors": list(m.thread_errors),
         **_storage_figures(cache_stats, m),
         **m.fio,
@@ -6820,8 +6819,7 @@ def format_report(results: Dict[str, Any]) -> str:
     if cfg.get("config_file"):
         add(f"Configuration file: {cfg['config_file']} (sha256 {cfg['config_sha256'][:16]}...; every value "
             f"in the results' config.settings)")
-    missing = headline_not_measured(results)
-    if missing:
+    if (missing := headline_not_measured(results)):
         add(f"NOT A RESULT: {missing}")
     _report_assessment(add, cs["storage_health"])
     _report_overall(add, s, cs)

@@ -693,6 +693,9 @@ class BenchmarkConfig:
     max_concurrent_allocs: int = 0
     storage_capacity_gb: Optional[float] = 0.0    # 0: 95 % of the free space at the start; None: unbounded
     io_baseline: bool = False                     # measure the cache directory's raw bandwidth first
+    precondition: bool = False                    # age the storage tier before the timer (precondition_storage)
+    precondition_size_gb: float = 0.0             # GiB to write; 0: twice the storage tier's capacity
+    precondition_threads: int = 0                 # 0: one per core
     verify: bool = False
     # autoscaling
     autoscaler_mode: Optional[str] = None         # None (off), 'qos' or 'capacity'
@@ -776,7 +779,11 @@ class BenchmarkConfig:
             ("--monitor-interval", self.monitor_interval_s, 0.1, 3600, "between 0.1 and 3600 seconds"),
             ("--storage-capacity-gb", self.storage_capacity_gb, 0, MAX_STORAGE_CAPACITY_GB,
              "0 (95% of the free space) or a positive size in GiB"),
-            ("--seed", self.seed, 0, 2 ** 63 - 1, "a non-negative integer below 2**63")]
+            ("--seed", self.seed, 0, 2 ** 63 - 1, "a non-negative integer below 2**63"),
+            ("--precondition-size-gb", self.precondition_size_gb, 0, MAX_STORAGE_CAPACITY_GB,
+             "0 (twice the storage tier's capacity) or a size in GiB", "cannot be negative"),
+            ("--precondition-threads", self.precondition_threads, 0, 1024, "0 (one per core) to 1024",
+             "cannot be negative")]
         checks: List[Callable[[], None]] = [functools.partial(_check_range, *r) for r in ranges if r[1] is not None]
         return checks + [lambda: _check_dataset(self.dataset_path), lambda: _check_cache_dir(self.cache_dir),
                          lambda: _check_outputs(self), self._check_fio, self._check_node_role]
@@ -4431,8 +4438,10 @@ class MultiTierCache:
         result = self.write_entry(key, num_tokens, phase)
         return result.success, result.tier, result.latency_s
 
-    def write_entry(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL) -> "CacheResult":
-        """`allocate_cache` with the tokens moved (this entry's, plus entries it demoted)."""
+    def write_entry(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
+                    first_tier: int = 0) -> "CacheResult":
+        """`allocate_cache` with the tokens moved (this entry's, plus entries it demoted); `first_tier`:
+        the fastest tier it may go to, by its place in the tier order (--precondition: the last)."""
         t0 = time.perf_counter()
         if num_tokens <= 0:
             return CacheResult(False, None, 0.0, 0)
@@ -4440,13 +4449,14 @@ class MultiTierCache:
         if self._alloc_slots is not None:
             self._alloc_slots.acquire()
         try:
-            success, tier, tokens, aborted = self._allocate(key, num_tokens, phase)
+            success, tier, tokens, aborted = self._allocate(key, num_tokens, phase, first_tier)
         finally:
             if self._alloc_slots is not None:
                 self._alloc_slots.release()
         return CacheResult(success, tier, time.perf_counter() - t0, tokens + self._tls.demoted_tokens, aborted)
 
-    def _allocate(self, key: str, num_tokens: int, phase: InferencePhase) -> Tuple[bool, Optional[str], int, bool]:
+    def _allocate(self, key: str, num_tokens: int, phase: InferencePhase,
+                  first_tier: int) -> Tuple[bool, Optional[str], int, bool]:
         cfg = self.model_config
         size = num_tokens * cfg.kv_cache_size_per_token
         with self._lock:
@@ -4459,7 +4469,7 @@ class MultiTierCache:
             self._entries[key] = entry
         if old is not None:
             self._discard_data(old.tier, key)
-        tier = self._reserve(size, 0)
+        tier = self._reserve(size, first_tier)
         if tier is None:
             self._drop(entry, reserved_tier=None)
             self.stats.count("allocation_failures")
@@ -5950,6 +5960,110 @@ def merge_decode_contexts(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional
 
 
 # ============================================================================
+# PRECONDITIONING (--precondition)
+# ============================================================================
+# SSD test practice ages a drive before measuring it: a fresh drive writes faster than one whose
+# blocks have all been written. --precondition writes the run's own entry sizes straight to the
+# storage tier before the timer, until --precondition-size-gb (0: twice the tier's capacity),
+# the tier's least recently used (oldest) entries evicted and deleted as it fills, and reports
+# the device's write rate over the first and the last tenth: steady state shows as the two
+# being alike. The timed run starts on the aged drive, the cache as the preconditioning left it.
+
+PRECONDITION_PROGRESS_S = 5.0           # a progress line this often
+PRECONDITION_SIZES_PER_USER = 8         # the entry sizes drawn from each user's first planned requests
+PRECONDITION_SIZE_USERS = 1000          # ... of at most this many users
+
+
+def precondition_storage(cache: "MultiTierCache", plan: WorkloadPlan, config: BenchmarkConfig,
+                         should_stop: Callable[[], bool]) -> Dict[str, Any]:
+    """Write --precondition's bytes to the storage tier on --precondition-threads threads; a stop
+    asked for meanwhile aborts the writes in flight and raises Interrupted. The statistics are
+    reset afterwards. Returns what was written and the device's view of it."""
+    from concurrent.futures import ThreadPoolExecutor
+    limit = cache._get_tier_limit("nvme")
+    target = int(config.precondition_size_gb * GIB) if config.precondition_size_gb else int(2 * limit)
+    sizes = [r.context_tokens for p in plan.plans[:PRECONDITION_SIZE_USERS] for r in p.peek(PRECONDITION_SIZES_PER_USER)]
+    per_token, storage = cache.model_config.kv_cache_size_per_token, len(cache._get_tier_order()) - 1
+    monitor, progress = BlockDeviceMonitor(cache.run_dir), _PreconditionProgress(target, sizes, per_token)
+    monitor.start()
+
+    def writer() -> None:
+        while not should_stop() and (claimed := progress.claim()) is not None:
+            n, tokens = claimed
+            result = cache.write_entry(f"precondition_{n}", tokens, InferencePhase.PREFILL, storage)
+            progress.done(result.success, tokens * per_token, monitor)
+    threads = config.precondition_threads or os.cpu_count() or 1
+    logger.info("--precondition: writing %.2f GB to the storage tier before the timer on %d threads...",
+                target / GIB, threads)
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kv-precondition") as pool:
+        futures = [pool.submit(writer) for _ in range(threads)]
+        while not all(f.done() for f in futures):
+            if should_stop():
+                cache.abort_io()
+            time.sleep(0.05)
+        for future in futures:
+            future.result()
+    if should_stop():
+        raise Interrupted()
+    summary = progress.summary(monitor)
+    reset_statistics(cache)
+    logger.info("--precondition: %.2f GB written in %.1f s", summary["written_gb"], summary["seconds"])
+    return summary
+
+
+class _PreconditionProgress:
+    """The entries the preconditioning threads claim and write, its progress lines, and the
+    device's write rate over the first and the last tenth (BlockDeviceMonitor intervals at 10 %,
+    90 % and the end of the bytes written)."""
+
+    def __init__(self, target: int, sizes: List[int], per_token: int):
+        self.target, self.t0 = target, time.perf_counter()
+        self._sizes, self._per_token = sizes, per_token
+        self._lock = threading.Lock()
+        self.claimed = self.written = self.entries = self.failed = self._count = self._since_mark = 0
+        self._next_line = self.t0 + PRECONDITION_PROGRESS_S
+        self._marks: List[Optional[float]] = []         # device write GiB/s up to 10 %, 10-90 %, 90-100 %
+
+    def claim(self) -> Optional[Tuple[int, int]]:
+        """(the next entry's number, its tokens), or None once the target is claimed."""
+        with self._lock:
+            if self.claimed >= self.target:
+                return None
+            n, self._count = self._count, self._count + 1
+            tokens = self._sizes[n % len(self._sizes)]
+            self.claimed += tokens * self._per_token
+            return n, tokens
+
+    def done(self, success: bool, nbytes: int, monitor: "BlockDeviceMonitor") -> None:
+        with self._lock:
+            self.entries += success
+            self.failed += not success
+            self.written += nbytes if success else 0
+            now = time.perf_counter()
+            self._since_mark += success
+            if len(self._marks) < 2 and self.written >= (0.1, 0.9)[len(self._marks)] * self.target:
+                self._marks.append(monitor.interval().get("device_write_gib_per_sec"))
+                self._since_mark = 0
+            if now >= self._next_line:
+                self._next_line += PRECONDITION_PROGRESS_S
+                left = (now - self.t0) * (self.target - self.written) / self.written if self.written else float("nan")
+                logger.info("--precondition: %.2f of %.2f GB written, about %.0f s left", self.written / GIB,
+                            self.target / GIB, left)
+
+    def summary(self, monitor: "BlockDeviceMonitor") -> Dict[str, Any]:
+        """The last tenth is the entries written after the 90 % mark: None when the entry that
+        crossed it also ended the preconditioning (too few entries to tell)."""
+        last = monitor.interval().get("device_write_gib_per_sec") if len(self._marks) == 2 and self._since_mark else None
+        device = monitor.finish()
+        return {"target_gb": self.target / GIB, "written_gb": self.written / GIB, "entries": self.entries,
+                "failed_writes": self.failed, "seconds": time.perf_counter() - self.t0,
+                "device_written_gb": device.get("write_gb") if device.get("available") else None,
+                "device": device.get("device") if device.get("available") else None,
+                "device_write_gib_per_sec_first_tenth": self._marks[0] if self._marks else None,
+                "device_write_gib_per_sec_last_tenth": last}
+
+
+# ============================================================================
 # BENCHMARK ENGINE
 # ============================================================================
 
@@ -6063,6 +6177,7 @@ class RunMeasurements:
     rank: Optional[int] = None
     ranks_without_results: List[int] = field(default_factory=list)   # ranks stopped before their workload
     decode_contexts: Optional[Dict[str, Any]] = None                 # --decode-only's set-up (write_decode_contexts)
+    precondition: Optional[Dict[str, Any]] = None                    # --precondition (precondition_storage)
 
     @property
     def interrupted(self) -> bool:
@@ -6257,6 +6372,7 @@ class IntegratedBenchmark:
         self.workers = WorkerPool(self._spawn, self._serve_one, self._stop)
         self.role = node_role(config)
         self.decode_contexts: Optional[Dict[str, Any]] = None
+        self.precondition: Optional[Dict[str, Any]] = None
 
     # --- control ---
     def request_stop(self, reason: str) -> None:
@@ -6274,6 +6390,8 @@ class IntegratedBenchmark:
         try:
             if self.config.io_baseline and not self._stop.is_set():
                 self._measure_baseline()
+            if self.config.precondition and not self._stop.is_set():
+                self.precondition = precondition_storage(self.cache, self.plan, self.config, self._stop.is_set)
             if self.role == "decode-only" and not self._stop.is_set():
                 self.decode_contexts = write_decode_contexts(self.cache, self.plan, self.config.num_users,
                                                              self._stop.is_set)
@@ -6530,7 +6648,7 @@ class IntegratedBenchmark:
             autoscaling=(scaling.history, scaling.summary(self.scheduler.active_users)) if scaling else None,
             rag_stats=self.rag.stats() if self.rag else None,
             dataset_stats=self.dataset.stats() if self.dataset else None, device_stats=self.device_stats,
-            decode_contexts=self.decode_contexts)
+            decode_contexts=self.decode_contexts, precondition=self.precondition)
 
 
 # ============================================================================
@@ -6654,7 +6772,7 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "peak_in_flight": m.peak_in_flight,
         "conversations_evicted": m.conversations_evicted,
         "stop_reason": m.stop_reason,
-        "node_role": node_role(m.config), "decode_contexts": m.decode_contexts,
+        "node_role": node_role(m.config), "decode_contexts": m.decode_contexts, "precondition": m.precondition,
         "thread_errors": list(m.thread_errors),
         **_storage_figures(cache_stats, m),
         **m.fio,
@@ -6816,6 +6934,8 @@ def format_report(results: Dict[str, Any]) -> str:
         add("Reads delivered to: host memory (no GPU tier)")
     add(f"Workload digest: {results['workload_digest']}")
     _report_node_role(add, s)
+    if s.get("precondition"):
+        _report_precondition(add, s["precondition"])
     if cfg.get("config_file"):
         add(f"Configuration file: {cfg['config_file']} (sha256 {cfg['config_sha256'][:16]}...; every value "
             f"in the results' config.settings)")
@@ -6857,6 +6977,15 @@ def _report_node_role(add: Callable[[str], None], s: Dict[str, Any]) -> None:
         add(f"  Contexts written before the timer: {ctx['contexts_written']:,} of {ctx['users']:,} users, "
             f"{ctx['gb']:.2f} GB in {ctx['seconds']:.1f} s; where they lie: "
             + ", ".join(f"{_V30_TIER_NAMES.get(t, t).upper()} {w['entries']:,} ({w['gb']:.2f} GB)" for t, w in ctx["by_tier"].items()))
+
+
+def _report_precondition(add: Callable[[str], None], p: Dict[str, Any]) -> None:
+    device = (f"; {p['device']} wrote {p['device_written_gb']:.2f} GB, "
+              f"{_fmt_or_na(p['device_write_gib_per_sec_first_tenth'], '.3f')} GB/s over the first tenth, "
+              f"{_fmt_or_na(p['device_write_gib_per_sec_last_tenth'], '.3f')} GB/s over the last"
+              if p.get("device_written_gb") is not None else "; the device was not sampled")
+    add(f"Preconditioned before the timer: {p['written_gb']:.2f} of {p['target_gb']:.2f} GB in {p['entries']:,} "
+        f"entries, {p['seconds']:.1f} s{device}")
 
 
 def _report_assessment(add: Callable[[str], None], health: Dict[str, Any]) -> None:
@@ -7800,6 +7929,13 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
                         "and report the workload's storage efficiency against it")
     m.add_argument("--verify", action="store_true",
                    help="checksum every entry written and check every read against it")
+    m.add_argument("--precondition", action="store_true",
+                   help="before the timer, age the drive: write incompressible entries of the run's sizes straight "
+                        "to the storage tier (the oldest evicted when it is full)")
+    m.add_argument("--precondition-size-gb", type=float, default=0.0,
+                   help="GiB --precondition writes (0: twice the storage tier's capacity)")
+    m.add_argument("--precondition-threads", type=int, default=0,
+                   help="threads --precondition writes on (0: one per core)")
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:

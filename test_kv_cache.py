@@ -6039,6 +6039,23 @@ class TestNodeRoles:
         storage_reads = cs["nvme_reads"] + cs["cpu_reads"] + cs["gpu_reads"]
         assert cs["user_cache_hits"] == storage_reads                      # every read counted is a hit
 
+    @pytest.mark.slow
+    def test_preconditioning_writes_its_size_to_the_device_before_the_timer(self, tmp_path):
+        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "2",
+                                  "--seed", "42", "--precondition", "--precondition-size-gb", "0.25"), cwd=tmp_path)
+        r = results_of(proc, tmp_path)
+        s, cs = r["summary"], r["summary"]["cache_stats"]
+        p = s["precondition"]
+        largest = max(q.context_tokens for plan in kv.WorkloadPlan("tiny-1b", 2, 42).plans
+                      for q in plan.peek(kv.PRECONDITION_SIZES_PER_USER)) * TOKEN_BYTES / GIB
+        assert 0.25 <= p["written_gb"] < 0.25 + largest and p["failed_writes"] == 0 and p["entries"] > 0
+        if p["device_written_gb"] is not None:                       # the kernel's count of what reached the drive
+            assert p["device_written_gb"] == pytest.approx(p["written_gb"], rel=0.05)
+            last = p["device_write_gib_per_sec_last_tenth"]                # None: one entry crossed 90 % and the end
+            assert p["device_write_gib_per_sec_first_tenth"] > 0 and (last is None or last > 0)
+        assert cs["nvme_writes"] == 0 and cs["nvme_entries"] >= p["entries"]      # counted apart, left in place
+        assert r["config"]["precondition"] is True and "Preconditioned before the timer: " in proc.stdout
+
     def test_the_ranks_decode_set_ups_add_up(self):
         one = {"users": 3, "contexts_written": 3, "gb": 1.5, "seconds": 2.0,
                "by_tier": {"gpu": {"entries": 0, "gb": 0.0}, "cpu": {"entries": 1, "gb": 0.5},
@@ -6271,6 +6288,8 @@ class TestReliability:
         pytest.param(["--fio-job", "{tmp}/" + "j" * 245 + ".fio"], "--fio-job", id="fio-job name too long"),
         pytest.param(["--prefill-only", "--decode-only"], "--prefill-only and --decode-only",
                      id="prefill-only with decode-only"),
+        pytest.param(["--precondition-size-gb", "-1"], "--precondition-size-gb", id="precondition-size-gb -1"),
+        pytest.param(["--precondition-threads", "-1"], "--precondition-threads", id="precondition-threads -1"),
         pytest.param(["--plot", "{tmp}/inputs", "--output", "{tmp}/inputs/tier_occupancy.png"], "--output",
                      id="output named as a chart"),
     ])
@@ -6763,13 +6782,16 @@ class TestReliability:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
     @pytest.mark.slow
-    @pytest.mark.parametrize("phase", ["set-up", "io-baseline", "decode-only set-up"])
+    @pytest.mark.parametrize("phase", ["set-up", "io-baseline", "decode-only set-up", "precondition"])
     def test_an_interrupt_is_honoured_in_any_phase(self, tmp_path, phase):
         cache = tmp_path / "cache"
         args = {"set-up": ["--num-users", "100000", "--duration", "60"],
                 "io-baseline": ["--num-users", "2", "--duration", "60", "--io-baseline"],
-                "decode-only set-up": ["--num-users", "400", "--duration", "60", "--decode-only"]}[phase]
-        marker = {"io-baseline": "Measuring the raw bandwidth", "decode-only set-up": "contexts (", "set-up": None}[phase]
+                "decode-only set-up": ["--num-users", "400", "--duration", "60", "--decode-only"],
+                "precondition": ["--num-users", "2", "--duration", "60", "--precondition", "--precondition-size-gb", "50"]
+                }[phase]
+        marker = {"io-baseline": "Measuring the raw bandwidth", "decode-only set-up": "contexts (",
+                  "precondition": "--precondition: writing", "set-up": None}[phase]
 
         def interrupt_in_the_phase(proc):
             deadline = time.monotonic() + 30

@@ -6030,7 +6030,8 @@ class _PreconditionProgress:
             if self.claimed >= self.target:
                 return None
             n, self._count = self._count, self._count + 1
-            tokens = self._sizes[n % len(self._sizes)]
+            left = -(-(self.target - self.claimed) // self._per_token)      # the last entry ends at the target
+            tokens = min(self._sizes[n % len(self._sizes)], left)
             self.claimed += tokens * self._per_token
             return n, tokens
 

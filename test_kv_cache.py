@@ -6046,9 +6046,8 @@ class TestNodeRoles:
         r = results_of(proc, tmp_path)
         s, cs = r["summary"], r["summary"]["cache_stats"]
         p = s["precondition"]
-        largest = max(q.context_tokens for plan in kv.WorkloadPlan("tiny-1b", 2, 42).plans
-                      for q in plan.peek(kv.PRECONDITION_SIZES_PER_USER)) * TOKEN_BYTES / GIB
-        assert 0.25 <= p["written_gb"] < 0.25 + largest and p["failed_writes"] == 0 and p["entries"] > 0
+        assert 0.25 <= p["written_gb"] < 0.25 + TOKEN_BYTES / GIB              # the last entry ends at the target
+        assert p["failed_writes"] == 0 and p["entries"] > 0
         if p["device_written_gb"] is not None:                       # the kernel's count of what reached the drive
             assert p["device_written_gb"] == pytest.approx(p["written_gb"], rel=0.05)
             last = p["device_write_gib_per_sec_last_tenth"]                # None: one entry crossed 90 % and the end

@@ -39,6 +39,7 @@ Sections, in the order data flows through the program (each uses only those abov
     MULTI-TIER CACHE                  EvictionPolicy, waterfall LRU over the tiers
     MONITORING AND AUTOSCALING        timeline, block-device counters, --io-baseline, fio, autoscaler
     NODE ROLES                        --prefill-only, --decode-only (its contexts before the timer)
+    PRECONDITIONING                   --precondition: the drive aged before the timer
     BENCHMARK ENGINE                  scheduler, workers, request flow, RunMeasurements
     STATISTICS AND REPORTS            assemble_results (once), console, JSON, Excel, charts
     MULTI-NODE (MPI)                  ranks' shares, merging their measurements
@@ -4440,8 +4441,7 @@ class MultiTierCache:
 
     def write_entry(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
                     first_tier: int = 0) -> "CacheResult":
-        """`allocate_cache` with the tokens moved (this entry's, plus entries it demoted); `first_tier`:
-        the fastest tier it may go to, by its place in the tier order (--precondition: the last)."""
+        """`allocate_cache` with the tokens moved (its own and its demotions'); `first_tier`: the fastest allowed."""
         t0 = time.perf_counter()
         if num_tokens <= 0:
             return CacheResult(False, None, 0.0, 0)
@@ -6935,8 +6935,6 @@ def format_report(results: Dict[str, Any]) -> str:
         add("Reads delivered to: host memory (no GPU tier)")
     add(f"Workload digest: {results['workload_digest']}")
     _report_node_role(add, s)
-    if s.get("precondition"):
-        _report_precondition(add, s["precondition"])
     if cfg.get("config_file"):
         add(f"Configuration file: {cfg['config_file']} (sha256 {cfg['config_sha256'][:16]}...; every value "
             f"in the results' config.settings)")
@@ -6969,6 +6967,9 @@ def format_report(results: Dict[str, Any]) -> str:
 
 
 def _report_node_role(add: Callable[[str], None], s: Dict[str, Any]) -> None:
+    """What the node is, and what it did before the timer (--precondition, --decode-only's contexts)."""
+    if s.get("precondition"):
+        _report_precondition(add, s["precondition"])
     role = s.get("node_role") or "mixed"
     if role == "mixed":
         return

@@ -6041,14 +6041,16 @@ class TestNodeRoles:
 
     @pytest.mark.slow
     def test_preconditioning_writes_its_size_to_the_device_before_the_timer(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "2",
-                                  "--seed", "42", "--precondition", "--precondition-size-gb", "0.25"), cwd=tmp_path)
+        with loop_mounted_ext4(tmp_path) as private:                   # a device only this run writes to
+            proc = run_cli(*SMALL_RUN, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "2", "--seed", "42",
+                           "--precondition", "--precondition-size-gb", "0.25", "--cache-dir", private or tmp_path / "c",
+                           "--output", tmp_path / "r.json", cwd=tmp_path, timeout=300)
         r = results_of(proc, tmp_path)
         s, cs = r["summary"], r["summary"]["cache_stats"]
         p = s["precondition"]
         assert 0.25 <= p["written_gb"] < 0.25 + TOKEN_BYTES / GIB              # the last entry ends at the target
         assert p["failed_writes"] == 0 and p["entries"] > 0
-        if p["device_written_gb"] is not None:                       # the kernel's count of what reached the drive
+        if private is not None:                                      # the kernel's count of what reached the drive
             assert p["device_written_gb"] == pytest.approx(p["written_gb"], rel=0.05)
             last = p["device_write_gib_per_sec_last_tenth"]                # None: one entry crossed 90 % and the end
             assert p["device_write_gib_per_sec_first_tenth"] > 0 and (last is None or last > 0)
@@ -6244,21 +6246,11 @@ class TestReliability:
     @pytest.mark.slow
     def test_o_direct_served_from_the_page_cache_is_named_and_degraded(self, tmp_path):
         """ext4 mounted data=journal takes O_DIRECT opens but serves reads from the page cache."""
-        image, mnt = tmp_path / "journal.img", tmp_path / "mnt"
-        mnt.mkdir()
-        if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
-            pytest.skip("needs root and mkfs.ext4 to mount an ext4 image with data=journal")
-        with open(image, "wb") as f:
-            f.truncate(512 * MIB)
-        made = subprocess.run(["mkfs.ext4", "-q", "-F", image], capture_output=True)
-        if made.returncode or subprocess.run(["mount", "-o", "loop,data=journal", image, mnt],
-                                             capture_output=True).returncode:
-            pytest.skip("cannot mount a loop device here")
-        try:
+        with loop_mounted_ext4(tmp_path, "data=journal") as mnt:
+            if mnt is None:
+                pytest.skip("needs root, mkfs.ext4 and a loop device to mount an ext4 image with data=journal")
             proc = run_cli(*SMALL_RUN, "--num-users", "1", "--max-requests", "1", "--cpu-mem-gb", "0", "--seed", "7",
                            "--cache-dir", mnt, "--output", tmp_path / "r.json", cwd=tmp_path, timeout=300)
-        finally:
-            subprocess.run(["umount", mnt], capture_output=True)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         cs = json.loads((tmp_path / "r.json").read_text())["summary"]["cache_stats"]
         assert cs["nvme_bytes_read_gb"] * GIB >= kv.DEVICE_READ_CHECK_MIN_BYTES
@@ -7235,6 +7227,29 @@ def _mpi_launcher():
     for var in MPI_ENV_VARS:
         env.pop(var, None)
     return mpiexec, env
+
+
+@contextlib.contextmanager
+def loop_mounted_ext4(tmp_path: Path, options: str = ""):
+    """A fresh 512 MiB ext4 file system on a loop device of its own (mounted with `options`), whose
+    block counters see only what the test writes; yields its mount point, or None where it cannot
+    be made (not root, no mkfs.ext4, no loop devices). Unmounted afterwards."""
+    image, mnt = tmp_path / "ext4.img", tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
+        yield None
+        return
+    with open(image, "wb") as f:
+        f.truncate(512 * MIB)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", image], capture_output=True)
+    if made.returncode or subprocess.run(["mount", "-o", ",".join(filter(None, ["loop", options])), image, mnt],
+                                         capture_output=True).returncode:
+        yield None
+        return
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", mnt], capture_output=True)
 
 
 def _rank_pid(rank: int, marker: str) -> int:

@@ -178,6 +178,7 @@ class ModelConfig:
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     display_name: Optional[str] = None    # the --config file's `name` ("Llama 3.1 8B"); `name` is the key
+    kv_copies: int = 1                    # copies of each KV head (MLA: of the latent) kept across TP ranks
 
     @property
     def bytes_per_element(self) -> int:
@@ -196,7 +197,7 @@ class ModelConfig:
 
     @property
     def _vectors(self) -> int:
-        return 1 if self.attention_type == "mla" else 2 * self.kv_heads
+        return self.kv_copies * (1 if self.attention_type == "mla" else 2 * self.kv_heads)
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -204,8 +205,8 @@ class ModelConfig:
 
     def entry_shape(self, num_tokens: int) -> Tuple[int, int, int, int, int]:
         if self.attention_type == "mla":
-            return (self.num_layers, 1, num_tokens, 1, self.kv_dim_per_head)
-        return (self.num_layers, 2, num_tokens, self.kv_heads, self.kv_dim_per_head)
+            return (self.num_layers, 1, num_tokens, self.kv_copies, self.kv_dim_per_head)
+        return (self.num_layers, 2, num_tokens, self.kv_heads * self.kv_copies, self.kv_dim_per_head)
 
 
 MODEL_CONFIGS: Dict[str, ModelConfig] = {
@@ -224,6 +225,55 @@ PACKAGE_MODEL_CONFIGS: Dict[str, ModelConfig] = {
     "gpt-oss-20b": ModelConfig("gpt-oss-20b", 24, 2880, 64, 8, head_dim=64),
 }
 MODELS: Dict[str, ModelConfig] = {**MODEL_CONFIGS, **PACKAGE_MODEL_CONFIGS}     # what --model offers
+
+
+# --- Tensor-parallel shards (--num-gpus, --tensor-parallel) ---
+MAX_GPUS = 1_024
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a node of `num_gpus` GPUs running `num_gpus / tensor_parallel` model instances keeps
+    KV: each entry is `tensor_parallel` shards, one per rank, each an object of its own.
+
+    A rank holds max(1, kv_heads / TP) KV heads: with fewer KV heads than ranks each rank keeps
+    one replicated head (as engines do). An MLA model's latent is not split by head, so every
+    rank keeps all of it and a shard is the whole entry. `model` is the model as stored: an
+    entry of it is the TP shards together."""
+    num_gpus: int
+    tensor_parallel: int
+    heads_per_shard: Optional[int]          # None: MLA, whose latent every shard holds whole
+    shard_bytes_per_token: int
+    model: ModelConfig
+
+    @property
+    def instances(self) -> int:
+        return self.num_gpus // self.tensor_parallel
+
+    def summary(self) -> Dict[str, Any]:
+        return {"num_gpus": self.num_gpus, "tensor_parallel": self.tensor_parallel, "model_instances": self.instances,
+                "shards_per_entry": self.tensor_parallel, "kv_heads_per_shard": self.heads_per_shard,
+                "shard_bytes_per_token": self.shard_bytes_per_token,
+                "stored_bytes_per_token": self.model.kv_cache_size_per_token}
+
+
+def shard_layout(model: ModelConfig, num_gpus: int = 1, tensor_parallel: int = 1) -> ShardLayout:
+    """The layout of `model` split over `tensor_parallel` ranks (UsageError where an engine
+    could not split it: TP not dividing the GPUs, or neither dividing nor a multiple of the
+    KV heads)."""
+    tp = tensor_parallel
+    if num_gpus % tp:
+        raise UsageError(f"--tensor-parallel must divide --num-gpus (each model instance uses TP GPUs), "
+                         f"got {tp} with --num-gpus {num_gpus}")
+    if model.attention_type == "mla":
+        heads, copies = None, tp
+    elif model.kv_heads % tp and tp % model.kv_heads:
+        raise UsageError(f"--tensor-parallel must divide {model.name}'s {model.kv_heads} KV heads or be a "
+                         f"multiple of them, got {tp}")
+    else:
+        heads = max(1, model.kv_heads // tp)
+        copies = tp * heads // model.kv_heads
+    stored = dataclasses.replace(model, kv_copies=model.kv_copies * copies)
+    return ShardLayout(num_gpus, tp, heads, stored.kv_cache_size_per_token // tp, stored)
 
 
 class InferencePhase(Enum):
@@ -687,7 +737,9 @@ class BenchmarkConfig:
     prefill_only: bool = False                    # a disaggregated prefill node (NodeRole)
     decode_only: bool = False                     # a disaggregated decode node: contexts written before the timer
     # memory tiers
-    gpu_mem_gb: float = 16.0
+    gpu_mem_gb: float = 16.0                      # per GPU: the GPU tier is num_gpus x this
+    num_gpus: int = 1                             # GPUs in the node, running num_gpus / tensor_parallel instances
+    tensor_parallel: int = 1                      # ranks per instance: each entry stored as this many shards
     cpu_mem_gb: float = 32.0
     gpu_library: str = "auto"                     # 'auto' (PyTorch, then CuPy), 'torch' or 'cupy'
     cache_dir: Optional[str] = None
@@ -784,14 +836,25 @@ class BenchmarkConfig:
             ("--precondition-size-gb", self.precondition_size_gb, 0, MAX_STORAGE_CAPACITY_GB,
              "0 (twice the storage tier's capacity) or a size in GiB", "cannot be negative"),
             ("--precondition-threads", self.precondition_threads, 0, 1024, "0 (one per core) to 1024",
-             "cannot be negative")]
+             "cannot be negative"),
+            ("--num-gpus", self.num_gpus, 1, MAX_GPUS, f"between 1 and {MAX_GPUS:,}"),
+            ("--tensor-parallel", self.tensor_parallel, 1, MAX_GPUS, f"between 1 and {MAX_GPUS:,}")]
         checks: List[Callable[[], None]] = [functools.partial(_check_range, *r) for r in ranges if r[1] is not None]
         return checks + [lambda: _check_dataset(self.dataset_path), lambda: _check_cache_dir(self.cache_dir),
-                         lambda: _check_outputs(self), self._check_fio, self._check_node_role]
+                         lambda: _check_outputs(self), self._check_fio, self._check_node_role, self._check_shards]
 
     def _check_fio(self) -> None:
         if self.fio_compare and shutil.which("fio") is None:
             raise UsageError("--fio-compare needs fio on the PATH (install it, e.g. apt-get install fio)")
+
+    @property
+    def shards(self) -> ShardLayout:
+        """How the node splits each entry over its tensor-parallel ranks (UsageError if it cannot)."""
+        return shard_layout(self.model, self.num_gpus, self.tensor_parallel)
+
+    def _check_shards(self) -> None:
+        if all(1 <= n <= MAX_GPUS for n in (self.num_gpus, self.tensor_parallel)):   # else said above
+            self.shards
 
     def _check_node_role(self) -> None:
         if self.prefill_only and self.decode_only:
@@ -814,7 +877,7 @@ def config_block(config: BenchmarkConfig) -> Dict[str, Any]:
     block = dataclasses.asdict(config)
     loaded = get_config()
     block.update(model=config.model.name, model_display_name=config.model.display_name,
-                 kv_bytes_per_token=config.model.kv_cache_size_per_token,
+                 kv_bytes_per_token=config.model.kv_cache_size_per_token, shards=config.shards.summary(),
                  generation_mode=config.generation_mode.value, requested_gpu_mem_gb=config.gpu_mem_gb,
                  config_file=loaded.config_path if loaded is not None else None,
                  config_sha256=loaded.sha256 if loaded is not None else None,
@@ -1874,7 +1937,15 @@ class KVCacheGenerator:
         return EntryLayout(block * BLOCK_BYTES, stamp_base)
 
     def fill(self, layout: EntryLayout, entry_offset: int, out: np.ndarray) -> None:
-        """Write the entry's bytes [entry_offset, entry_offset + out.size) into the uint8 array `out`."""
+        """Write the entry's bytes [entry_offset, entry_offset + out.size) into the uint8 array `out`.
+        An offset inside a block (a --tensor-parallel shard of an entry whose size per shard is not
+        whole blocks) costs a second copy: the bytes are made from the block's start."""
+        skew = entry_offset % BLOCK_BYTES
+        if skew:
+            room = np.empty(out.size + skew, dtype=np.uint8)
+            fill_entry(HOST_ARRAY_OPS, self._pool_bytes, stamp_table(), layout, entry_offset - skew, room)
+            out[:] = room[skew:]
+            return
         fill_entry(HOST_ARRAY_OPS, self._pool_bytes, stamp_table(), layout, entry_offset, out)
 
     def entry_bytes(self, key: str, nbytes: int) -> np.ndarray:
@@ -2071,6 +2142,17 @@ class EntrySource:
         return cls(flat.size, tuple(data.shape), data.dtype.str, fill)
 
 
+def crc32_joined(crc_a: int, crc_b: int, length_b: int) -> int:
+    """CRC-32 of A + B from A's and B's (zlib's crc32_combine): CRC-32 is affine in the data and
+    the starting value, so crc(B, start=a) = crc(B) ^ crc(zeros, start=a) ^ crc(zeros)."""
+    zeros, left = np.zeros(min(length_b, MIB), dtype=np.uint8), length_b
+    shifted, empty = crc_a, 0
+    while left:
+        piece = zeros[:min(left, zeros.size)]
+        shifted, empty, left = zlib.crc32(piece, shifted), zlib.crc32(piece, empty), left - piece.size
+    return crc_b ^ shifted ^ empty
+
+
 class Transfer:
     """One operation that moves an entry's bytes, and everything the operation owns:
 
@@ -2093,7 +2175,7 @@ class Transfer:
         self.op, self.nbytes, self.tier = op, nbytes, tier
         self.stop, self.verify = stop, verify
         self.moved = 0
-        self.crc = 0
+        self._parts: Dict[int, Tuple[int, int]] = {}      # --verify: CRC-32 and length of each part
         self._pool, self._stats = pool, stats
         self._lease: Any = None
         self._staging: Optional[np.ndarray] = None
@@ -2162,10 +2244,21 @@ class Transfer:
         return self._staging
 
     # --- checksum (--verify) ---
-    def observe(self, chunk: np.ndarray) -> None:
-        """Bytes passing through, in entry order: their CRC-32 accumulates when verifying."""
+    def observe(self, chunk: np.ndarray, part: int = 0) -> None:
+        """Bytes passing through, in entry order within their `part` (a sharded entry's shards
+        move at once, each in order): with --verify, each part's CRC-32 accumulates, and `crc`
+        is the whole entry's, the parts joined in their order."""
         if self.verify:
-            self.crc = zlib.crc32(chunk, self.crc)
+            crc, length = self._parts.get(part, (0, 0))
+            self._parts[part] = (zlib.crc32(chunk, crc), length + chunk.nbytes)
+
+    @property
+    def crc(self) -> int:
+        parts = [self._parts[p] for p in sorted(self._parts)]
+        crc = parts[0][0] if parts else 0
+        for part_crc, length in parts[1:]:
+            crc = crc32_joined(crc, part_crc, length)
+        return crc
 
     def observe_source(self, source: EntrySource) -> None:
         """With --verify, where the bytes are made elsewhere (on the GPU): make them once more on
@@ -2530,7 +2623,9 @@ def probe_direct_io(directory: Path) -> Tuple[bool, str]:
 
 
 class NVMeBackend(StorageBackend):
-    """Tier 3: one `<key>.npy` file per entry directly in `base_path`.
+    """Tier 3: one `<key>.npy` file per entry directly in `base_path`, or, with `shards` > 1
+    (--tensor-parallel), one `<key>.tp<rank>.npy` file per shard: shard r holds the entry's
+    r-th consecutive 1/shards of bytes.
 
     Files are written with O_DIRECT when the file system allows it, else
     buffered; either way a write counts as done only after fdatasync, and the
@@ -2538,15 +2633,19 @@ class NVMeBackend(StorageBackend):
     that every read reaches the device. The .npy header is padded to 4096
     bytes: the array data is block-aligned and the file still loads with
     numpy.load. An entry moves in IO_CHUNK_BYTES transfers through the
-    Transfer's staging area, IO_DEPTH of them in flight.
+    Transfer's staging area, IO_DEPTH of them in flight; a sharded entry's
+    transfers go to its shards in turn (chunk j of every shard before chunk
+    j + 1 of any), so that its shards are written and read at once, as TP
+    ranks do, and the operation ends when its last shard's does.
     """
 
     name = "nvme"
 
-    def __init__(self, base_path: Optional[Any] = None, direct_io: Optional[bool] = None):
+    def __init__(self, base_path: Optional[Any] = None, direct_io: Optional[bool] = None, shards: int = 1):
         self._owns_dir = base_path is None
         self.base_path = Path(tempfile.mkdtemp(prefix="kvcache_")) if base_path is None else Path(base_path)
         self.base_path.mkdir(parents=True, exist_ok=True)
+        self.shards = max(1, int(shards))
         self.metadata: Dict[str, Dict[str, Any]] = {}
         self._lock = threading.Lock()
         supported, reason = probe_direct_io(self.base_path)
@@ -2563,10 +2662,20 @@ class NVMeBackend(StorageBackend):
             # Sizes of the read and write requests issued to the file system ({bytes: count}), for --fio-job.
             self.request_sizes: Dict[str, Dict[int, int]] = {"read": defaultdict(int), "write": defaultdict(int)}
             self._file_sizes: List[int] = [0, 0, 0, 0]        # files written: count, bytes, smallest, largest
+            self._object_sizes: Dict[int, List[int]] = defaultdict(lambda: [0, 0])   # power of 2 -> count, bytes
 
     # --- paths and buffers ---
-    def _path(self, key: str) -> Path:
-        return self.base_path / f"{safe_file_stem(key)}.npy"
+    def _paths(self, key: str) -> List[Path]:
+        stem = safe_file_stem(key)
+        if self.shards == 1:
+            return [self.base_path / f"{stem}.npy"]
+        return [self.base_path / f"{stem}.tp{rank}.npy" for rank in range(self.shards)]
+
+    def _shard_sizes(self, nbytes: int) -> List[int]:
+        """Data bytes of each shard: equal parts (an entry is whole tokens of whole shards), any
+        remainder in the last."""
+        part = nbytes // self.shards
+        return [part] * (self.shards - 1) + [nbytes - part * (self.shards - 1)]
 
     @staticmethod
     def _chunk_buffers(staging: np.ndarray) -> List[np.ndarray]:
@@ -2591,128 +2700,169 @@ class NVMeBackend(StorageBackend):
             meta = self.metadata[key]
         return StoredEntry(meta["size"], meta["shape"], meta["dtype"])
 
+    @staticmethod
+    def _in_turn(per_shard: List[List[Tuple[int, ...]]]) -> Iterator[Tuple[int, ...]]:
+        """Each shard's transfers, (shard, ...) tuples, taken from the shards in turn."""
+        for step in itertools.zip_longest(*per_shard):
+            yield from (piece for piece in step if piece is not None)
+
     # --- writing ---
     def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
-        path = self._path(key)
+        paths = self._paths(key)
         self.delete(key)                                  # replacing an entry of ours
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         if self.direct_io:
             flags |= os.O_DIRECT
-        fd = os.open(path, flags, 0o644)                  # O_EXCL: never overwrite a file we did not create
+        sizes, fds = self._shard_sizes(source.nbytes), []
         try:
-            self._write_chunks(fd, npy_header(source.shape, source.dtype), source, transfer)
+            for path in paths:
+                fds.append(os.open(path, flags, 0o644))   # O_EXCL: never overwrite a file we did not create
+            self._write_chunks(fds, sizes, source, transfer)
         except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
+            for fd in fds:
+                os.close(fd)
+            for path in paths[:len(fds)]:
+                path.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        nbytes = source.nbytes
+        for fd in fds:
+            os.close(fd)
         with self._lock:
-            self.metadata[key] = {"path": path, "size": nbytes, "shape": tuple(source.shape), "dtype": source.dtype}
-            sizes = self._file_sizes
-            sizes[2] = min(sizes[2], nbytes) if sizes[0] else nbytes
-            sizes[0], sizes[1], sizes[3] = sizes[0] + 1, sizes[1] + nbytes, max(sizes[3], nbytes)
+            self.metadata[key] = {"paths": paths, "size": source.nbytes, "shape": tuple(source.shape),
+                                  "dtype": source.dtype, "shard_sizes": sizes}
+            for nbytes in sizes:
+                self._count_file(nbytes)
+
+    def _count_file(self, nbytes: int) -> None:
+        sizes = self._file_sizes
+        sizes[2] = min(sizes[2], nbytes) if sizes[0] else nbytes
+        sizes[0], sizes[1], sizes[3] = sizes[0] + 1, sizes[1] + nbytes, max(sizes[3], nbytes)
+        bucket = self._object_sizes[1 << max(0, nbytes - 1).bit_length()]
+        bucket[0], bucket[1] = bucket[0] + 1, bucket[1] + nbytes
 
     def request_profile(self) -> Dict[str, Any]:
         """What the tier asked of the file system: request sizes, depth kept in flight, file sizes
-        (what an fio job needs to replay the run)."""
+        and their distribution (what an fio job needs to replay the run; --tensor-parallel's
+        object sizes)."""
         with self._lock:
             count, total, smallest, largest = self._file_sizes
             profile: Dict[str, Any] = {f"{op}_sizes": dict(sizes) for op, sizes in self.request_sizes.items()}
+            objects = [{"max_bytes": top, "count": c, "bytes": b} for top, (c, b) in sorted(self._object_sizes.items())]
         for op, clock in self.busy.items():
             profile[f"{op}_mean_inflight"] = clock.mean_inflight()
             profile[f"{op}_peak_inflight"] = clock.peak_inflight
             profile[f"{op}_request_mean_ms"] = clock.request_s / clock.requests * 1000 if clock.requests else None
         profile.update(files_written=count, file_bytes_mean=total / count if count else None,
-                       file_bytes_min=smallest if count else None, file_bytes_max=largest if count else None)
+                       file_bytes_min=smallest if count else None, file_bytes_max=largest if count else None,
+                       shards_per_entry=self.shards, object_sizes=objects)
         return profile
 
-    def _write_chunks(self, fd: int, header: bytes, source: EntrySource, transfer: Transfer) -> None:
-        total = NPY_DATA_OFFSET + source.nbytes
+    def _write_pieces(self, sizes: List[int], step: int) -> Iterator[Tuple[int, int, int, int, int]]:
+        """(shard, file offset, bytes, header bytes, entry offset of the data) of each write: a
+        shard's file is its .npy header and data, in `step`-byte writes, the first carrying the header."""
+        per_shard, entry_off = [], 0
+        for shard, data in enumerate(sizes):
+            total = NPY_DATA_OFFSET + data
+            per_shard.append([(shard, off, min(step, total - off), NPY_DATA_OFFSET if off == 0 else 0,
+                               entry_off + max(0, off - NPY_DATA_OFFSET)) for off in range(0, total, step)])
+            entry_off += data
+        return self._in_turn(per_shard)
+
+    def _write_chunks(self, fds: List[int], sizes: List[int], source: EntrySource, transfer: Transfer) -> None:
+        headers = [npy_header(*self._shard_shape(n, source)) for n in sizes]
         buffers = self._chunk_buffers(transfer.staging)
         pipe = ChunkPipeline(transfer, self.busy["write"], len(buffers))
-        pipe.timed(preallocate, fd, self._io_len(total))
+        for fd, data in zip(fds, sizes):
+            pipe.timed(preallocate, fd, self._io_len(NPY_DATA_OFFSET + data))
 
         def completed(data_bytes: int) -> Callable[[Any], None]:
             return lambda _: transfer.advance(data_bytes)
 
         def issue() -> None:
-            file_off = data_off = i = 0
-            while file_off < total:
+            for i, (shard, file_off, n, head, data_off) in enumerate(self._write_pieces(sizes, buffers[0].size)):
                 transfer.check_stop()
                 pipe.make_room()                          # buffer i % depth is free again
                 buf = buffers[i % len(buffers)]
-                n = min(buf.size, total - file_off)
-                head = 0
-                if file_off == 0:
-                    buf[:NPY_DATA_OFFSET] = np.frombuffer(header, dtype=np.uint8)
-                    head = NPY_DATA_OFFSET
+                if head:
+                    buf[:head] = np.frombuffer(headers[shard], dtype=np.uint8)
                 if n > head:
                     source.fill(data_off, buf[head:n])
-                    transfer.observe(buf[head:n])
-                    data_off += n - head
-                pipe.submit(completed(n - head), _pwrite_all, fd, buf[:self._request("write", self._io_len(n))],
-                            file_off)
-                file_off += n
-                i += 1
+                    transfer.observe(buf[head:n], shard)
+                pipe.submit(completed(n - head), _pwrite_all, fds[shard],
+                            buf[:self._request("write", self._io_len(n))], file_off)
         pipe.complete_all(issue)
 
         def finish() -> None:
-            if self.direct_io and total % BLOCK_BYTES:
-                os.ftruncate(fd, total)
-            os.fdatasync(fd)                              # durable before we call it written
-            if not self.direct_io:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            for fd, data in zip(fds, sizes):
+                if self.direct_io and (NPY_DATA_OFFSET + data) % BLOCK_BYTES:
+                    os.ftruncate(fd, NPY_DATA_OFFSET + data)
+                os.fdatasync(fd)                          # durable before we call it written
+                if not self.direct_io:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         pipe.timed(finish)
 
+    def _shard_shape(self, nbytes: int, source: EntrySource) -> Tuple[Tuple[int, ...], str]:
+        """A shard file's array: the whole entry's shape, or a sharded entry's values in a row."""
+        if self.shards == 1:
+            return tuple(source.shape), source.dtype
+        itemsize = np.dtype(source.dtype).itemsize
+        return ((nbytes // itemsize,), source.dtype) if nbytes % itemsize == 0 else ((nbytes,), "|u1")
+
     # --- reading ---
-    def _open_for_read(self, key: str) -> Tuple[int, Dict[str, Any]]:
+    def _open_for_read(self, key: str) -> Tuple[List[int], Dict[str, Any]]:
         with self._lock:
             meta = self.metadata[key]                     # KeyError for a missing or deleted key
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.direct_io else 0)
+        fds: List[int] = []
         try:
-            return os.open(meta["path"], flags), meta
+            for path in meta["paths"]:
+                fds.append(os.open(path, flags))
         except FileNotFoundError:
+            for fd in fds:
+                os.close(fd)
             raise KeyError(key) from None                 # deleted while we looked
+        return fds, meta
 
     def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
-        fd, meta = self._open_for_read(key)
+        fds, meta = self._open_for_read(key)
         try:
             with sink.chunks(transfer) as deliver:
-                self._read_chunks(fd, meta["size"], transfer, deliver)
+                self._read_chunks(fds, meta["shard_sizes"], transfer, deliver)
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
 
-    def _read_chunks(self, fd: int, nbytes: int, transfer: Transfer, deliver: ChunkConsumer) -> None:
+    def _read_chunks(self, fds: List[int], sizes: List[int], transfer: Transfer, deliver: ChunkConsumer) -> None:
         """Read the entry's data in IO_CHUNK_BYTES transfers into the staging area's chunk
         buffers, as many in flight as there are buffers; each is checked, observed and handed
-        to `deliver` in order."""
+        to `deliver` (at its offset in the entry) in the order issued."""
         buffers = self._chunk_buffers(transfer.staging)
         pipe = ChunkPipeline(transfer, self.busy["read"], len(buffers))
+        step = min(buffers[0].size, IO_CHUNK_BYTES)
 
-        def completed(buf: np.ndarray, offset: int, want: int) -> Callable[[int], None]:
+        def completed(buf: np.ndarray, shard: int, offset: int, want: int) -> Callable[[int], None]:
             def check(got: int) -> None:
                 if got < want:
                     raise OSError(errno.EIO, f"short read: {got} of {want} bytes")
-                transfer.observe(buf[:want])
+                transfer.observe(buf[:want], shard)
                 deliver(offset, buf[:want])
                 transfer.advance(want)
             return check
 
+        starts = [sum(sizes[:shard]) for shard in range(len(sizes))]
+        per_shard = [[(shard, off, min(step, data - off)) for off in range(0, data, step)]
+                     for shard, data in enumerate(sizes)]
+
         def issue() -> None:
-            issued = i = 0
-            while issued < nbytes:
+            for i, (shard, off, want) in enumerate(self._in_turn(per_shard)):
                 transfer.check_stop()
                 pipe.make_room()
                 buf = buffers[i % len(buffers)]
-                want = min(buf.size, nbytes - issued, IO_CHUNK_BYTES)
-                pipe.submit(completed(buf, issued, want), os.preadv, fd,
-                            [buf[:self._request("read", self._io_len(want))]], NPY_DATA_OFFSET + issued)
-                issued += want
-                i += 1
+                pipe.submit(completed(buf, shard, starts[shard] + off, want), os.preadv, fds[shard],
+                            [buf[:self._request("read", self._io_len(want))]], NPY_DATA_OFFSET + off)
         pipe.complete_all(issue)
         if not self.direct_io:
-            pipe.timed(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_DONTNEED)   # the next read must reach the device too
+            for fd in fds:                                # the next read must reach the device too
+                pipe.timed(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     # --- removal ---
     def delete(self, key: str) -> bool:
@@ -2720,17 +2870,16 @@ class NVMeBackend(StorageBackend):
             meta = self.metadata.pop(key, None)
         if meta is None:
             return False
-        Path(meta["path"]).unlink(missing_ok=True)
+        for path in meta["paths"]:
+            Path(path).unlink(missing_ok=True)
         return True
 
-    def detach(self, key: str) -> Optional[Path]:
-        """Forget an entry but keep its file for later deletion, renamed out of the way so
-        the key can be written again at once. Returns the file's new path."""
+    def detach(self, key: str) -> List[Path]:
+        """Forget an entry but keep its files for later deletion, renamed out of the way so
+        the key can be written again at once. Returns the files' new paths."""
         with self._lock:
             meta = self.metadata.pop(key, None)
-        if meta is None:
-            return None
-        return self._rename_aside(Path(meta["path"]))
+        return [] if meta is None else [self._rename_aside(Path(path)) for path in meta["paths"]]
 
     def _rename_aside(self, path: Path) -> Path:
         """Rename our file to a fresh `.trash_N_` name that no other file has: a hard link fails
@@ -2752,7 +2901,7 @@ class NVMeBackend(StorageBackend):
     def clear(self) -> None:
         """Remove every file this backend wrote, and its directory if it made it."""
         with self._lock:
-            paths = [m["path"] for m in self.metadata.values()]
+            paths = [path for m in self.metadata.values() for path in m["paths"]]
             self.metadata.clear()
         failed: List[OSError] = []
         for path in paths:                                # every one, even when some fail
@@ -4360,8 +4509,8 @@ class MultiTierCache:
 
     def _open(self, config: BenchmarkConfig, generator: Optional[KVCacheGenerator]) -> None:
         self.config = config
-        self.model_config = config.model
-        self.generator = generator if generator is not None else KVCacheGenerator(config.model, config.seed)
+        self.model_config = config.shards.model        # as stored: an entry is its TP shards together
+        self.generator = generator if generator is not None else KVCacheGenerator(self.model_config, config.seed)
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._entries: Dict[str, CacheEntry] = {}
@@ -4369,14 +4518,14 @@ class MultiTierCache:
         slots = config.max_concurrent_allocs
         self._alloc_slots = threading.BoundedSemaphore(slots) if slots > 0 else None
 
-        self.tiers = open_memory_tiers(config.gpu_mem_gb, config.cpu_mem_gb, config.gpu_library, self.generator,
+        self.tiers = open_memory_tiers(config.gpu_mem_gb * config.num_gpus, config.cpu_mem_gb, config.gpu_library, self.generator,
                                        available_memory_bytes(), config.gpu_device)
         self.backends: Dict[str, StorageBackend] = self.tiers.backends
         self._limits: Dict[str, float] = self.tiers.limits
         self.gpu_disabled_reason = self.tiers.gpu_disabled_reason
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvcache_run_", dir=config.cache_dir))
         try:
-            self.backends["nvme"] = NVMeBackend(self.run_dir)
+            self.backends["nvme"] = NVMeBackend(self.run_dir, shards=config.tensor_parallel)
         except OSError:                                # e.g. a full file system: leave nothing behind
             self.run_dir.rmdir()
             if self.tiers.gpu is not None:
@@ -4531,8 +4680,8 @@ class MultiTierCache:
             with self._lock:                        # off the books and out of the way in one step
                 self._drop_locked(victim, reserved_tier=source)
                 trash = self._remove_data_locked(source, victim.key)
-            if trash is not None:
-                _unlink_counted(self.stats, trash)                 # the capacity cap holds on disk too
+            for path in trash:
+                _unlink_counted(self.stats, path)                  # the capacity cap holds on disk too
             self.stats.count("evictions")
             return
         try:                                         # the next tier stores the entry from where it lies
@@ -4571,18 +4720,18 @@ class MultiTierCache:
             self._usage[reserved_tier] -= entry.size_bytes
             self._lru[reserved_tier].pop(entry.key, None)
 
-    def _remove_data_locked(self, tier: str, key: str) -> Optional[Path]:
+    def _remove_data_locked(self, tier: str, key: str) -> List[Path]:
         """Remove a forgotten entry's data while still holding the lock, so that a rewrite of
-        the same key cannot meet it: memory is released at once, a storage file is only
-        renamed (cheap); the caller deletes the returned path after releasing the lock."""
+        the same key cannot meet it: memory is released at once, storage files are only
+        renamed (cheap); the caller deletes the returned paths after releasing the lock."""
         if tier != "nvme":
             self.backends[tier].delete(key)
-            return None
+            return []
         try:
             return self.backends["nvme"].detach(key)
         except OSError as exc:                         # a dying file system: counted, the file stays
             self.stats.record_io_error("nvme", "delete", exc)
-            return None
+            return []
 
     # --- reads ---
     def access_cache(self, key: str, phase: InferencePhase = InferencePhase.DECODE,
@@ -4656,9 +4805,8 @@ class MultiTierCache:
         """Drop a replaced entry's data. A storage file is only renamed here; deleting it
         can take long (discard on unlink) and is left to `collect_garbage`, off the request's path."""
         trash = self._remove_data_locked(tier, key)        # the entry is forgotten: no lock needed here
-        if trash is not None:
-            with self._lock:
-                self._trash.append(trash)
+        with self._lock:
+            self._trash.extend(trash)
 
     def collect_garbage(self, should_stop: Callable[[], bool] = lambda: False, count_retired: bool = True) -> int:
         """Delete retired entries that reached the storage tier and replaced files; returns how
@@ -4673,9 +4821,7 @@ class MultiTierCache:
                 elif entry.tier == "nvme" and entry.state == "ready":
                     self._forget(entry)
                     self._retired.discard(key)
-                    trash = self._remove_data_locked("nvme", key)
-                    if trash is not None:
-                        self._trash.append(trash)
+                    self._trash.extend(self._remove_data_locked("nvme", key))
                     retired += 1
             trash, self._trash = self._trash, []
         for i, path in enumerate(trash):
@@ -6943,7 +7089,7 @@ def format_report(results: Dict[str, Any]) -> str:
     _report_assessment(add, cs["storage_health"])
     _report_overall(add, s, cs)
     _report_latency(add, s)
-    _report_tiers(add, cs)
+    _report_tiers(add, cs, cfg)
     add("")
     for line in format_device_section(s.get("device_stats") or {}, s.get("device_comparison")):
         add(line)
@@ -7070,7 +7216,8 @@ def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
         add(f"    - {note}")
 
 
-def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any]) -> None:
+def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any], cfg: Dict[str, Any]) -> None:
+    _report_objects(add, cs.get("storage_requests") or {}, cfg.get("shards"))
     add("")
     add("### TIER DISTRIBUTION (entries at the end of the workload) ###")
     add(f"  GPU: {cs['gpu_entries']:,} | CPU: {cs['cpu_entries']:,} | Storage: {cs['nvme_entries']:,}")
@@ -7101,6 +7248,35 @@ def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any]) -> None:
                 f"device P95 {_fmt_ms(cs[f'{tier}_{op}_device_p95_ms'])}, "
                 f"host P95 {_fmt_ms(cs[f'{tier}_{op}_host_p95_ms'])}) "
                 f"[{cs[f'{tier}_{op}s']:,} ops]")
+
+
+def _byte_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _report_objects(add: Callable[[str], None], req: Dict[str, Any], shards: Optional[Dict[str, Any]]) -> None:
+    """The storage tier's objects: how the node shards entries, and the objects' sizes."""
+    add("")
+    add("### STORAGE OBJECTS ###")
+    if shards and (shards["num_gpus"] > 1 or shards["tensor_parallel"] > 1):
+        heads = shards["kv_heads_per_shard"]
+        add(f"  {shards['num_gpus']} GPUs, tensor parallel {shards['tensor_parallel']} "
+            f"({shards['model_instances']} model instance(s)): {shards['shards_per_entry']} shards per entry, "
+            + (f"{heads} KV head(s) each" if heads else "each the whole MLA latent")
+            + f", {shards['shard_bytes_per_token']:,} bytes per token per shard "
+              f"({shards['stored_bytes_per_token']:,} stored per token)")
+    if not req.get("files_written"):
+        add("  Objects written: none")
+        return
+    sizes = " | ".join(f"<= {_byte_size(b['max_bytes'])}: {b['count']:,} ({b['bytes'] / 1e9:.2f} GB)"
+                       for b in req.get("object_sizes", []))
+    add(f"  Objects written: {req['files_written']:,}, mean {_byte_size(req['file_bytes_mean'])} "
+        f"(smallest {_byte_size(req['file_bytes_min'])}, largest {_byte_size(req['file_bytes_max'])})")
+    add(f"  By size: {sizes}")
 
 
 def _report_fio(add: Callable[[str], None], c: Dict[str, Any]) -> None:
@@ -7219,6 +7395,9 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
         "I/O Errors": s("io_errors"),
         "Seed": results.get("seed"),
         "Workload Digest": results.get("workload_digest"),
+        "Num GPUs": cfg.get("num_gpus"),
+        "Tensor Parallel": cfg.get("tensor_parallel"),
+        "Storage Objects Written": _dig(cs("storage_requests"), "files_written"),
     }
 
 
@@ -7916,7 +8095,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("memory tiers")
-    m.add_argument("--gpu-mem-gb", type=float, default=16.0, help="GPU tier budget in GiB, 0 disables (default: %(default)s)")
+    m.add_argument("--gpu-mem-gb", type=float, default=16.0,
+                   help="GPU tier budget per GPU in GiB, 0 disables (default: %(default)s)")
+    m.add_argument("--num-gpus", type=int, default=1,
+                   help="GPUs in the node: the GPU tier is num-gpus x --gpu-mem-gb (default: %(default)s)")
+    m.add_argument("--tensor-parallel", type=int, default=1,
+                   help="ranks per model instance (must divide --num-gpus): each entry is stored as this many "
+                        "shards of max(1, kv_heads / TP) heads, one object each; MLA shards are whole (default: 1)")
     m.add_argument("--cpu-mem-gb", type=float, default=32.0, help="CPU tier budget in GiB, 0 disables (default: %(default)s)")
     m.add_argument("--gpu-library", default="auto", choices=["auto", "torch", "cupy"],
                    help="GPU tier library: auto tries PyTorch, then CuPy (default: %(default)s)")

@@ -1344,7 +1344,7 @@ class TestNVMeBackend:
         assert all(f.parent == nvme.base_path and f.suffix == ".npy" and len(f.name) < 200 for f in files)
         for i, key in enumerate(keys):
             np.testing.assert_array_equal(nvme.read(key)[0], sample_array(100 + i))
-            path = Path(nvme.metadata[key]["path"])
+            [path] = nvme.metadata[key]["paths"]
             assert path.parent == nvme.base_path
             np.testing.assert_array_equal(np.load(path), sample_array(100 + i))
 
@@ -6076,6 +6076,102 @@ class TestNodeRoles:
         assert not cache.write_entry("after", 10).success              # the writes in flight were aborted
 
 
+class TestTensorParallel:
+    """--num-gpus and --tensor-parallel: each entry stored as TP shards, one object per rank."""
+
+    @pytest.mark.parametrize("model,tp,heads,shard_fraction,stored_factor", [
+        ("llama3.1-8b", 4, 2, 1 / 4, 1),          # 8 KV heads split 2 per rank: a quarter each, same total
+        ("llama3.1-8b", 8, 1, 1 / 8, 1),
+        ("llama3.1-8b", 16, 1, 1 / 8, 2),         # fewer heads than ranks: one replicated head per rank
+        ("tiny-1b", 8, 1, 1 / 4, 2),
+        ("deepseek-v3", 4, None, 1, 4),           # MLA: every rank keeps the whole latent
+    ])
+    def test_a_shard_holds_its_ranks_heads(self, model, tp, heads, shard_fraction, stored_factor):
+        m = kv.MODELS[model]
+        layout = kv.shard_layout(m, num_gpus=tp, tensor_parallel=tp)
+        assert layout.heads_per_shard == heads
+        assert layout.shard_bytes_per_token == m.kv_cache_size_per_token * shard_fraction
+        assert layout.model.kv_cache_size_per_token == m.kv_cache_size_per_token * stored_factor
+        assert layout.model.kv_cache_size_per_token == tp * layout.shard_bytes_per_token
+        assert math.prod(layout.model.entry_shape(10)) * 2 == 10 * layout.model.kv_cache_size_per_token
+
+    def test_impossible_splits_are_refused(self):
+        with pytest.raises(kv.UsageError, match="--tensor-parallel must divide --num-gpus"):
+            kv.shard_layout(kv.MODELS["llama3.1-8b"], num_gpus=6, tensor_parallel=4)
+        with pytest.raises(kv.UsageError, match="8 KV heads"):
+            kv.shard_layout(kv.MODELS["llama3.1-8b"], num_gpus=6, tensor_parallel=6)
+        assert kv.shard_layout(kv.MODELS["llama3.1-8b"], num_gpus=8, tensor_parallel=2).instances == 4
+
+    @pytest.mark.parametrize("direct", [True, False], ids=["O_DIRECT", "buffered"])
+    def test_shards_are_files_of_their_own_that_read_back_whole(self, tmp_path, direct):
+        nvme = kv.NVMeBackend(tmp_path, direct_io=direct, shards=4)
+        data = sample_array(7, shape=(4, 2, 1000, 4, 96))          # 6,144,000 bytes: 1,536,000 per shard
+        nvme.write("k", data)
+        files = sorted(tmp_path.glob("k.tp*.npy"))
+        assert [f.name for f in files] == [f"k.tp{r}.npy" for r in range(4)]
+        flat, quarter = data.reshape(-1).view(np.uint8), 1_536_000
+        for rank, f in enumerate(files):                            # each a .npy of its quarter
+            assert f.stat().st_size == kv.NPY_DATA_OFFSET + quarter
+            np.testing.assert_array_equal(np.load(f).view(np.uint8), flat[rank * quarter:(rank + 1) * quarter])
+        np.testing.assert_array_equal(nvme.read("k")[0], data)
+        profile = nvme.request_profile()
+        assert profile["files_written"] == 4 and profile["shards_per_entry"] == 4
+        assert profile["object_sizes"] == [{"max_bytes": 1 << 21, "count": 4, "bytes": flat.size}]
+        trash = nvme.detach("k")
+        assert len(trash) == 4 and all(t.exists() for t in trash) and not list(tmp_path.glob("k.tp*"))
+
+    def test_a_sharded_entry_is_written_to_all_its_shards_at_once(self, tmp_path, monkeypatch):
+        nvme = kv.NVMeBackend(tmp_path, direct_io=False, shards=4)
+        order = []
+        real = kv._pwrite_all
+        monkeypatch.setattr(kv, "_pwrite_all", lambda fd, buf, off: (order.append((fd, off)), real(fd, buf, off)))
+        nvme.write("k", np.zeros(4 * 3 * kv.IO_CHUNK_BYTES // 2, dtype=np.float16))   # 3 chunks a shard
+        fds = list(dict.fromkeys(fd for fd, _ in order))
+        assert len(fds) == 4
+        assert [fd for fd, _ in order[:8]] == fds + fds             # chunk j of every shard before chunk j + 1
+
+    def test_verify_checks_sharded_entries_whole(self, tmp_path):
+        model = kv.MODELS["deepseek-v3"]                           # 70,272 bytes/token: shards start mid-block
+        cache = kv.MultiTierCache(model, 0, 0, seed=5, cache_dir=tmp_path, verify=True, num_gpus=4,
+                                  tensor_parallel=4)
+        try:
+            assert cache.write_entry("k", 37).success
+            files = sorted(cache.run_dir.glob("k.tp*.npy"))
+            assert [f.stat().st_size - kv.NPY_DATA_OFFSET for f in files] == [37 * 70_272] * 4   # full-size shards
+            assert cache.read_entry("k").success
+            assert cache.stats.snapshot()[0]["verify_checked"] == 1
+            assert cache.stats.snapshot()[0].get("verify_mismatches", 0) == 0
+            whole = cache.generator.entry_bytes("k", 4 * 37 * 70_272)
+            assert b"".join(np.load(f).view(np.uint8).tobytes() for f in files) == whole.tobytes()
+        finally:
+            cache.close()
+
+    def test_crc32_joined_is_the_crc_of_both(self):
+        a, b = random.Random(1).randbytes(5000), random.Random(2).randbytes(3 * 1024 * 1024 + 7)
+        assert kv.crc32_joined(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+    @pytest.mark.slow
+    def test_tp4_stores_four_quarter_size_objects_per_entry(self, tmp_path):
+        """The same seeded workload with TP 1 and TP 4 (tiny-1b: 4 KV heads, one per rank)."""
+        runs = {}
+        for tp in (1, 4):
+            workdir = tmp_path / f"tp{tp}"
+            proc = run_cli(*small_run(workdir, "--num-users", "4", "--max-requests", "8", "--cpu-mem-gb", "0",
+                                      "--seed", "42", "--disable-multi-turn", "--num-gpus", str(tp),
+                                      "--tensor-parallel", str(tp)), cwd=tmp_path)
+            runs[tp] = (results_of(proc, workdir), proc.stdout)
+        one, four = (runs[tp][0]["summary"]["cache_stats"]["storage_requests"] for tp in (1, 4))
+        assert four["files_written"] == 4 * one["files_written"] > 0
+        assert four["file_bytes_mean"] == pytest.approx(one["file_bytes_mean"] / 4)
+        assert sum(b["bytes"] for b in four["object_sizes"]) == sum(b["bytes"] for b in one["object_sizes"])
+        shards = runs[4][0]["config"]["shards"]
+        assert shards == {"num_gpus": 4, "tensor_parallel": 4, "model_instances": 1, "shards_per_entry": 4,
+                          "kv_heads_per_shard": 1, "shard_bytes_per_token": TOKEN_BYTES // 4,
+                          "stored_bytes_per_token": TOKEN_BYTES}
+        assert "4 shards per entry, 1 KV head(s) each, 6,144 bytes per token per shard" in runs[4][1]
+        assert "### STORAGE OBJECTS ###" in runs[1][1] and "shards per entry" not in runs[1][1]
+
+
 # ============================================================================
 # RELIABILITY AND SAFETY (docs/reliability.md lists each case and its tests)
 # ============================================================================
@@ -6281,6 +6377,11 @@ class TestReliability:
                      id="prefill-only with decode-only"),
         pytest.param(["--precondition-size-gb", "-1"], "--precondition-size-gb", id="precondition-size-gb -1"),
         pytest.param(["--precondition-threads", "-1"], "--precondition-threads", id="precondition-threads -1"),
+        pytest.param(["--num-gpus", "0"], "--num-gpus", id="num-gpus 0"),
+        pytest.param(["--tensor-parallel", "0"], "--tensor-parallel", id="tensor-parallel 0"),
+        pytest.param(["--num-gpus", "4", "--tensor-parallel", "3"], "--tensor-parallel", id="TP not dividing GPUs"),
+        pytest.param(["--num-gpus", "3", "--tensor-parallel", "3"], "--tensor-parallel",
+                     id="TP not dividing the KV heads"),
         pytest.param(["--plot", "{tmp}/inputs", "--output", "{tmp}/inputs/tier_occupancy.png"], "--output",
                      id="output named as a chart"),
     ])
@@ -6555,7 +6656,7 @@ class TestReliability:
                         end["stored"] = {t: set(b.cache if t == "cpu" else b.metadata)
                                          for t, b in cache.backends.items()}
                     end["files"] = {p.name for p in cache.run_dir.iterdir() if not p.name.startswith(".trash_")}
-                    end["nvme_files"] = {Path(m["path"]).name for m in nvme.metadata.values()}
+                    end["nvme_files"] = {Path(p).name for m in nvme.metadata.values() for p in m["paths"]}
                     close()
                 cache.close = inspect_then_close
 
@@ -6708,7 +6809,7 @@ class TestReliability:
         nvme.write("k", np.arange(1024, dtype=np.float16))
         planted = tmp_path / ".trash_1_k.npy"
         planted.write_text("someone else's")
-        trash = nvme.detach("k")
+        [trash] = nvme.detach("k")
         assert trash != planted and trash.exists() and planted.read_text() == "someone else's"
 
     @staticmethod

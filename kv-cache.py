@@ -76,6 +76,8 @@ import types
 import warnings
 import collections
 import contextlib
+import csv
+import glob
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -126,6 +128,7 @@ DECODE_TOKENS_PER_READ = 32             # one extra decode read of the entry per
 PREFILL_ONLY_CONTEXT_TOKENS = 10_000    # contexts this long are prefill-only (no decode reads)
 PLAN_DIGEST_REQUESTS = 32               # planned requests per user that feed `workload_digest`
 MAX_TURNS_PER_CONVERSATION = 8          # planned turns per synthetic conversation: 1..8 (--config: max_turns_per_conv)
+DEFAULT_BURST_TRACE_PATH = "BurstGPT/data/BurstGPT_1.csv"     # --burst-trace-path: the original's default
 
 # --- Storage I/O ---
 IO_CHUNK_BYTES = 8 * 1024 * 1024        # one pread/pwrite; chosen by measurement (docs/performance.md)
@@ -758,6 +761,10 @@ class BenchmarkConfig:
     dataset_path: Optional[str] = None            # ShareGPT JSON to replay instead of synthetic users
     max_conversations: int = 500
     request_rate: float = 0.0                     # admissions per second; 0: no pacing
+    use_burst_trace: bool = False                 # arrivals from BurstGPT CSV rows (BurstArrivals)
+    burst_trace_path: str = DEFAULT_BURST_TRACE_PATH   # a CSV file, a directory of them, or a glob
+    trace_speedup: float = 1.0                    # trace seconds per second of the run
+    replay_cycles: int = 0                        # passes over the trace; 0: until the run stops
     enable_rag: bool = False
     rag_num_docs: int = 10
     # output
@@ -771,6 +778,7 @@ class BenchmarkConfig:
     # set by the run, not by a flag
     requested_cpu_mem_gb: Optional[float] = None  # --cpu-mem-gb as given, before clamping to free RAM
     gpu_device: int = 0                           # CUDA device, modulo the visible ones (MPI: the node rank)
+    trace_share: Tuple[int, int] = (0, 1)         # MPI: (rank, ranks): the BurstGPT rows this rank replays
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
@@ -838,10 +846,14 @@ class BenchmarkConfig:
             ("--precondition-threads", self.precondition_threads, 0, 1024, "0 (one per core) to 1024",
              "cannot be negative"),
             ("--num-gpus", self.num_gpus, 1, MAX_GPUS, f"between 1 and {MAX_GPUS:,}"),
+            ("--trace-speedup", self.trace_speedup, 1e-6, 1e6, "above 0 and at most 1,000,000"),
+            ("--replay-cycles", self.replay_cycles, 0, 10 ** 9, "0 (until the run stops) or a positive count",
+             "cannot be negative"),
             ("--tensor-parallel", self.tensor_parallel, 1, MAX_GPUS, f"between 1 and {MAX_GPUS:,}")]
         checks: List[Callable[[], None]] = [functools.partial(_check_range, *r) for r in ranges if r[1] is not None]
         return checks + [lambda: _check_dataset(self.dataset_path), lambda: _check_cache_dir(self.cache_dir),
-                         lambda: _check_outputs(self), self._check_fio, self._check_node_role, self._check_shards]
+                         lambda: _check_outputs(self), self._check_fio, self._check_node_role, self._check_shards,
+                         self._check_burst_trace]
 
     def _check_fio(self) -> None:
         if self.fio_compare and shutil.which("fio") is None:
@@ -851,6 +863,15 @@ class BenchmarkConfig:
     def shards(self) -> ShardLayout:
         """How the node splits each entry over its tensor-parallel ranks (UsageError if it cannot)."""
         return shard_layout(self.model, self.num_gpus, self.tensor_parallel)
+
+    def _check_burst_trace(self) -> None:
+        if not self.use_burst_trace:
+            return
+        for flag, given in (("--dataset-path", self.dataset_path), ("--enable-autoscaling", self.autoscaler_mode),
+                            ("--request-rate", self.request_rate)):
+            if given:
+                raise UsageError(f"--use-burst-trace and {flag} cannot be combined (the trace sets the arrivals)")
+        burst_trace_files(self.burst_trace_path)
 
     def _check_shards(self) -> None:
         if all(1 <= n <= MAX_GPUS for n in (self.num_gpus, self.tensor_parallel)):   # else said above
@@ -945,6 +966,15 @@ def _check_dataset(dataset_path: Optional[str]) -> None:
         raise UsageError(f"--dataset-path {dataset_path}: the file is empty (expected ShareGPT JSON)")
 
 
+def _input_files(config: "BenchmarkConfig") -> Tuple[Tuple[str, Optional[str]], ...]:
+    """The files the run reads, by flag: no output may replace one."""
+    traces: List[Path] = []
+    if config.use_burst_trace:
+        with contextlib.suppress(UsageError):        # said by _check_burst_trace
+            traces = burst_trace_files(config.burst_trace_path)
+    return (("--dataset-path", config.dataset_path), *(("--burst-trace-path", str(t)) for t in traces))
+
+
 TEMPORARY_NAME_EXTRA_BYTES = len(".") + len(".") + 8 + len(".tmp")   # _write_file's ".NAME.XXXXXXXX.tmp"
 
 
@@ -1006,7 +1036,7 @@ def _check_outputs(config: "BenchmarkConfig") -> None:
     _check_plot_dir(config.plot)
     charts = tuple((f"--plot's {name}", str(Path(config.plot) / name)) for name in CHART_NAMES) if config.plot else ()
     seen: Dict[str, str] = {}
-    for flag, value in charts + outputs + (("--dataset-path", config.dataset_path),):
+    for flag, value in charts + outputs + _input_files(config):
         if value is None:
             continue
         real = os.path.realpath(Path(value).expanduser())
@@ -1768,6 +1798,122 @@ class DatasetUserPlan:
     def _current(self) -> DatasetConversation:
         index = (self.user_index + self._conversation * self._num_users) % len(self._conversations)
         return self._conversations[index]
+
+
+# --- BurstGPT arrivals (--use-burst-trace) -------------------------------------------
+
+BURST_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
+BURST_FORMAT = "Timestamp, Model, Request tokens, Response tokens, Total tokens, Log Type"
+MAX_TRACE_TOKENS = 10_000_000           # a token count above this is a bad row, not a 1 TB entry
+
+
+def burst_trace_files(path: str) -> List[Path]:
+    """--burst-trace-path as the CSV files it names: a file, a directory's *.csv, or a glob's
+    matches, in sorted order; each readable with BurstGPT's columns (UsageError otherwise)."""
+    given = Path(path).expanduser()
+    if given.is_dir():
+        files = sorted(given.glob("*.csv"))
+    elif given.is_file():
+        files = [given]
+    elif any(c in path for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(os.path.expanduser(path)) if os.path.isfile(f))
+    else:
+        raise UsageError(f"--burst-trace-path {path}: no such file, directory or glob")
+    if not files:
+        raise UsageError(f"--burst-trace-path {path}: no CSV files there")
+    for f in files:
+        _burst_columns(f)
+    return files
+
+
+def _burst_columns(path: Path) -> Tuple[int, int, int]:
+    """Where the columns BURST_COLUMNS are in `path`'s header (UsageError when it lacks one)."""
+    try:
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            header = [name.strip() for name in next(csv.reader(f), [])]
+    except OSError as exc:
+        raise UsageError(f"--burst-trace-path {path}: {exc.strerror}") from None
+    missing = [name for name in BURST_COLUMNS if name not in header]
+    if missing:
+        raise UsageError(f"--burst-trace-path {path}: no {', '.join(missing)} column (a BurstGPT CSV has "
+                         f"{BURST_FORMAT})")
+    return tuple(header.index(name) for name in BURST_COLUMNS)     # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    index: int                 # the row's number in the trace (every row, bad ones too)
+    timestamp_s: float
+    request_tokens: int
+    response_tokens: int
+
+
+def _trace_row(index: int, fields: List[str], columns: Tuple[int, int, int]) -> Tuple[Optional[TraceRow], str]:
+    """A CSV row as a request, or None and why it is not one."""
+    try:
+        ts, request, response = (fields[c] for c in columns)
+        row = TraceRow(index, float(ts), int(request), int(response))
+    except IndexError:
+        return None, "missing field"
+    except ValueError:
+        return None, "not a number"
+    if not math.isfinite(row.timestamp_s) or row.timestamp_s < 0:
+        return None, "timestamp not a time"
+    if not (1 <= row.request_tokens <= MAX_TRACE_TOKENS and 0 <= row.response_tokens <= MAX_TRACE_TOKENS):
+        return None, "token count out of range"
+    return row, ""
+
+
+class BurstTrace:
+    """The requests of BurstGPT CSV files, read as they are replayed (a trace of millions of
+    rows is never held in memory). Under MPI, rank r of R takes rows r, r + R, ... Rows that are
+    not a request (a missing field, not a number, a token count < 1 or out of range) are
+    counted by reason on the first pass, and skipped."""
+
+    def __init__(self, files: Sequence[Path], share: Tuple[int, int] = (0, 1)):
+        self.files = list(files)
+        self._rank, self._ranks = share
+        self.rows = 0
+        self.bad_rows: Dict[str, int] = defaultdict(int)
+        self.passes = 0
+
+    def digest(self, users_digest: str, should_stop: Callable[[], bool] = lambda: False) -> str:
+        """The workload's identity: sha256 of the users' digest and the files' bytes, in order."""
+        h = hashlib.sha256(users_digest.encode())
+        for path in self.files:
+            with open(path, "rb") as f:
+                while (block := f.read(MIB)):
+                    if should_stop():
+                        raise Interrupted()
+                    h.update(block)
+        return h.hexdigest()[:16]
+
+    def requests(self) -> Iterator[TraceRow]:
+        """One pass over the trace, this rank's rows in file order."""
+        first, index = self.passes == 0, -1
+        for path in self.files:
+            columns = _burst_columns(path)
+            with open(path, newline="", encoding="utf-8", errors="replace") as f:
+                reader = csv.reader(f)
+                next(reader, None)
+                for fields in reader:
+                    if not fields:                       # a blank line is no row
+                        continue
+                    index += 1
+                    if index % self._ranks != self._rank:
+                        continue
+                    row, problem = _trace_row(index, fields, columns)
+                    if first:
+                        self.rows += 1
+                        if row is None:
+                            self.bad_rows[problem] += 1
+                    if row is not None:
+                        yield row
+        self.passes += 1
+
+    def stats(self) -> Dict[str, Any]:
+        return {"files": [str(p) for p in self.files], "rows": self.rows, "bad_rows": sum(self.bad_rows.values()),
+                "bad_rows_by_reason": dict(self.bad_rows), "passes_completed": self.passes}
 
 
 # ============================================================================
@@ -6325,6 +6471,7 @@ class RunMeasurements:
     ranks_without_results: List[int] = field(default_factory=list)   # ranks stopped before their workload
     decode_contexts: Optional[Dict[str, Any]] = None                 # --decode-only's set-up (write_decode_contexts)
     precondition: Optional[Dict[str, Any]] = None                    # --precondition (precondition_storage)
+    burst_trace: Optional[Dict[str, Any]] = None                     # --use-burst-trace (BurstArrivals.trace_stats)
 
     @property
     def interrupted(self) -> bool:
@@ -6404,6 +6551,9 @@ class ArrivalScheduler:
             self._push(time.perf_counter() + planned.think_time_s, user_index, planned)
             self._cond.notify()
 
+    def trace_stats(self) -> None:
+        return None                             # synthetic or dataset users, no trace
+
     def _push(self, due: float, user_index: int, planned: PlannedRequest) -> None:
         self._in_system.add(user_index)
         heapq.heappush(self._heap, (due, next(self._ticket), user_index, planned))
@@ -6431,6 +6581,103 @@ class ArrivalScheduler:
                     self._next_admission = max(time.perf_counter(), self._next_admission) + self._min_gap_s
             request = self._build(user_index, planned)
             self._queue.put((-request.priority, next(self._queue_seq), request))
+
+
+class BurstArrivals:
+    """--use-burst-trace: each trace row admitted at its timestamp / --trace-speedup, counted from
+    the first row (open loop: the trace sets the pace, not the completions), as a lone request
+    (no conversation, no shared prefix: as the original) of user n % users for the n-th admitted.
+    Pass after pass until --replay-cycles passes (0: until the run stops), each pass starting one
+    mean gap after the last row of the one before; once the last pass is admitted and its
+    requests completed, `on_done`. Same interface as ArrivalScheduler."""
+
+    def __init__(self, trace: BurstTrace, plan: WorkloadPlan,
+                 build_request: Callable[[int, PlannedRequest], InferenceRequest], request_queue: "queue.PriorityQueue",
+                 stop_event: threading.Event, config: BenchmarkConfig, on_done: Callable[[], None]):
+        self.trace, self._plan, self._build, self._queue, self._stop = trace, plan, build_request, request_queue, stop_event
+        self._speedup, self._passes, self._max_requests = config.trace_speedup, config.replay_cycles, config.max_requests
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._queue_seq = itertools.count()
+        self._t0 = 0.0
+        self._completed, self._finished = 0, False
+        self.admitted = 0
+        self.lag_s = [0.0, 0.0]                  # admissions' total and largest delay past their time
+
+    @property
+    def active_users(self) -> int:
+        return self._plan.num_users
+
+    def seed(self, t0: float) -> None:
+        self._t0 = t0
+
+    def set_active_users(self, count: int, now: Optional[float] = None) -> None:
+        raise UsageError("--use-burst-trace sets the load itself: the user count cannot change")
+
+    def release(self, user_index: int) -> None:
+        with self._lock:
+            self._completed += 1
+            done = self._finished and self._completed >= self.admitted
+        if done:
+            self._on_done()
+
+    def run(self) -> None:
+        offset_s = 0.0
+        while not self._stop.is_set() and (not self._passes or self.trace.passes < self._passes):
+            first = last = None
+            rows = 0
+            for row in self.trace.requests():
+                first = row.timestamp_s if first is None else first
+                last, rows = row.timestamp_s, rows + 1
+                if not self._admit(row, self._t0 + (offset_s + row.timestamp_s - first) / self._speedup):
+                    return
+            if first is None:                            # nothing in the trace is a request
+                break
+            offset_s += (last - first) * (1 + 1 / max(1, rows - 1))
+        with self._lock:
+            self._finished = True
+            done = self._completed >= self.admitted
+        if done:
+            self._on_done()
+
+    def _admit(self, row: TraceRow, due: float) -> bool:
+        """Wait for the row's time and queue it; False when the run stopped or admission closed."""
+        while (wait := due - time.perf_counter()) > 0:
+            if self._stop.wait(min(wait, 0.1)):
+                return False
+        if self._stop.is_set() or (self._max_requests and self.admitted >= self._max_requests):
+            return False                             # admission closed; the run ends when these complete
+        lag = time.perf_counter() - due
+        self.lag_s = [self.lag_s[0] + lag, max(self.lag_s[1], lag)]
+        planned = PlannedRequest(conversation=row.index + 1, turn=0, context_tokens=row.request_tokens,
+                                 generate_tokens=row.response_tokens, think_time_s=0.0, prefix_key=None,
+                                 rag_draw=random.Random(derive_seed(self._plan.seed, "burst-row", row.index)).random())
+        request = self._build(self.admitted % self._plan.num_users, planned)
+        with self._lock:
+            self.admitted += 1
+        self._queue.put((-request.priority, next(self._queue_seq), request))
+        return True
+
+    def trace_stats(self) -> Dict[str, Any]:
+        return {**self.trace.stats(), "trace_speedup": self._speedup, "replay_cycles": self._passes,
+                "requests_admitted": self.admitted, "admission_lag_mean_ms": self.lag_s[0] / self.admitted * 1000
+                if self.admitted else None, "admission_lag_max_ms": self.lag_s[1] * 1000}
+
+
+def merge_trace_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """The MPI ranks' BurstGPT figures as the world's: each rank replays its own rows."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return None
+    admitted = sum(p["requests_admitted"] for p in parts)
+    reasons: Dict[str, int] = collections.Counter()
+    for p in parts:
+        reasons.update(p["bad_rows_by_reason"])
+    lag_total = sum((p["admission_lag_mean_ms"] or 0.0) * p["requests_admitted"] for p in parts)
+    return {**parts[0], "rows": sum(p["rows"] for p in parts), "bad_rows": sum(reasons.values()),
+            "bad_rows_by_reason": dict(reasons), "passes_completed": min(p["passes_completed"] for p in parts),
+            "requests_admitted": admitted, "admission_lag_mean_ms": lag_total / admitted if admitted else None,
+            "admission_lag_max_ms": max(p["admission_lag_max_ms"] for p in parts)}
 
 
 class WorkerPool:
@@ -6492,7 +6739,11 @@ class IntegratedBenchmark:
         self.plan = WorkloadPlan(config.model.name, config.num_users, self.seed,
                                  self.dataset.conversations if self.dataset else None, self._stop.is_set)
         self.rag = RAGDocumentManager(config.rag_num_docs, self.seed, model=config.model) if config.enable_rag else None
+        self.trace = BurstTrace(burst_trace_files(config.burst_trace_path), config.trace_share) \
+            if config.use_burst_trace else None
         self.workload_digest = self.plan.digest(self._stop.is_set)
+        if self.trace is not None:
+            self.workload_digest = self.trace.digest(self.workload_digest, self._stop.is_set)
         self.cache = MultiTierCache.for_run(dataclasses.replace(config, seed=self.seed))
         self.conversations = ConversationManager(
             max_conversations=setting("conversation", "max_conversations") or max(1000, 2 * config.num_users),
@@ -6508,8 +6759,10 @@ class IntegratedBenchmark:
         self.shutdown_tail_s = 0.0
         self.stop_counters: Optional[Dict[str, int]] = None
         self.latency_samples: Dict[str, List[float]] = {}     # per tier and operation, seconds (for --plot)
-        self.scheduler = ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop,
-                                          config.max_requests, config.request_rate)
+        self.scheduler = (ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop,
+                                           config.max_requests, config.request_rate) if self.trace is None else
+                          BurstArrivals(self.trace, self.plan, self._build_request, self.request_queue, self._stop,
+                                        config, lambda: self.request_stop("burst_trace_replayed")))
         self.device_monitor = BlockDeviceMonitor(self.cache.run_dir)
         self.device_stats: Optional[Dict[str, Any]] = None
         self.monitor = StorageMonitor(self.cache, self.recorder, self.request_queue,
@@ -6664,7 +6917,7 @@ class IntegratedBenchmark:
         user = self.plan.users[user_index]
         self._request_numbers[user_index] += 1
         conv_id, turn, cache_key, previous = None, 0, None, ()
-        if self.config.multi_turn:
+        if self.config.multi_turn and planned.turn:          # turn 0: a lone request (a trace row)
             conv_id = self._active_conversation.get(user_index)
             if planned.turn == 1 or conv_id is None or not self.conversations.has_conversation(conv_id):
                 if conv_id is not None and self.conversations.has_conversation(conv_id):
@@ -6795,7 +7048,8 @@ class IntegratedBenchmark:
             autoscaling=(scaling.history, scaling.summary(self.scheduler.active_users)) if scaling else None,
             rag_stats=self.rag.stats() if self.rag else None,
             dataset_stats=self.dataset.stats() if self.dataset else None, device_stats=self.device_stats,
-            decode_contexts=self.decode_contexts, precondition=self.precondition)
+            decode_contexts=self.decode_contexts, precondition=self.precondition,
+            burst_trace=self.scheduler.trace_stats())
 
 
 # ============================================================================
@@ -6908,7 +7162,7 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "autoscaling_stats": m.autoscaling[0] if m.autoscaling else [],
         "autoscaling_summary": m.autoscaling[1] if m.autoscaling else None,
         "rag_stats": rag_summary(m.rag_stats, cache_stats),
-        "dataset_stats": m.dataset_stats,
+        "dataset_stats": m.dataset_stats, "burst_trace": m.burst_trace,
         "multi_turn_stats": {"cache_hits": multi_hits, "cache_misses": multi_misses,
                              "hit_rate": _ratio(multi_hits, multi_hits + multi_misses),
                              "resumes": cache_stats["multi_turn_resumes"]},
@@ -7097,8 +7351,7 @@ def format_report(results: Dict[str, Any]) -> str:
         _report_fio(add, s["fio_comparison"])
     _report_cache_types(add, s, cs)
     _report_qos(add, s["qos_metrics"])
-    if s.get("dataset_stats"):
-        _report_dataset(add, s["dataset_stats"])
+    _report_sources(add, s)
     if s.get("rag_stats"):
         _report_rag(add, s["rag_stats"])
     if s.get("autoscaling_summary"):
@@ -7551,6 +7804,25 @@ def _suite_cell(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _report_sources(add: Callable[[str], None], s: Dict[str, Any]) -> None:
+    """Where the requests came from: a ShareGPT dataset, a BurstGPT trace (or neither: synthetic users)."""
+    if s.get("dataset_stats"):
+        _report_dataset(add, s["dataset_stats"])
+    t = s.get("burst_trace")
+    if not t:
+        return
+    add("")
+    add("### BURSTGPT TRACE ###")
+    add(f"  {', '.join(t['files'])}: {t['rows']:,} rows, {t['bad_rows']:,} not requests (skipped)"
+        + (": " + ", ".join(f"{k} {v:,}" for k, v in sorted(t["bad_rows_by_reason"].items())) if t["bad_rows"] else ""))
+    passes = f"of {t['replay_cycles']}" if t["replay_cycles"] else "(no limit)"
+    lag = t["admission_lag_mean_ms"]
+    add(f"  Speedup {t['trace_speedup']:g}x; passes completed: {t['passes_completed']} {passes}; requests admitted "
+        f"{t['requests_admitted']:,}; admission behind the trace's time: mean {_fmt_ms(lag)}, "
+        f"max {_fmt_ms(t['admission_lag_max_ms'])}")
+    add("  Each row is a lone request (no multi-turn conversation, no shared prefix), as in the original")
+
+
 def _report_dataset(add: Callable[[str], None], d: Dict[str, Any]) -> None:
     add("")
     add("### DATASET REPLAY ###")
@@ -7920,7 +8192,7 @@ def rank_config(config: BenchmarkConfig, rank: int, size: int) -> BenchmarkConfi
         max_requests=rank_share(config.max_requests, rank, size) if config.max_requests else 0,
         seed=derive_seed(config.seed, "mpi-rank", rank) if config.seed is not None else None,
         cache_dir=str(Path(base_dir) / f"rank{rank}"),
-        gpu_device=node_slot()[0],
+        gpu_device=node_slot()[0], trace_share=(rank, size),
         progress=config.progress and rank == 0)
 
 
@@ -7974,7 +8246,8 @@ def merge_measurements(config: BenchmarkConfig, gathered: List[Optional[RunMeasu
         thread_errors=[f"rank {p.rank}: {e}" for p in parts for e in p.thread_errors],
         process_cpu_s=sum(p.process_cpu_s for p in parts), shutdown_tail_s=max(p.shutdown_tail_s for p in parts),
         device_stats=merge_device_stats([p.device_stats for p in parts]), ranks=list(parts),
-        ranks_without_results=missing, decode_contexts=merge_decode_contexts([p.decode_contexts for p in parts]))
+        ranks_without_results=missing, decode_contexts=merge_decode_contexts([p.decode_contexts for p in parts]),
+        burst_trace=merge_trace_stats([p.burst_trace for p in parts]))
 
 
 _DEVICE_SUMS = ("reads_completed", "reads_merged", "bytes_read", "writes_completed", "writes_merged",
@@ -8086,6 +8359,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-conversations", type=int, default=500, help="conversations to sample from the dataset (default: %(default)s)")
     d.add_argument("--request-rate", type=float, default=0.0,
                    help="cap on admissions per second, evenly spaced (0: no pacing)")
+    d.add_argument("--use-burst-trace", action="store_true",
+                   help="admit requests as BurstGPT trace rows say: each row at its timestamp, with its request "
+                        "and response tokens (open loop)")
+    d.add_argument("--burst-trace-path", default=DEFAULT_BURST_TRACE_PATH, metavar="PATH",
+                   help=f"BurstGPT CSV ({BURST_FORMAT}): a file, a directory of *.csv (sorted), or a glob "
+                        f"(default: %(default)s)")
+    d.add_argument("--trace-speedup", type=float, default=1.0,
+                   help="replay the trace this many times faster than recorded (default: %(default)s)")
+    d.add_argument("--replay-cycles", type=int, default=0,
+                   help="passes over the trace before the run ends (0: until --duration or --max-requests)")
     d.add_argument("--enable-rag", action="store_true", help="simulate RAG document ingestion and retrieval")
     d.add_argument("--rag-num-docs", type=int, default=10, help="RAG documents to ingest (default: %(default)s)")
 

@@ -6076,6 +6076,102 @@ class TestNodeRoles:
         assert not cache.write_entry("after", 10).success              # the writes in flight were aborted
 
 
+def write_burst_csv(path: Path, rows, extra_lines=()) -> Path:
+    """A CSV in BurstGPT's format: rows of (timestamp s, request tokens, response tokens), then lines as given."""
+    lines = ["Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"]
+    lines += [f"{t},ChatGPT,{q},{a},{q + a},Conversation log" for t, q, a in rows]
+    path.write_text("\n".join([*lines, *extra_lines]) + "\n")
+    return path
+
+
+def burst_rows(count: int, seed: int = 3):
+    r, t, rows = random.Random(seed), 0.0, []
+    for _ in range(count):
+        t += r.expovariate(5.0)
+        rows.append((round(t, 3), r.randint(20, 400), r.randint(0, 60)))
+    return rows
+
+
+class TestBurstTrace:
+    """--use-burst-trace: arrivals from BurstGPT rows, open loop."""
+
+    BAD_LINES = ("9.5,ChatGPT,many,10,10,Conversation log", "9.6,ChatGPT,0,10,10,Conversation log",
+                 "9.7,ChatGPT", "inf,ChatGPT,10,10,20,Conversation log")
+
+    def arrivals(self, tmp_path, rows, **config):
+        trace = kv.BurstTrace(kv.burst_trace_files(str(write_burst_csv(tmp_path / "t.csv", rows))))
+        plan, q, stop, done = kv.WorkloadPlan("tiny-1b", 3, 42), queue.PriorityQueue(), threading.Event(), []
+
+        def build(user, planned):
+            return types.SimpleNamespace(priority=1, user=user, planned=planned)
+        cfg = kv.BenchmarkConfig(model="tiny-1b", trace_speedup=1e6, **config)
+        return kv.BurstArrivals(trace, plan, build, q, stop, cfg, lambda: done.append(True)), q, done, stop
+
+    def test_rows_are_admitted_in_trace_order_pass_after_pass(self, tmp_path):
+        rows = burst_rows(5)
+        arrivals, q, done, _ = self.arrivals(tmp_path, rows, replay_cycles=2)
+        arrivals.seed(time.perf_counter())
+        arrivals.run()
+        admitted = [q.get_nowait()[2] for _ in range(q.qsize())]
+        assert [(r.planned.context_tokens, r.planned.generate_tokens) for r in admitted] == [(q_, a) for _, q_, a in rows] * 2
+        assert [r.user for r in admitted] == [i % 3 for i in range(10)]
+        assert all(r.planned.turn == 0 and r.planned.prefix_key is None for r in admitted)
+        assert done == []                                       # admitted, not yet completed
+        for r in admitted:
+            arrivals.release(r.user)
+        assert done == [True] and arrivals.trace_stats()["passes_completed"] == 2
+
+    def test_max_requests_closes_admission(self, tmp_path):
+        arrivals, q, done, stop = self.arrivals(tmp_path, burst_rows(8), max_requests=3)
+        arrivals.seed(time.perf_counter())
+        stopper = threading.Timer(1.0, stop.set)                # replay-cycles 0: it would go on
+        stopper.start()
+        arrivals.run()
+        stopper.cancel()
+        assert q.qsize() == 3 == arrivals.admitted
+
+    def test_a_directory_is_its_csv_files_in_order_and_ranks_share_the_rows(self, tmp_path):
+        write_burst_csv(tmp_path / "b.csv", [(5.0, 30, 3), (6.0, 40, 4)])
+        write_burst_csv(tmp_path / "a.csv", [(0.0, 10, 1), (1.0, 20, 2)])
+        (tmp_path / "notes.txt").write_text("not a trace")
+        files = kv.burst_trace_files(str(tmp_path))
+        assert [f.name for f in files] == ["a.csv", "b.csv"] == [f.name for f in kv.burst_trace_files(str(tmp_path / "*.csv"))]
+        assert [r.request_tokens for r in kv.BurstTrace(files).requests()] == [10, 20, 30, 40]
+        assert [r.request_tokens for r in kv.BurstTrace(files, (1, 2)).requests()] == [20, 40]
+
+    def test_bad_rows_are_counted_by_reason_and_skipped(self, tmp_path):
+        trace = kv.BurstTrace([write_burst_csv(tmp_path / "t.csv", burst_rows(3), self.BAD_LINES)])
+        assert len(list(trace.requests())) == 3
+        assert len(list(trace.requests())) == 3                 # a second pass counts nothing again
+        assert trace.stats()["rows"] == 7 and trace.stats()["bad_rows_by_reason"] == {
+            "not a number": 1, "token count out of range": 1, "missing field": 1, "timestamp not a time": 1}
+
+    @pytest.mark.slow
+    def test_a_run_replays_the_trace_once_and_reports_it(self, tmp_path):
+        rows = burst_rows(40)
+        trace = write_burst_csv(tmp_path / "burst.csv", rows, self.BAD_LINES)
+        proc = run_cli(*small_run(tmp_path, "--num-users", "4", "--cpu-mem-gb", "0.2", "--seed", "42",
+                                  "--use-burst-trace", "--burst-trace-path", trace, "--trace-speedup", "50",
+                                  "--replay-cycles", "1"), cwd=tmp_path)
+        r = results_of(proc, tmp_path)
+        s, t = r["summary"], r["summary"]["burst_trace"]
+        assert s["stop_reason"] == "burst_trace_replayed" and s["total_requests"] == 40
+        assert s["total_tokens"] == sum(a for _, _, a in rows)
+        assert t["rows"] == 44 and t["bad_rows"] == 4 and t["requests_admitted"] == 40 and t["passes_completed"] == 1
+        assert r["config"]["use_burst_trace"] is True and r["config"]["trace_speedup"] == 50
+        assert s["multi_turn_stats"]["resumes"] == 0                # each row a lone request
+        assert "### BURSTGPT TRACE ###" in proc.stdout and "44 rows, 4 not requests (skipped)" in proc.stdout
+        again = run_cli(*small_run(tmp_path / "again", "--num-users", "4", "--cpu-mem-gb", "0.2", "--seed", "42",
+                                   "--use-burst-trace", "--burst-trace-path", trace, "--trace-speedup", "50",
+                                   "--replay-cycles", "1", "--max-requests", "2"), cwd=tmp_path)
+        assert results_of(again, tmp_path / "again")["workload_digest"] == r["workload_digest"]
+        write_burst_csv(trace, rows[:-1])
+        other = run_cli(*small_run(tmp_path / "other", "--num-users", "4", "--cpu-mem-gb", "0.2", "--seed", "42",
+                                   "--use-burst-trace", "--burst-trace-path", trace, "--max-requests", "2"),
+                        cwd=tmp_path)
+        assert results_of(other, tmp_path / "other")["workload_digest"] != r["workload_digest"]
+
+
 class TestTensorParallel:
     """--num-gpus and --tensor-parallel: each entry stored as TP shards, one object per rank."""
 
@@ -6377,6 +6473,20 @@ class TestReliability:
                      id="prefill-only with decode-only"),
         pytest.param(["--precondition-size-gb", "-1"], "--precondition-size-gb", id="precondition-size-gb -1"),
         pytest.param(["--precondition-threads", "-1"], "--precondition-threads", id="precondition-threads -1"),
+        pytest.param(["--use-burst-trace", "--burst-trace-path", "{tmp}/inputs/none.csv"], "--burst-trace-path",
+                     id="burst trace missing"),
+        pytest.param(["--use-burst-trace", "--burst-trace-path", "{tmp}/inputs/no*.csv"], "--burst-trace-path",
+                     id="burst trace glob matching nothing"),
+        pytest.param(["--use-burst-trace", "--burst-trace-path", "{malformed}"], "--burst-trace-path",
+                     id="burst trace without its columns"),
+        pytest.param(["--use-burst-trace", "--burst-trace-path", "{burst}", "--trace-speedup", "0"], "--trace-speedup",
+                     id="trace-speedup 0"),
+        pytest.param(["--use-burst-trace", "--burst-trace-path", "{burst}", "--replay-cycles", "-1"], "--replay-cycles",
+                     id="replay-cycles -1"),
+        pytest.param(["--use-burst-trace", "--burst-trace-path", "{burst}", "--enable-autoscaling"],
+                     "--enable-autoscaling", id="burst trace with autoscaling"),
+        pytest.param(["--use-burst-trace", "--burst-trace-path", "{burst}", "--output", "{burst}"], "--output",
+                     id="output over the burst trace"),
         pytest.param(["--num-gpus", "0"], "--num-gpus", id="num-gpus 0"),
         pytest.param(["--tensor-parallel", "0"], "--tensor-parallel", id="tensor-parallel 0"),
         pytest.param(["--num-gpus", "4", "--tensor-parallel", "3"], "--tensor-parallel", id="TP not dividing GPUs"),
@@ -6390,8 +6500,9 @@ class TestReliability:
         inputs.mkdir()
         (inputs / "malformed.json").write_text('[{"id": "a", "conversations": [{"from": "human", "val')
         (inputs / "not_a_list.json").write_text('{"id": "a", "conversations": []}')
-        argv = [a.format(tmp=tmp_path, malformed=inputs / "malformed.json", not_a_list=inputs / "not_a_list.json")
-                for a in (*HARMLESS_RUN, *argv)]
+        write_burst_csv(inputs / "burst.csv", [(0.0, 100, 10)])
+        argv = [a.format(tmp=tmp_path, malformed=inputs / "malformed.json", not_a_list=inputs / "not_a_list.json",
+                         burst=inputs / "burst.csv") for a in (*HARMLESS_RUN, *argv)]
         system_dir = Path(argv[-1]) if flag == "--cache-dir" else None
 
         def ours_there():
@@ -6407,7 +6518,8 @@ class TestReliability:
             assert lines[0].endswith("(see --help)")
         assert proc.stdout == ""
         assert sorted(p.name for p in tmp_path.iterdir()) == ["inputs"]     # no cache dir, no results file
-        assert sorted(p.name for p in inputs.iterdir()) == ["malformed.json", "not_a_list.json"]
+        assert sorted(p.name for p in inputs.iterdir()) == ["burst.csv", "malformed.json", "not_a_list.json"]
+        assert (inputs / "burst.csv").read_text().startswith("Timestamp,Model,")
         assert ours_there() == before
 
     def test_an_unwritable_working_directory_without_output_is_refused_before_the_run(self, tmp_path):

@@ -52,6 +52,7 @@ import errno
 import functools
 import zlib
 import hashlib
+import io
 import heapq
 import importlib.util
 import itertools
@@ -775,6 +776,11 @@ class BenchmarkConfig:
     plot: Optional[str] = None
     fio_job: Optional[str] = None
     fio_compare: bool = False
+    # I/O traces
+    io_trace_log: Optional[str] = None            # trace mode: no I/O, every operation a row of this CSV
+    trace_bandwidth_gbps: str = ""                # the latency model's GB/s per tier over TRACE_BANDWIDTH_GBPS
+    trace_latency_us: str = ""                    # and its microseconds per operation over TRACE_LATENCY_US
+    replay_io_trace: Optional[str] = None         # replay a trace's storage rows in --cache-dir, nothing else
     # set by the run, not by a flag
     requested_cpu_mem_gb: Optional[float] = None  # --cpu-mem-gb as given, before clamping to free RAM
     gpu_device: int = 0                           # CUDA device, modulo the visible ones (MPI: the node rank)
@@ -853,7 +859,7 @@ class BenchmarkConfig:
         checks: List[Callable[[], None]] = [functools.partial(_check_range, *r) for r in ranges if r[1] is not None]
         return checks + [lambda: _check_dataset(self.dataset_path), lambda: _check_cache_dir(self.cache_dir),
                          lambda: _check_outputs(self), self._check_fio, self._check_node_role, self._check_shards,
-                         self._check_burst_trace]
+                         self._check_burst_trace, self._check_io_trace]
 
     def _check_fio(self) -> None:
         if self.fio_compare and shutil.which("fio") is None:
@@ -863,6 +869,21 @@ class BenchmarkConfig:
     def shards(self) -> ShardLayout:
         """How the node splits each entry over its tensor-parallel ranks (UsageError if it cannot)."""
         return shard_layout(self.model, self.num_gpus, self.tensor_parallel)
+
+    def _check_io_trace(self) -> None:
+        if self.replay_io_trace is not None:
+            _check_trace_file(self.replay_io_trace)
+        if self.io_trace_log is None:
+            return
+        for flag, given in (("--replay-io-trace", self.replay_io_trace), ("--fio-compare", self.fio_compare),
+                            ("--fio-job", self.fio_job), ("--verify", self.verify), ("--io-baseline", self.io_baseline),
+                            ("--precondition", self.precondition)):
+            if given:
+                raise UsageError(f"--io-trace-log and {flag} cannot be combined (trace mode moves no bytes)")
+        if self.io_trace_log.endswith(".zst") and not _installed("zstandard"):
+            raise UsageError(f"--io-trace-log {self.io_trace_log}: a .zst trace needs the zstandard package "
+                             f"(pip install zstandard), or give a .csv name")
+        LatencyModel.for_run(self)
 
     def _check_burst_trace(self) -> None:
         if not self.use_burst_trace:
@@ -952,6 +973,18 @@ def _check_cache_dir(cache_dir: Optional[str]) -> None:
         raise UsageError(f"--cache-dir {cache_dir} is not writable (needs write access to {existing})")
 
 
+def _check_trace_file(path: str) -> None:
+    """--replay-io-trace: a readable trace with the columns --io-trace-log writes."""
+    try:
+        columns = trace_columns(path)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--replay-io-trace {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    missing = [c for c in TRACE_COLUMNS if c not in columns]
+    if missing:
+        raise UsageError(f"--replay-io-trace {path}: no {', '.join(missing)} column (an --io-trace-log trace has "
+                         f"{', '.join(TRACE_COLUMNS)})")
+
+
 def _check_dataset(dataset_path: Optional[str]) -> None:
     if dataset_path is None:
         return
@@ -972,7 +1005,8 @@ def _input_files(config: "BenchmarkConfig") -> Tuple[Tuple[str, Optional[str]], 
     if config.use_burst_trace:
         with contextlib.suppress(UsageError):        # said by _check_burst_trace
             traces = burst_trace_files(config.burst_trace_path)
-    return (("--dataset-path", config.dataset_path), *(("--burst-trace-path", str(t)) for t in traces))
+    return (("--dataset-path", config.dataset_path), ("--replay-io-trace", config.replay_io_trace),
+            *(("--burst-trace-path", str(t)) for t in traces))
 
 
 TEMPORARY_NAME_EXTRA_BYTES = len(".") + len(".") + 8 + len(".tmp")   # _write_file's ".NAME.XXXXXXXX.tmp"
@@ -1025,7 +1059,8 @@ def _check_plot_dir(plot: Optional[str]) -> None:
 def _check_outputs(config: "BenchmarkConfig") -> None:
     """Every file the run will write, checked before it starts: writable, of a known kind, and
     no two flags naming the same file (one would destroy the other, or the dataset read)."""
-    outputs = (("--output", config.output), ("--xlsx-output", config.xlsx_output), ("--fio-job", config.fio_job))
+    outputs = (("--output", config.output), ("--xlsx-output", config.xlsx_output), ("--fio-job", config.fio_job),
+               ("--io-trace-log", config.io_trace_log))
     for flag, value in outputs:
         _check_output_path(flag, value)
     if config.output is None and not os.access(".", os.W_OK | os.X_OK):
@@ -2085,12 +2120,13 @@ class KVCacheGenerator:
     def fill(self, layout: EntryLayout, entry_offset: int, out: np.ndarray) -> None:
         """Write the entry's bytes [entry_offset, entry_offset + out.size) into the uint8 array `out`.
         An offset inside a block (a --tensor-parallel shard of an entry whose size per shard is not
-        whole blocks) costs a second copy: the bytes are made from the block's start."""
+        whole blocks) costs a second copy: the bytes are made from the block's start (and a stamp's
+        worth past the end, so that a last partial block gets its stamp as the whole entry has it)."""
         skew = entry_offset % BLOCK_BYTES
         if skew:
-            room = np.empty(out.size + skew, dtype=np.uint8)
+            room = np.empty(skew + out.size + STAMP_BYTES, dtype=np.uint8)
             fill_entry(HOST_ARRAY_OPS, self._pool_bytes, stamp_table(), layout, entry_offset - skew, room)
-            out[:] = room[skew:]
+            out[:] = room[skew:skew + out.size]
             return
         fill_entry(HOST_ARRAY_OPS, self._pool_bytes, stamp_table(), layout, entry_offset, out)
 
@@ -2270,6 +2306,7 @@ class EntrySource:
     fill: Callable[[int, np.ndarray], None]
     layout: Optional[EntryLayout] = None
     copy_whole: Optional[Callable[[np.ndarray], None]] = None
+    tier: Optional[str] = None          # trace mode: the tier a demotion reads it from (TracedTier)
 
     @classmethod
     def generated(cls, generator: KVCacheGenerator, key: str, nbytes: int, shape: Tuple[int, ...],
@@ -2317,8 +2354,8 @@ class Transfer:
     """
 
     def __init__(self, op: str, nbytes: int, *, tier: str = "", stop: Optional[threading.Event] = None,
-                 pool: Optional[StagingPool] = None, verify: bool = False, stats: Any = None):
-        self.op, self.nbytes, self.tier = op, nbytes, tier
+                 pool: Optional[StagingPool] = None, verify: bool = False, stats: Any = None, reason: str = ""):
+        self.op, self.nbytes, self.tier, self.reason = op, nbytes, tier, reason
         self.stop, self.verify = stop, verify
         self.moved = 0
         self._parts: Dict[int, Tuple[int, int]] = {}      # --verify: CRC-32 and length of each part
@@ -2418,11 +2455,11 @@ class Transfer:
             self.observe(part)
 
     # --- the record ---
-    def record(self, tokens: int, reason: str) -> None:
-        """The operation counts: its bytes, tokens and timing go into the statistics. `reason`:
-        'prefill' or 'decode' (a request's own I/O), 'demotion' (waterfall eviction)."""
+    def record(self, tokens: int) -> None:
+        """The operation counts: its bytes, tokens and timing go into the statistics, under its
+        `reason`: 'prefill' or 'decode' (a request's own I/O), 'demotion' (waterfall eviction)."""
         if self._stats is not None:
-            self._stats.record_io(self.tier, self.op, self.nbytes, tokens, self.timing(), reason)
+            self._stats.record_io(self.tier, self.op, self.nbytes, tokens, self.timing(), self.reason)
 
     def _record_failure(self, exc: BaseException) -> None:
         if self._stats is None:
@@ -4083,6 +4120,19 @@ class MemoryTiers:
     delivery: Optional[GPUDelivery] = None
     gpu: Optional[GPUMemoryBackend] = None
     cpu: Optional[CPUMemoryBackend] = None
+    trace: Optional["TraceLog"] = None      # --io-trace-log: the tiers are TracedTiers writing to it
+
+    def open_storage(self, directory: Path, shards: int) -> StorageBackend:
+        """The storage tier beside these: files in `directory`, or, in trace mode, none."""
+        if self.trace is None:
+            return NVMeBackend(directory, shards=shards)
+        return TracedTier("nvme", self.trace, shards)
+
+    def close(self) -> None:
+        if self.gpu is not None:
+            self.gpu.close()                  # unpins what was registered
+        if self.trace is not None:
+            self.trace.close()
 
 
 def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator,
@@ -4138,6 +4188,15 @@ def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
 
 
 
+def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> MemoryTiers:
+    """A run's GPU and CPU tiers (the GPU tier N x --gpu-mem-gb); with --io-trace-log, tiers
+    of the same budgets that move no bytes."""
+    if config.io_trace_log:
+        return open_traced_tiers(config)
+    return open_memory_tiers(config.gpu_mem_gb * config.num_gpus, config.cpu_mem_gb, config.gpu_library, generator,
+                             available_memory_bytes(), config.gpu_device)
+
+
 STORAGE_FREE_SHARE = 0.95               # --storage-capacity-gb 0: the share of the free space the tier may fill
 
 
@@ -4152,6 +4211,213 @@ def storage_capacity(capacity_gb: Optional[float], directory: Path) -> Tuple[flo
     free, ranks = shutil.disk_usage(directory).free, node_slot()[1]     # the ranks on a node share it
     shared = f", shared by the {ranks} ranks on this node" if ranks > 1 else ""
     return free * STORAGE_FREE_SHARE / ranks, f"{STORAGE_FREE_SHARE:.0%} of the {free / GIB:.1f} GB free at the start{shared}"
+
+
+# ============================================================================
+# I/O TRACE: THE TIERS WITHOUT I/O (--io-trace-log)
+# ============================================================================
+# Trace mode runs the whole simulation, the cache's bookkeeping and capacities included, but
+# moves no bytes: each operation writes rows to a CSV that another machine (or tool) replays
+# (--replay-io-trace), and takes the time a latency model gives it.
+
+TRACE_COLUMNS = ("Timestamp", "Operation", "Object_Size_Bytes", "Tier", "Key", "Phase")
+TRACE_TIER_LABELS = {"gpu": "Tier-0", "cpu": "Tier-1", "nvme": "Tier-2"}
+TRACE_PHASES = {"prefill": "Prefill", "decode": "Decode", "demotion": "Evict"}
+# The latency model's defaults, per tier: GB/s (10**9 bytes) and microseconds per operation.
+TRACE_BANDWIDTH_GBPS = {"gpu": 50.0, "cpu": 20.0, "nvme": 6.0}   # PCIe 5 x16 host<->GPU; memory copies; an NVMe drive
+TRACE_LATENCY_US = {"gpu": 10.0, "cpu": 1.0, "nvme": 80.0}
+
+
+def tier_values(flag: str, text: str, defaults: Dict[str, float], low: float, high: float) -> Dict[str, float]:
+    """A 'nvme=3,gpu=25' flag value over the defaults (UsageError naming `flag` otherwise)."""
+    values = dict(defaults)
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        name, _, number = item.partition("=")
+        if name.strip() not in values:
+            raise UsageError(f"{flag}: {item!r} is not TIER=NUMBER with TIER one of gpu, cpu, nvme")
+        try:
+            value = float(number)
+        except ValueError:
+            raise UsageError(f"{flag}: {item!r} is not TIER=NUMBER") from None
+        _check_range(flag, value, low, high, f"TIER=NUMBER with NUMBER from {low:g} to {high:g}")
+        values[name.strip()] = value
+    return values
+
+
+class LatencyModel:
+    """The trace's clock. Each tier is one server of its bandwidth, serving operations one after
+    another, and each operation adds the tier's latency; an operation on two tiers (a demotion's
+    read and write) holds both, at the slower one's bandwidth."""
+
+    def __init__(self, bandwidth_gbps: Dict[str, float], latency_us: Dict[str, float]):
+        self.bandwidth_gbps, self.latency_us = dict(bandwidth_gbps), dict(latency_us)
+        self._free = {tier: 0.0 for tier in TIER_NAMES}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_run(cls, config: BenchmarkConfig) -> "LatencyModel":
+        return cls(tier_values("--trace-bandwidth-gbps", config.trace_bandwidth_gbps, TRACE_BANDWIDTH_GBPS, 1e-3, 1e5),
+                   tier_values("--trace-latency-us", config.trace_latency_us, TRACE_LATENCY_US, 0, 1e7))
+
+    def reserve(self, tiers: Sequence[str], nbytes: int) -> Tuple[float, float]:
+        """An operation of `nbytes` on `tiers` issued now: (start, end) on the perf_counter clock."""
+        with self._lock:
+            start = max([time.perf_counter()] + [self._free[t] for t in tiers])
+            busy = nbytes / (min(self.bandwidth_gbps[t] for t in tiers) * 1e9)
+            for t in tiers:
+                self._free[t] = start + busy
+        return start, start + busy + max(self.latency_us[t] for t in tiers) / 1e6
+
+    def describe(self) -> str:
+        return "; ".join(f"{TRACE_TIER_LABELS[t]} ({t}) {self.bandwidth_gbps[t]:g} GB/s + {self.latency_us[t]:g} us"
+                         for t in TIER_NAMES)
+
+
+class TraceLog:
+    """The trace file: '#' lines stating what made it and the latency model, the header
+    TRACE_COLUMNS, then one row per operation (Unix time, 6 decimals). Written to a temporary
+    file beside PATH and renamed to it at the end; PATH.zst is zstd-compressed."""
+
+    def __init__(self, path: str, model: LatencyModel):
+        self.path, self.model, self.rows = Path(path).expanduser(), model, 0
+        self._lock = threading.Lock()
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        self._tmp = Path(tmp)
+        os.fchmod(fd, 0o666 & ~_umask())
+        raw: Any = os.fdopen(fd, "wb")
+        if self.path.name.endswith(".zst"):
+            import zstandard                           # checked by --io-trace-log's validation
+            raw = zstandard.ZstdCompressor(level=3).stream_writer(raw)
+        self._text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
+        self._csv = csv.writer(self._text, lineterminator="\n")
+        self._epoch = time.time() - time.perf_counter()
+        self._text.write(f"# kv-cache.py {__version__} I/O trace (--io-trace-log): no I/O was done; Timestamp is "
+                         f"Unix time from the latency model\n# latency model: {model.describe()}\n")
+        self._csv.writerow(TRACE_COLUMNS)
+
+    def row(self, at: float, op: str, nbytes: int, tier: str, key: str, phase: str) -> None:
+        with self._lock:
+            if self._text.closed:
+                return
+            self._csv.writerow((f"{self._epoch + at:.6f}", op, nbytes, TRACE_TIER_LABELS[tier], key, phase))
+            self.rows += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._text.closed:
+                return
+            self._text.close()
+        os.replace(self._tmp, self.path)
+        logger.info("I/O trace: %d operations written to %s", self.rows, self.path)
+
+
+class TracedTier(StorageBackend):
+    """A tier in trace mode: it knows what it holds (key, size, shape) and holds no bytes. Each
+    read or write takes the latency model's time (slept, so the run is paced as the model says,
+    and timed as the operation's device time) and writes its rows: a demotion both halves (the
+    source tier's Read and this tier's Write, phase Evict), a deletion a Delete row (Evict after
+    a demotion, Cleanup at the end). A storage tier of --tensor-parallel TP writes a row per
+    shard, keyed `<key>.tp<rank>`, as the files would be."""
+
+    def __init__(self, name: str, log: TraceLog, shards: int = 1):
+        self.name, self.log, self.model, self.shards = name, log, log.model, max(1, shards)
+        self._entries: Dict[str, StoredEntry] = {}
+        self._demoted: set = set()
+        self._lock = threading.Lock()
+        self.io_mode = f"trace mode, no I/O (--io-trace-log {log.path}); latency model: {log.model.describe()}"
+        self.direct_io = False
+        self.reset_accounting()
+
+    # --- what a storage tier reports (describe_tiers) ---
+    def reset_accounting(self) -> None:
+        self.busy = {"read": BusyClock(), "write": BusyClock()}
+
+    def request_profile(self) -> Dict[str, Any]:
+        return {"read_sizes": {}, "write_sizes": {}, "files_written": 0, "shards_per_entry": self.shards,
+                "object_sizes": []}
+
+    # --- operations ---
+    def _objects(self, key: str, nbytes: int, tier: str) -> List[Tuple[str, int]]:
+        if tier != "nvme" or self.shards == 1:
+            return [(key, nbytes)]
+        part = nbytes // self.shards
+        sizes = [part] * (self.shards - 1) + [nbytes - part * (self.shards - 1)]
+        return [(f"{key}.tp{rank}", size) for rank, size in enumerate(sizes)]
+
+    def _operate(self, transfer: Transfer, rows: List[Tuple[str, str]], key: str, nbytes: int) -> None:
+        """rows: (operation, tier) each; they start together and end when the model says."""
+        start, end = self.model.reserve([tier for _, tier in rows], nbytes)
+        phase = TRACE_PHASES.get(transfer.reason, transfer.reason.capitalize())
+        for op, tier in rows:
+            for name, size in self._objects(key, nbytes, tier):
+                self.log.row(start, op, size, tier, name, phase)
+
+        def wait() -> None:
+            while (left := end - time.perf_counter()) > 0:
+                transfer.check_stop()
+                time.sleep(min(left, 0.05))
+        transfer.timed(wait, busy=self.busy[transfer.op])
+        transfer.advance(nbytes)
+
+    def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
+        rows = ([("Read", source.tier)] if source.tier else []) + [("Write", self.name)]
+        self._operate(transfer, rows, key, source.nbytes)
+        with self._lock:
+            self._entries[key] = StoredEntry(source.nbytes, tuple(source.shape), source.dtype)
+
+    def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
+        self.entry_info(key)                               # KeyError when it is not here
+        self._operate(transfer, [("Read", self.name)], key, transfer.nbytes)
+
+    def source(self, key: str) -> EntrySource:
+        info = self.entry_info(key)
+        with self._lock:
+            self._demoted.add(key)
+
+        def no_bytes(offset: int, out: np.ndarray) -> None:
+            raise RuntimeError("trace mode moves no bytes")
+        return EntrySource(info.nbytes, info.shape, info.dtype, no_bytes, tier=self.name)
+
+    def entry_info(self, key: str) -> StoredEntry:
+        with self._lock:
+            return self._entries[key]
+
+    def delete(self, key: str, phase: str = "") -> bool:
+        with self._lock:
+            info = self._entries.pop(key, None)
+            demoted = key in self._demoted
+            self._demoted.discard(key)
+        if info is None:
+            return False
+        at = time.perf_counter()
+        for name, size in self._objects(key, info.nbytes, self.name):
+            self.log.row(at, "Delete", size, self.name, name, phase or ("Evict" if demoted else "Delete"))
+        return True
+
+    def detach(self, key: str) -> List[Path]:
+        self.delete(key)
+        return []                                          # no file to delete later
+
+    def clear(self) -> None:
+        with self._lock:
+            keys = list(self._entries)
+        for key in keys:
+            self.delete(key, "Cleanup")
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+
+def open_traced_tiers(config: BenchmarkConfig) -> MemoryTiers:
+    """Trace mode's GPU and CPU tiers, at their budgets as asked (nothing is allocated), and
+    the trace they and the storage tier write to."""
+    log = TraceLog(config.io_trace_log, LatencyModel.for_run(config))
+    tiers = MemoryTiers({}, {}, cpu_memory="none (trace mode)", trace=log)
+    for tier, gb in (("gpu", config.gpu_mem_gb * config.num_gpus), ("cpu", config.cpu_mem_gb)):
+        if gb > 0:
+            tiers.backends[tier], tiers.limits[tier] = TracedTier(tier, log), gb * GIB
+    return tiers
 
 
 # ============================================================================
@@ -4347,8 +4613,7 @@ def cache_stats_summary(report: CacheReport, profile: str, windows: Sequence[Tup
                                       for t in CACHE_TYPES}
     for tier in TIER_NAMES:
         stats.update(_tier_figures(tier, c, samples))
-    total_read = sum(c[f"{tier}_bytes_read"] for tier in TIER_NAMES)
-    total_written = sum(c[f"{tier}_bytes_written"] for tier in TIER_NAMES)
+    total_read, total_written = (sum(c[f"{tier}_bytes_{op}"] for tier in TIER_NAMES) for op in ("read", "written"))
     stats["total_read_gb"] = total_read / GIB
     stats["total_write_gb"] = total_written / GIB
     stats["read_write_ratio"] = _ratio(total_read, total_written)
@@ -4367,7 +4632,8 @@ def cache_stats_summary(report: CacheReport, profile: str, windows: Sequence[Tup
     stats["nvme_read_gib_per_sec_busy"] = _ratio(c["nvme_bytes_read"] / GIB, stats.get("nvme_read_device_busy_s", 0.0))
     stats["nvme_write_gib_per_sec_busy"] = _ratio(c["nvme_bytes_written"] / GIB, stats.get("nvme_write_device_busy_s", 0.0))
     stats.update(_v30_figures(c, samples, entry_counts, windows))
-    stats["storage_reads_not_on_device"] = off_device = reads_not_on_device(c["nvme_bytes_read"], device_stats)
+    stats["storage_reads_not_on_device"] = off_device = reads_not_on_device(
+        c["nvme_bytes_read"], None if stats.get("trace_mode") else device_stats)
     if off_device and "storage_io_mode" in stats:
         stats["storage_io_mode"] += ", but the reads did not reach the device (served from the page cache)"
     stats["storage_health"] = evaluate_storage_performance(profile, stats)
@@ -4527,6 +4793,7 @@ def describe_tiers(tiers: MemoryTiers, nvme: "NVMeBackend", run_dir: Path, order
         "cpu_tier_memory": tiers.cpu_memory if tiers.cpu else None,
         "cpu_arena_fallbacks": tiers.cpu.arena_fallbacks if tiers.cpu else 0,
         "storage_io_mode": nvme.io_mode,
+        "trace_mode": isinstance(nvme, TracedTier),
         "nvme_read_device_busy_s": nvme.busy["read"].busy_s(),
         "nvme_write_device_busy_s": nvme.busy["write"].busy_s(),
         "storage_direct_io": nvme.direct_io,
@@ -4664,18 +4931,16 @@ class MultiTierCache:
         slots = config.max_concurrent_allocs
         self._alloc_slots = threading.BoundedSemaphore(slots) if slots > 0 else None
 
-        self.tiers = open_memory_tiers(config.gpu_mem_gb * config.num_gpus, config.cpu_mem_gb, config.gpu_library, self.generator,
-                                       available_memory_bytes(), config.gpu_device)
+        self.tiers = open_cache_tiers(config, self.generator)
         self.backends: Dict[str, StorageBackend] = self.tiers.backends
         self._limits: Dict[str, float] = self.tiers.limits
         self.gpu_disabled_reason = self.tiers.gpu_disabled_reason
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvcache_run_", dir=config.cache_dir))
         try:
-            self.backends["nvme"] = NVMeBackend(self.run_dir, shards=config.tensor_parallel)
+            self.backends["nvme"] = self.tiers.open_storage(self.run_dir, config.tensor_parallel)
         except OSError:                                # e.g. a full file system: leave nothing behind
             self.run_dir.rmdir()
-            if self.tiers.gpu is not None:
-                self.tiers.gpu.close()
+            self.tiers.close()
             raise
         self._abort = threading.Event()
         self.staging_pool = StagingPool(STAGING_AREAS, STAGING_BYTES)
@@ -4715,13 +4980,14 @@ class MultiTierCache:
                     counts[entry.tier] += 1
             return counts
 
-    def _transfer(self, tier: str, op: str, nbytes: int, verify: bool) -> Transfer:
+    def _transfer(self, tier: str, op: str, nbytes: int, verify: bool, reason: str) -> Transfer:
         """One operation on `tier`, stopped by the run's stop and recorded in the statistics. It
         holds a staging area when it needs one: storage I/O from the storage pool, reads copied out
         of memory (or --verify of a GPU delivery) a bounce area; writes into memory need none."""
         copies_out = op == "read" and (self.tiers.delivery is None or verify)   # else straight to the GPU
         pool = self.staging_pool if tier == "nvme" else self.bounce_pool if copies_out else None
-        return Transfer(op, nbytes, tier=tier, stop=self._abort, pool=pool, verify=verify, stats=self.stats)
+        return Transfer(op, nbytes, tier=tier, stop=self._abort, pool=pool, verify=verify, stats=self.stats,
+                        reason=reason)
 
     # --- writes ---
     def allocate_cache(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
@@ -4770,8 +5036,9 @@ class MultiTierCache:
             self.stats.count("allocation_failures")
             return False, None, 0, False
         source = EntrySource.generated(self.generator, key, size, entry.shape, entry.dtype)
+        reason = "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE) else "decode"
         try:
-            with self._transfer(tier, "write", size, self.config.verify) as transfer:
+            with self._transfer(tier, "write", size, self.config.verify, reason) as transfer:
                 self.backends[tier].write_from(key, source, transfer)
         except (OSError, IOAborted) as exc:             # counted by the transfer
             self._drop(entry, reserved_tier=tier)
@@ -4780,8 +5047,7 @@ class MultiTierCache:
             entry.checksum = transfer.crc if self.config.verify else None
             entry.tier, entry.state = tier, "ready"
             self._lru[tier][key] = None
-        transfer.record(num_tokens, "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE)
-                        else "decode")
+        transfer.record(num_tokens)
         return True, tier, num_tokens, False
 
     def _reserve(self, size: int, first_tier_index: int, depth: int = 0) -> Optional[str]:
@@ -4832,7 +5098,7 @@ class MultiTierCache:
             return
         try:                                         # the next tier stores the entry from where it lies
             entry_source = self.backends[source].source(victim.key)
-            with self._transfer(dest, "write", victim.size_bytes, False) as transfer:
+            with self._transfer(dest, "write", victim.size_bytes, False, "demotion") as transfer:
                 self.backends[dest].write_from(victim.key, entry_source, transfer)
         except (OSError, IOAborted):                  # counted by the transfer
             with self._lock:
@@ -4846,7 +5112,7 @@ class MultiTierCache:
             self._lru[dest][victim.key] = None
         self.backends[source].delete(victim.key)
         self.stats.count(f"offloads_{dest}")
-        transfer.record(victim.num_tokens, "demotion")
+        transfer.record(victim.num_tokens)
         self._tls.demoted_tokens = getattr(self._tls, "demoted_tokens", 0) + victim.num_tokens
 
     def _forget(self, entry: CacheEntry) -> None:
@@ -4892,6 +5158,7 @@ class MultiTierCache:
         t0 = time.perf_counter()
         if cache_type not in _HIT_COUNTER:
             raise ValueError(f"cache_type must be one of {CACHE_TYPES}, not {cache_type!r}")
+        reason = "decode" if phase == InferencePhase.DECODE else "prefill"
         for _ in range(4):                                 # an entry can move while we reach for it
             with self._lock:
                 entry = self._entries.get(key)
@@ -4902,7 +5169,7 @@ class MultiTierCache:
                     self._lru[tier].move_to_end(key)
             verify = entry.checksum is not None
             try:
-                with self._transfer(tier, "read", entry.size_bytes, verify) as transfer:
+                with self._transfer(tier, "read", entry.size_bytes, verify, reason) as transfer:
                     self.backends[tier].read_into(key, self._sink, transfer)
             except KeyError:
                 continue
@@ -4915,7 +5182,7 @@ class MultiTierCache:
             if replaced:                               # rewritten while we read: those were another entry's bytes
                 continue
             self.stats.record_lookup(cache_type, True, tier, entry.size_bytes)
-            transfer.record(entry.num_tokens, "decode" if phase == InferencePhase.DECODE else "prefill")
+            transfer.record(entry.num_tokens)
             if verify:
                 self._check_read(key, tier, entry.checksum, transfer.crc)
             return CacheResult(True, tier, time.perf_counter() - t0, entry.num_tokens)
@@ -5006,8 +5273,7 @@ class MultiTierCache:
             _unlink_counted(self.stats, path)
         for backend in self.backends.values():
             _cleanup_counted(self.stats, backend.clear)
-        if self.tiers.gpu is not None:
-            self.tiers.gpu.close()                  # unpins what was registered
+        _cleanup_counted(self.stats, self.tiers.close)     # unpins what the GPU registered; ends the trace
         with self._lock:
             self._entries.clear()
             for tier in self._usage:
@@ -6357,6 +6623,222 @@ class _PreconditionProgress:
 
 
 # ============================================================================
+# TRACE REPLAY (--replay-io-trace)
+# ============================================================================
+# A trace made by --io-trace-log on one machine, its storage-tier rows replayed on another with
+# the storage tier's own I/O (NVMeBackend: O_DIRECT or fdatasync + DONTNEED, chunks in flight):
+# workload generation apart from storage measurement.
+
+REPLAY_WORKERS = STAGING_AREAS          # operations in flight at once (one staging area each)
+
+
+@dataclass(frozen=True)
+class TraceOp:
+    at_s: float                # from the trace's first storage row
+    op: str                    # Read, Write or Delete
+    nbytes: int
+    key: str
+
+
+@contextlib.contextmanager
+def _open_trace(path: str) -> Iterator[Any]:
+    """The trace's text, decompressed when it is zstd (by its name ending in .zst)."""
+    with open(Path(path).expanduser(), "rb") as raw:
+        if path.endswith(".zst"):
+            import zstandard
+            stream: Any = zstandard.ZstdDecompressor().stream_reader(raw)
+        else:
+            stream = raw
+        yield io.TextIOWrapper(stream, encoding="utf-8", newline="")
+
+
+def _trace_lines(text: Any) -> Iterator[List[str]]:
+    return csv.reader(line for line in text if not line.startswith("#"))
+
+
+def trace_columns(path: str) -> List[str]:
+    with _open_trace(path) as text:
+        return next(_trace_lines(text), [])
+
+
+def storage_trace_ops(path: str, counts: Dict[str, int]) -> Iterator[TraceOp]:
+    """The trace's storage-tier (Tier-2) operations in file order; `counts` gets the rows read,
+    those of other tiers, and the bad ones (not a number, an unknown operation)."""
+    with _open_trace(path) as text:
+        lines = _trace_lines(text)
+        at = {name: i for i, name in enumerate(next(lines, []))}
+        first = None
+        for fields in lines:
+            counts["rows"] += 1
+            try:
+                tier, op = fields[at["Tier"]], fields[at["Operation"]]
+                when, nbytes, key = float(fields[at["Timestamp"]]), int(fields[at["Object_Size_Bytes"]]), fields[at["Key"]]
+            except (IndexError, ValueError):
+                counts["bad_rows"] += 1
+                continue
+            if tier != TRACE_TIER_LABELS["nvme"]:
+                counts["other_tier_rows"] += 1
+                continue
+            if op not in ("Read", "Write", "Delete") or nbytes < 0 or not math.isfinite(when):
+                counts["bad_rows"] += 1
+                continue
+            first = when if first is None else first
+            yield TraceOp(when - first, op, nbytes, key)
+
+
+class TraceReplay:
+    """Issues a trace's storage operations open loop: each at its time / --trace-speedup from the
+    start, on REPLAY_WORKERS threads. An operation on an object waits for the one before it on
+    the same object (a read needs its write done, on a drive slower than the trace's model too);
+    an operation waiting for that or for a thread is late, and its lag (start minus due time)
+    says so. A read or delete of an object the replay never wrote (the trace began with it
+    stored, or the write failed) is counted, not issued."""
+
+    def __init__(self, config: BenchmarkConfig, stop: threading.Event):
+        self.config, self.stop = config, stop
+        self.run_dir = Path(tempfile.mkdtemp(prefix="kvcache_replay_", dir=config.cache_dir))
+        self.backend = NVMeBackend(self.run_dir)
+        self.generator = KVCacheGenerator(config.model, config.seed)
+        self.pool = StagingPool(REPLAY_WORKERS, STAGING_BYTES)
+        self.counts: Dict[str, int] = defaultdict(int)
+        self.samples: Dict[str, List[float]] = {"Read": [], "Write": [], "Delete": []}
+        self.lags: List[float] = []
+        self._lock = threading.Lock()
+        self._last: Dict[str, Any] = {}             # object -> the future of its latest operation
+
+    def run(self) -> Dict[str, Any]:
+        from concurrent.futures import ThreadPoolExecutor
+        monitor = BlockDeviceMonitor(self.run_dir)
+        monitor.start()
+        t0 = time.perf_counter()
+        try:
+            with ThreadPoolExecutor(REPLAY_WORKERS, thread_name_prefix="replay") as workers:
+                for op in storage_trace_ops(self.config.replay_io_trace, self.counts):
+                    due = t0 + op.at_s / self.config.trace_speedup
+                    while (wait := due - time.perf_counter()) > 0 and not self.stop.wait(min(wait, 0.1)):
+                        pass
+                    if self.stop.is_set():
+                        break
+                    self.counts[f"trace_{op.op}_count"] += 1
+                    self.counts[f"trace_{op.op}_bytes"] += op.nbytes
+                    before = self._last.get(op.key)
+                    self._last[op.key] = workers.submit(self._issue, op, due, before)
+                    if op.op == "Delete":
+                        self._last.pop(op.key, None)
+            elapsed = time.perf_counter() - t0
+        finally:
+            device = monitor.finish()
+            self.backend.clear()
+            self.run_dir.rmdir()
+        return self._results(elapsed, device)
+
+    def _issue(self, op: TraceOp, due: float, before: Any) -> None:
+        if before is not None:
+            before.result()                              # (issued earlier: running or done)
+        start = time.perf_counter()
+        try:
+            if op.op == "Delete":
+                done = self.backend.delete(op.key)
+            elif op.op == "Write":
+                done = self._transfer(op, lambda t: self.backend.write_from(
+                    op.key, EntrySource.generated(self.generator, op.key, op.nbytes, (op.nbytes,), "|u1"), t))
+            else:
+                done = op.key in self.backend and self._transfer(
+                    op, lambda t: self.backend.read_into(op.key, HostSink(), t))
+        except KeyError:                                 # deleted while we looked
+            done = False
+        except (OSError, IOAborted) as exc:
+            with self._lock:
+                self.counts["io_errors" if isinstance(exc, OSError) else "aborted"] += 1
+            return
+        with self._lock:
+            self.lags.append(start - due)
+            if done:
+                self.samples[op.op].append(time.perf_counter() - start)
+                self.counts[f"{op.op}_bytes"] += op.nbytes if op.op != "Delete" else 0
+            else:
+                self.counts[f"unknown_{op.op.lower()}s"] += 1
+
+    def _transfer(self, op: TraceOp, move: Callable[[Transfer], None]) -> bool:
+        with Transfer(op.op.lower(), op.nbytes, tier="nvme", stop=self.stop, pool=self.pool) as transfer:
+            move(transfer)
+        return True
+
+    def _results(self, elapsed: float, device: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        c = self.counts
+        operations = {op.lower(): {"count": len(samples), "trace_count": c[f"trace_{op}_count"],
+                                   "bytes": c[f"{op}_bytes"], "trace_bytes": c[f"trace_{op}_bytes"],
+                                   "gb_per_s": c[f"{op}_bytes"] / elapsed / 1e9 if elapsed > 0 else None,
+                                   "latency_ms": latency_summary_ms(samples)}
+                      for op, samples in self.samples.items()}
+        return {"benchmark": "kv-cache", "version": __version__, "mode": "replay-io-trace",
+                "trace": self.config.replay_io_trace, "trace_speedup": self.config.trace_speedup,
+                "cache_dir": str(self.run_dir.parent), "storage_io_mode": self.backend.io_mode,
+                "interrupted": self.stop.is_set(), "elapsed_s": elapsed, "operations": operations,
+                "lag_ms": latency_summary_ms(self.lags), "unknown_reads": c["unknown_reads"],
+                "unknown_deletes": c["unknown_deletes"], "io_errors": c["io_errors"], "aborted": c["aborted"],
+                "rows": c["rows"], "other_tier_rows": c["other_tier_rows"], "bad_rows": c["bad_rows"],
+                "device_stats": device}
+
+
+def format_replay_report(r: Dict[str, Any]) -> str:
+    """The console report of a --replay-io-trace run (pure)."""
+    lines = ["=" * 80, "KV CACHE I/O TRACE REPLAY", "=" * 80,
+             f"Trace: {r['trace']} at {r['trace_speedup']:g}x: {r['rows']:,} rows, {r['other_tier_rows']:,} of other "
+             f"tiers (not replayed), {r['bad_rows']:,} bad",
+             f"Storage I/O: {r['storage_io_mode']} in {r['cache_dir']} | {r['elapsed_s']:.2f}s"
+             + (" | INTERRUPTED" if r["interrupted"] else "")]
+    for op, o in r["operations"].items():
+        lat = o["latency_ms"]
+        moved = "" if op == "delete" else (f", {o['bytes'] / 1e9:.3f} of {o['trace_bytes'] / 1e9:.3f} GB, "
+                                           f"{_fmt_or_na(o['gb_per_s'], '.3f', ' GB/s')}")
+        lines.append(f"  {op.capitalize()}: {o['count']:,} of {o['trace_count']:,} in the trace{moved}; "
+                     f"P50 {_fmt_ms(lat['p50'])}, P95 {_fmt_ms(lat['p95'])}, P99 {_fmt_ms(lat['p99'])}")
+    lag = r["lag_ms"]
+    lines.append(f"  Behind schedule (start minus due time): mean {_fmt_ms(lag['mean'])}, P95 {_fmt_ms(lag['p95'])}, "
+                 f"max {_fmt_ms(lag['max'])}")
+    lines.append(f"  Objects the replay never wrote: reads {r['unknown_reads']:,}, deletes {r['unknown_deletes']:,} | "
+                 f"I/O errors: {r['io_errors']:,}")
+    lines += [""] + format_device_section(r.get("device_stats") or {}, None) + ["=" * 80]
+    return "\n".join(lines)
+
+
+def replay_main(args: argparse.Namespace, stop: "StopRequest", launch: Optional[Tuple[int, int]]) -> int:
+    """--replay-io-trace: replay, write the results (--output), print the report; the exit status."""
+    try:
+        if launch:
+            raise UsageError("--replay-io-trace replays one trace in one process: run it without mpiexec")
+        config = config_from_args(args)
+        stop.install()
+        created = _make_cache_dir(config.cache_dir)
+        replay = TraceReplay(config, stop.event)
+    except UsageError as exc:
+        print(f"kv-cache.py: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"kv-cache.py: error: --cache-dir {config.cache_dir}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    logger.info("Replaying the storage rows of %s in %s at %gx", config.replay_io_trace, replay.run_dir,
+                config.trace_speedup)
+    try:
+        results = replay.run()
+    finally:
+        _remove_created_dirs(created)
+    results["stop_reason"] = stop.signal_name or "trace_end"
+    output = config.output or default_output_path()
+    try:
+        logger.info("Results written to %s", write_json(results, output))
+        written = True
+    except (OSError, ValueError) as exc:
+        logger.error("could not write the results to %s: %s", output, exc)
+        written = False
+    print_report(format_replay_report(results))
+    if stop.signal_name:
+        return EXIT_SIGNAL[stop.signal_name]
+    return EXIT_OK if written and not results["io_errors"] else EXIT_DEGRADED
+
+
+# ============================================================================
 # BENCHMARK ENGINE
 # ============================================================================
 
@@ -7367,6 +7849,9 @@ def format_report(results: Dict[str, Any]) -> str:
 
 def _report_node_role(add: Callable[[str], None], s: Dict[str, Any]) -> None:
     """What the node is, and what it did before the timer (--precondition, --decode-only's contexts)."""
+    if s["cache_stats"].get("trace_mode"):
+        add("TRACE MODE (--io-trace-log): no byte was read or written; every latency, bandwidth and pass/fail "
+            "below is the latency model's, not a measurement")
     if s.get("precondition"):
         _report_precondition(add, s["precondition"])
     role = s.get("node_role") or "mixed"
@@ -8354,24 +8839,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--monitor-interval", type=float, default=DEFAULT_MONITOR_INTERVAL_S, dest="monitor_interval_s",
                    help="seconds between monitor samples (default: %(default)s)")
 
-    d = p.add_argument_group("dataset replay and RAG")
-    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file to replay")
-    d.add_argument("--max-conversations", type=int, default=500, help="conversations to sample from the dataset (default: %(default)s)")
-    d.add_argument("--request-rate", type=float, default=0.0,
-                   help="cap on admissions per second, evenly spaced (0: no pacing)")
-    d.add_argument("--use-burst-trace", action="store_true",
-                   help="admit requests as BurstGPT trace rows say: each row at its timestamp, with its request "
-                        "and response tokens (open loop)")
-    d.add_argument("--burst-trace-path", default=DEFAULT_BURST_TRACE_PATH, metavar="PATH",
-                   help=f"BurstGPT CSV ({BURST_FORMAT}): a file, a directory of *.csv (sorted), or a glob "
-                        f"(default: %(default)s)")
-    d.add_argument("--trace-speedup", type=float, default=1.0,
-                   help="replay the trace this many times faster than recorded (default: %(default)s)")
-    d.add_argument("--replay-cycles", type=int, default=0,
-                   help="passes over the trace before the run ends (0: until --duration or --max-requests)")
-    d.add_argument("--enable-rag", action="store_true", help="simulate RAG document ingestion and retrieval")
-    d.add_argument("--rag-num-docs", type=int, default=10, help="RAG documents to ingest (default: %(default)s)")
-
+    _add_source_flags(p)
+    _add_trace_flags(p)
     _add_output_flags(p)
     return p
 
@@ -8408,6 +8877,43 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
                    help="threads --precondition writes on (0: one per core)")
 
 
+def _add_source_flags(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("where requests come from: dataset, BurstGPT trace, RAG")
+    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file to replay")
+    d.add_argument("--max-conversations", type=int, default=500, help="conversations to sample from the dataset (default: %(default)s)")
+    d.add_argument("--request-rate", type=float, default=0.0,
+                   help="cap on admissions per second, evenly spaced (0: no pacing)")
+    d.add_argument("--use-burst-trace", action="store_true",
+                   help="admit requests as BurstGPT trace rows say: each row at its timestamp, with its request "
+                        "and response tokens (open loop)")
+    d.add_argument("--burst-trace-path", default=DEFAULT_BURST_TRACE_PATH, metavar="PATH",
+                   help=f"BurstGPT CSV ({BURST_FORMAT}): a file, a directory of *.csv (sorted), or a glob "
+                        f"(default: %(default)s)")
+    d.add_argument("--trace-speedup", type=float, default=1.0,
+                   help="replay the trace (BurstGPT, or --replay-io-trace's) this many times faster than "
+                        "recorded (default: %(default)s)")
+    d.add_argument("--replay-cycles", type=int, default=0,
+                   help="passes over the trace before the run ends (0: until --duration or --max-requests)")
+    d.add_argument("--enable-rag", action="store_true", help="simulate RAG document ingestion and retrieval")
+    d.add_argument("--rag-num-docs", type=int, default=10, help="RAG documents to ingest (default: %(default)s)")
+
+
+def _add_trace_flags(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("I/O traces")
+    t.add_argument("--io-trace-log", default=None, metavar="FILE",
+                   help="trace mode: run the whole simulation without I/O and write every operation to FILE "
+                        "(CSV; FILE.zst: zstd-compressed), timed by a latency model")
+    t.add_argument("--trace-bandwidth-gbps", default="", metavar="TIER=GBPS,...",
+                   help="the latency model's bandwidth per tier (gpu, cpu, nvme) over its defaults "
+                        + ", ".join(f"{k}={v:g}" for k, v in TRACE_BANDWIDTH_GBPS.items()))
+    t.add_argument("--trace-latency-us", default="", metavar="TIER=US,...",
+                   help="the latency model's microseconds per operation over its defaults "
+                        + ", ".join(f"{k}={v:g}" for k, v in TRACE_LATENCY_US.items()))
+    t.add_argument("--replay-io-trace", default=None, metavar="FILE",
+                   help="replay a trace's storage-tier (Tier-2) rows in --cache-dir with the storage tier's "
+                        "I/O, each at its time / --trace-speedup, and report their latencies")
+
+
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--performance-profile", default="latency", choices=["latency", "throughput"],
@@ -8439,7 +8945,8 @@ def config_from_args(args: argparse.Namespace, notices: Optional[List[str]] = No
     when None): a --cpu-mem-gb beyond the RAM this process may use is clamped to it."""
     config = BenchmarkConfig.from_args(args).validate()
     available = available_memory_bytes()
-    if available is not None and config.cpu_mem_gb * GIB > available:
+    if available is not None and config.cpu_mem_gb * GIB > available and not (config.io_trace_log
+                                                                            or config.replay_io_trace):
         notice = (f"--cpu-mem-gb {config.cpu_mem_gb:.2f} exceeds the {available / GIB:.2f} GB of available RAM; "
                   f"using {available / GIB:.2f} GB.")
         if notices is None:
@@ -8738,6 +9245,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     launch = _launch_and_logging(args)
     rank = launch[0] if launch else 0
     stop = StopRequest()
+    if args.replay_io_trace is not None:
+        return replay_main(args, stop, launch)
     setup = _set_up(args, launch, stop)
     comm, created_dirs, bench = setup.comm, setup.created_dirs, setup.bench
     if comm.allreduce(setup.error is not None) if comm is not None else setup.error is not None:

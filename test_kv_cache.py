@@ -14,6 +14,7 @@ pytest's tmp_path.
 """
 import argparse
 import builtins
+import collections
 import contextlib
 import csv
 import dataclasses
@@ -43,6 +44,7 @@ import threading
 import time
 import types
 import zlib
+from typing import Dict, Tuple
 from pathlib import Path
 
 import numpy as np
@@ -1188,8 +1190,10 @@ class TestKVCacheGenerator:
         part = np.empty(3 * kv.BLOCK_BYTES + 100, dtype=np.uint8)
         generator.fill(layout, 7 * kv.BLOCK_BYTES, part)
         assert part.tobytes() == whole[7 * kv.BLOCK_BYTES:].tobytes()
-        with pytest.raises(ValueError):
-            generator.fill(layout, 5, part)
+        for offset in (5, kv.BLOCK_BYTES + 3, 2 * kv.BLOCK_BYTES - 1):     # mid-block (a TP shard's start)
+            odd = np.empty(3 * kv.BLOCK_BYTES, dtype=np.uint8)
+            generator.fill(layout, offset, odd)
+            assert odd.tobytes() == whole[offset:offset + odd.size].tobytes()
 
     def test_entry_larger_than_pool_does_not_repeat(self, generator):
         """Blocks that wrap around the pool hold the same pool bytes but a different stamp."""
@@ -1537,10 +1541,10 @@ class TestTransfer:
         with pytest.raises(OSError):
             with kv.Transfer("read", 8, tier="cpu", stats=stats):
                 raise OSError(errno.EIO, "bad")
-        with kv.Transfer("read", 8, tier="cpu", stats=stats) as transfer:
+        with kv.Transfer("read", 8, tier="cpu", stats=stats, reason="decode") as transfer:
             transfer.advance(8)
         assert stats.snapshot()[0].get("cpu_reads", 0) == 0        # not yet: the caller decides
-        transfer.record(2, "decode")
+        transfer.record(2)
         counters = stats.snapshot()[0]
         assert counters["io_errors_cpu_read_EIO"] == 1 and counters["cpu_reads"] == 1
         assert counters["cpu_bytes_read"] == 8 and counters["decode_reads"] == 1
@@ -6172,6 +6176,147 @@ class TestBurstTrace:
         assert results_of(other, tmp_path / "other")["workload_digest"] != r["workload_digest"]
 
 
+def read_trace(path: Path):
+    """An --io-trace-log file: its '#' lines and its rows as dicts."""
+    lines = path.read_text().splitlines()
+    notes = [line for line in lines if line.startswith("#")]
+    return notes, list(csv.DictReader(line for line in lines if not line.startswith("#")))
+
+
+def write_trace(path: Path, rows) -> Path:
+    """A trace of rows (timestamp, operation, bytes, tier, key) in --io-trace-log's format."""
+    lines = [",".join(kv.TRACE_COLUMNS)] + [f"{t},{op},{n},{tier},{key},Prefill" for t, op, n, tier, key in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+TRACE_RUN = ("--num-users", "6", "--max-requests", "20", "--cpu-mem-gb", "0.05", "--storage-capacity-gb", "0.1",
+             "--seed", "42")
+
+
+@pytest.fixture(scope="module")
+def traced_run(tmp_path_factory):
+    """A small run in trace mode (a CPU tier of a few entries, a storage tier of 0.1 GiB: demotions and
+    evictions), with the storage tier's file I/O made to fail: trace mode must not reach it."""
+    workdir = tmp_path_factory.mktemp("traced")
+    trace = workdir / "trace.csv"
+
+    def no_files(*args, **kwargs):
+        raise AssertionError("trace mode opened the storage tier")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(kv.NVMeBackend, "__init__", no_files)
+        run = run_in_process(*small_run(workdir, *TRACE_RUN, "--io-trace-log", trace))
+    return run, workdir, trace
+
+
+class TestIOTrace:
+    """--io-trace-log (trace mode) and --replay-io-trace."""
+
+    def test_trace_mode_moves_no_bytes_and_writes_a_row_per_operation(self, traced_run):
+        run, workdir, trace = traced_run
+        assert run.status == 0, run.stderr[-2000:]
+        cs = run.results["summary"]["cache_stats"]
+        assert cs["trace_mode"] is True and cs["io_errors"] == 0 and run.results["requests_completed"] >= 20
+        assert "TRACE MODE (--io-trace-log): no byte was read or written" in run.stdout
+        assert not (workdir / "cache").exists() or files_under(workdir / "cache") == []
+        notes, rows = read_trace(trace)
+        assert "latency model: Tier-0 (gpu) 50 GB/s + 10 us; Tier-1 (cpu) 20 GB/s + 1 us; Tier-2 (nvme) 6 GB/s" in notes[1]
+        ops = collections.Counter((r["Operation"], r["Tier"]) for r in rows)
+        assert ops[("Write", "Tier-2")] == cs["nvme_writes"]
+        assert ops[("Read", "Tier-2")] >= cs["nvme_reads"] > 0     # issued; a read of an entry rewritten meanwhile is retried
+        assert ops[("Write", "Tier-1")] == cs["cpu_writes"]
+        written = sum(int(r["Object_Size_Bytes"]) for r in rows if r["Operation"] == "Write" and r["Tier"] == "Tier-2")
+        assert written == pytest.approx(cs["nvme_bytes_written_gb"] * GIB)
+
+    def test_a_demotion_is_both_halves_and_every_deletion_a_row(self, traced_run):
+        _, _, trace = traced_run
+        _, rows = read_trace(trace)
+        demoted = [r for r in rows if r["Operation"] == "Write" and r["Tier"] == "Tier-2" and r["Phase"] == "Evict"]
+        assert demoted
+        for w in demoted:
+            assert {"Timestamp": w["Timestamp"], "Operation": "Read", "Object_Size_Bytes": w["Object_Size_Bytes"],
+                    "Tier": "Tier-1", "Key": w["Key"], "Phase": "Evict"} in rows
+            assert any(r["Operation"] == "Delete" and r["Tier"] == "Tier-1" and r["Key"] == w["Key"] for r in rows)
+        live: Dict[Tuple[str, str], int] = {}                      # every object written is deleted by the end
+        for r in rows:
+            if r["Operation"] == "Write":
+                live[r["Tier"], r["Key"]] = int(r["Object_Size_Bytes"])
+            elif r["Operation"] == "Delete":
+                assert live.pop((r["Tier"], r["Key"])) == int(r["Object_Size_Bytes"])
+        assert live == {}
+
+    def test_the_storage_capacity_holds_in_the_trace(self, traced_run):
+        _, _, trace = traced_run
+        _, rows = read_trace(trace)
+        stored = peak = 0
+        for r in rows:
+            if r["Tier"] == "Tier-2" and r["Operation"] in ("Write", "Delete"):
+                stored += int(r["Object_Size_Bytes"]) * (1 if r["Operation"] == "Write" else -1)
+                peak = max(peak, stored)
+        assert 0 < peak <= 0.1 * GIB
+        assert any(r["Tier"] == "Tier-2" and r["Operation"] == "Delete" and r["Phase"] == "Delete" for r in rows)
+
+    def test_the_model_serves_a_tier_one_operation_after_another(self):
+        model = kv.LatencyModel({"gpu": 50, "cpu": 20, "nvme": 1}, {"gpu": 0, "cpu": 0, "nvme": 100})
+        s1, e1 = model.reserve(["nvme"], 10 ** 9)
+        s2, e2 = model.reserve(["nvme"], 10 ** 9)
+        assert s2 == pytest.approx(s1 + 1.0) and e1 == pytest.approx(s1 + 1.0001) and e2 == pytest.approx(s2 + 1.0001)
+        s3, _ = model.reserve(["cpu", "nvme"], 0)                  # a demotion waits for both tiers
+        assert s3 == pytest.approx(s2 + 1.0)
+
+    def test_a_zst_trace_and_shard_rows(self, tmp_path):
+        trace = tmp_path / "t.csv.zst"
+        run = run_in_process(*small_run(tmp_path, "--num-users", "2", "--max-requests", "4", "--cpu-mem-gb", "0",
+                                        "--num-gpus", "4", "--tensor-parallel", "4", "--seed", "42",
+                                        "--io-trace-log", trace, "--trace-bandwidth-gbps", "nvme=2.5"))
+        assert run.status == 0, run.stderr[-2000:]
+        import zstandard
+        text = zstandard.ZstdDecompressor().stream_reader(trace.open("rb")).read().decode()
+        assert "Tier-2 (nvme) 2.5 GB/s" in text
+        rows = list(csv.DictReader(line for line in text.splitlines() if not line.startswith("#")))
+        writes = [r for r in rows if r["Operation"] == "Write"]
+        assert writes and len(writes) % 4 == 0
+        assert {r["Key"].rsplit(".", 1)[1] for r in writes} == {"tp0", "tp1", "tp2", "tp3"}
+
+    @pytest.mark.slow
+    def test_a_replayed_trace_moves_the_bytes_it_says(self, traced_run, tmp_path):
+        _, _, trace = traced_run
+        _, rows = read_trace(trace)
+        want = {op: sum(int(r["Object_Size_Bytes"]) for r in rows if r["Tier"] == "Tier-2" and r["Operation"] == op)
+                for op in ("Write", "Read")}
+        proc = run_cli("--replay-io-trace", trace, "--cache-dir", tmp_path / "cache", "--output", tmp_path / "r.json",
+                       "--trace-speedup", "4", cwd=tmp_path, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        r = json.loads((tmp_path / "r.json").read_text())
+        ops = r["operations"]
+        assert ops["write"]["bytes"] == pytest.approx(want["Write"], rel=0.01) and want["Write"] > 0
+        assert ops["read"]["bytes"] == pytest.approx(want["Read"], rel=0.01) and want["Read"] > 0
+        assert r["unknown_reads"] == r["unknown_deletes"] == r["io_errors"] == 0
+        assert r["lag_ms"]["p95"] is not None and r["device_stats"] is not None
+        assert "KV CACHE I/O TRACE REPLAY" in proc.stdout and "Behind schedule" in proc.stdout
+        assert files_under(tmp_path / "cache") == []
+
+    def test_replay_counts_objects_it_never_wrote_and_orders_each_objects_operations(self, tmp_path):
+        trace = write_trace(tmp_path / "t.csv", [
+            (100.0, "Write", 8 * MIB, "Tier-2", "a"), (100.0, "Read", 8 * MIB, "Tier-2", "a"),   # read waits for it
+            (100.1, "Read", MIB, "Tier-2", "never-written"), (100.1, "Delete", MIB, "Tier-2", "gone"),
+            (100.2, "Write", MIB, "Tier-1", "cpu-entry"), (100.3, "Delete", 8 * MIB, "Tier-2", "a")])
+        (tmp_path / "t.csv").write_text(trace.read_text() + "oops,Write,1,Tier-2,x,Prefill\n")
+        config = kv.BenchmarkConfig(model="tiny-1b", replay_io_trace=str(trace), cache_dir=str(tmp_path),
+                                    trace_speedup=1.0, output=str(tmp_path / "r.json")).validate()
+        r = kv.TraceReplay(config, threading.Event()).run()
+        assert r["operations"]["read"]["count"] == 1 and r["operations"]["write"]["count"] == 1
+        assert r["unknown_reads"] == 1 and r["unknown_deletes"] == 1
+        assert r["other_tier_rows"] == 1 and r["bad_rows"] == 1 and r["rows"] == 7
+        assert r["operations"]["delete"]["count"] == 1 and files_under(tmp_path) == ["t.csv"]
+
+    def test_a_zst_trace_needs_zstandard(self, tmp_path, monkeypatch):
+        monkeypatch.setattr(kv, "_installed", lambda name: name != "zstandard")
+        with pytest.raises(kv.UsageError, match="--io-trace-log .*zstandard"):
+            kv.BenchmarkConfig(model="tiny-1b", io_trace_log=str(tmp_path / "t.csv.zst")).validate()
+        assert list(tmp_path.iterdir()) == []
+
+
 class TestTensorParallel:
     """--num-gpus and --tensor-parallel: each entry stored as TP shards, one object per rank."""
 
@@ -6253,13 +6398,16 @@ class TestTensorParallel:
         for tp in (1, 4):
             workdir = tmp_path / f"tp{tp}"
             proc = run_cli(*small_run(workdir, "--num-users", "4", "--max-requests", "8", "--cpu-mem-gb", "0",
-                                      "--seed", "42", "--disable-multi-turn", "--num-gpus", str(tp),
+                                      "--seed", "42", "--disable-multi-turn", "--disable-prefix-caching",
+                                      "--num-gpus", str(tp),
                                       "--tensor-parallel", str(tp)), cwd=tmp_path)
             runs[tp] = (results_of(proc, workdir), proc.stdout)
-        one, four = (runs[tp][0]["summary"]["cache_stats"]["storage_requests"] for tp in (1, 4))
-        assert four["files_written"] == 4 * one["files_written"] > 0
-        assert four["file_bytes_mean"] == pytest.approx(one["file_bytes_mean"] / 4)
-        assert sum(b["bytes"] for b in four["object_sizes"]) == sum(b["bytes"] for b in one["object_sizes"])
+        for tp in (1, 4):                                          # an object per shard, a 1/TP of its entry
+            cs = runs[tp][0]["summary"]["cache_stats"]
+            req, entries, entry_bytes = cs["storage_requests"], cs["nvme_writes"], cs["nvme_bytes_written_gb"] * GIB
+            assert req["files_written"] == tp * entries == tp * 8                # one entry per request
+            assert req["file_bytes_mean"] == pytest.approx(entry_bytes / entries / tp)
+            assert sum(b["bytes"] for b in req["object_sizes"]) == pytest.approx(entry_bytes)
         shards = runs[4][0]["config"]["shards"]
         assert shards == {"num_gpus": 4, "tensor_parallel": 4, "model_instances": 1, "shards_per_entry": 4,
                           "kv_heads_per_shard": 1, "shard_bytes_per_token": TOKEN_BYTES // 4,
@@ -6487,6 +6635,18 @@ class TestReliability:
                      "--enable-autoscaling", id="burst trace with autoscaling"),
         pytest.param(["--use-burst-trace", "--burst-trace-path", "{burst}", "--output", "{burst}"], "--output",
                      id="output over the burst trace"),
+        pytest.param(["--io-trace-log", "{tmp}/t.csv", "--trace-bandwidth-gbps", "nvme=0"], "--trace-bandwidth-gbps",
+                     id="trace bandwidth 0"),
+        pytest.param(["--io-trace-log", "{tmp}/t.csv", "--trace-bandwidth-gbps", "disk=3"], "--trace-bandwidth-gbps",
+                     id="trace bandwidth of no tier"),
+        pytest.param(["--io-trace-log", "{tmp}/t.csv", "--trace-latency-us", "nvme=-1"], "--trace-latency-us",
+                     id="trace latency negative"),
+        pytest.param(["--io-trace-log", "{tmp}/t.csv", "--verify"], "--io-trace-log and --verify",
+                     id="io-trace-log with verify"),
+        pytest.param(["--io-trace-log", "{tmp}/r.json"], "--io-trace-log", id="io-trace-log over the results"),
+        pytest.param(["--io-trace-log", "{tmp}/no-such-dir/t.csv"], "--io-trace-log", id="io-trace-log nowhere"),
+        pytest.param(["--replay-io-trace", "{tmp}/inputs/none.csv"], "--replay-io-trace", id="replay trace missing"),
+        pytest.param(["--replay-io-trace", "{burst}"], "--replay-io-trace", id="replay trace without its columns"),
         pytest.param(["--num-gpus", "0"], "--num-gpus", id="num-gpus 0"),
         pytest.param(["--tensor-parallel", "0"], "--tensor-parallel", id="tensor-parallel 0"),
         pytest.param(["--num-gpus", "4", "--tensor-parallel", "3"], "--tensor-parallel", id="TP not dividing GPUs"),

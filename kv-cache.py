@@ -23,24 +23,27 @@ no files written, and the heavy optional libraries (torch, cupy, pandas) are
 only probed for, never imported, until a feature needs them.
 
 Sections, in the order data flows through the program (each uses only those above it):
-    CONFIGURATION AND MODELS          constants, models, QoS
+    CONFIGURATION AND MODELS          constants, models, tensor-parallel shards (ShardLayout), QoS
     CONFIGURATION FILE (--config)     v3.0's YAML: schema and defaults, ConfigLoader, cfg(), setting()
     THE RUN'S CONFIGURATION           BenchmarkConfig and its checks
-    WORKLOAD: REQUESTS, USERS, ...    requests, personas, conversations, prefixes, plans, RAG, ShareGPT
+    WORKLOAD: REQUESTS, USERS, ...    requests, personas, conversations, prefixes, plans, RAG, ShareGPT,
+                                      BurstGPT trace rows
     KV DATA                           the incompressible, seeded byte generator
     TRANSFERS: ONE OPERATION ...      Transfer (stop, clock, staging, CRC, record), sources, sinks,
                                       StorageBackend: what every tier supplies, GPUDevice
-    STORAGE TIER: ONE FILE PER ENTRY  NVMeBackend: O_DIRECT .npy files, chunks in flight
+    STORAGE TIER: ONE FILE PER ENTRY  NVMeBackend: O_DIRECT .npy files (one per TP shard), chunks in flight
     HOST MEMORY TIER                  HostArena, CPUMemoryBackend
     GPU DEVICES                       KV made on the device, pinning, the PyTorch and CuPy devices
     GPU TIER AND DELIVERY TO THE GPU  GPUDelivery (a sink), GPUMemoryBackend
     MEMORY TIERS, SET UP TOGETHER     RAM and cgroup limits, MPI node share, open_memory_tiers, storage capacity
+    I/O TRACE: THE TIERS WITHOUT I/O  --io-trace-log: LatencyModel, TraceLog, TracedTier
     METRIC MATH                       pure functions over counters and samples
     MULTI-TIER CACHE                  EvictionPolicy, waterfall LRU over the tiers
     MONITORING AND AUTOSCALING        timeline, block-device counters, --io-baseline, fio, autoscaler
     NODE ROLES                        --prefill-only, --decode-only (its contexts before the timer)
     PRECONDITIONING                   --precondition: the drive aged before the timer
-    BENCHMARK ENGINE                  scheduler, workers, request flow, RunMeasurements
+    TRACE REPLAY                      --replay-io-trace: a trace's storage rows issued open loop
+    BENCHMARK ENGINE                  schedulers (users, BurstGPT arrivals), workers, request flow, RunMeasurements
     STATISTICS AND REPORTS            assemble_results (once), console, JSON, Excel, charts
     MULTI-NODE (MPI)                  ranks' shares, merging their measurements
     COMMAND LINE                      parser, main

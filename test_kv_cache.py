@@ -6072,6 +6072,20 @@ class TestNodeRoles:
         assert merged["by_tier"]["nvme"] == {"entries": 3, "gb": 1.5} and merged["by_tier"]["cpu"]["entries"] == 2
         assert kv.merge_decode_contexts([None, None]) is None
 
+    def test_preconditioning_past_the_capacity_keeps_the_newest_entries_within_it(self, make_cache):
+        cache = make_cache(cpu_entries=0, storage_capacity_gb=0.2)
+        plan = kv.WorkloadPlan("tiny-1b", 8, 42)
+        config = kv.BenchmarkConfig(model="tiny-1b", precondition=True, precondition_size_gb=0.6, precondition_threads=1)
+        p = kv.precondition_storage(cache, plan, config, lambda: False)
+        assert p["written_gb"] == pytest.approx(0.6, rel=0.01)
+        files = list(cache.run_dir.glob("precondition_*.npy"))
+        kept = sorted(int(f.stem.split("_")[1]) for f in files)
+        on_disk = sum(f.stat().st_size - kv.NPY_DATA_OFFSET for f in files)
+        assert len(kept) == cache.tier_entry_counts()["nvme"]
+        assert 0.5 * 0.2 * GIB < on_disk <= 0.2 * GIB                  # full, and never past its capacity
+        assert kept == list(range(kept[0], kept[0] + len(kept))) and kept[0] > 0   # the oldest left first
+        assert cache.stats.snapshot()[0].get("nvme_writes", 0) == 0      # the statistics start after it
+
     def test_a_stop_during_the_decode_set_up_is_interrupted(self, make_cache):
         cache = make_cache(cpu_entries=10)
         plan = kv.WorkloadPlan("tiny-1b", 4, 42)

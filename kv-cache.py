@@ -8680,8 +8680,17 @@ def rank_config(config: BenchmarkConfig, rank: int, size: int) -> BenchmarkConfi
         max_requests=rank_share(config.max_requests, rank, size) if config.max_requests else 0,
         seed=derive_seed(config.seed, "mpi-rank", rank) if config.seed is not None else None,
         cache_dir=str(Path(base_dir) / f"rank{rank}"),
-        gpu_device=node_slot()[0], trace_share=(rank, size),
+        gpu_device=node_slot()[0], trace_share=(rank, size), io_trace_log=rank_trace_path(config.io_trace_log, rank),
         progress=config.progress and rank == 0)
+
+
+def rank_trace_path(path: Optional[str], rank: int) -> Optional[str]:
+    """--io-trace-log under MPI: each rank its own file, NAME.rankR.csv (.csv.zst) beside the name given."""
+    if path is None:
+        return None
+    p = Path(path)
+    suffixes = "".join(p.suffixes[-2:]) if p.name.endswith(".csv.zst") else p.suffix
+    return str(p.with_name(f"{p.name[:len(p.name) - len(suffixes)]}.rank{rank}{suffixes}"))
 
 
 def _sum_timelines(timelines: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:

@@ -6324,6 +6324,12 @@ class TestIOTrace:
         assert r["other_tier_rows"] == 1 and r["bad_rows"] == 1 and r["rows"] == 7
         assert r["operations"]["delete"]["count"] == 1 and files_under(tmp_path) == ["t.csv"]
 
+    def test_each_mpi_rank_writes_a_trace_of_its_own(self):
+        assert kv.rank_trace_path("/t/run.csv", 1) == "/t/run.rank1.csv"
+        assert kv.rank_trace_path("/t/run.csv.zst", 0) == "/t/run.rank0.csv.zst"
+        assert kv.rank_config(kv.BenchmarkConfig(model="tiny-1b", io_trace_log="/t/x.csv"), 2, 4).io_trace_log == \
+            "/t/x.rank2.csv"
+
     def test_a_zst_trace_needs_zstandard(self, tmp_path, monkeypatch):
         monkeypatch.setattr(kv, "_installed", lambda name: name != "zstandard")
         with pytest.raises(kv.UsageError, match="--io-trace-log .*zstandard"):

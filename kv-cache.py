@@ -2863,10 +2863,13 @@ class NVMeBackend(StorageBackend):
         part = nbytes // self.shards
         return [part] * (self.shards - 1) + [nbytes - part * (self.shards - 1)]
 
-    @staticmethod
-    def _chunk_buffers(staging: np.ndarray) -> List[np.ndarray]:
+    def _chunk_buffers(self, staging: np.ndarray) -> List[np.ndarray]:
         """The staging area cut into IO_CHUNK_BYTES buffers, one per transfer in flight (at most
-        IO_DEPTH; a staging area smaller than one chunk is one smaller buffer)."""
+        IO_DEPTH; a staging area smaller than one chunk is one smaller buffer). More shards than
+        that get a buffer each, smaller, so that every shard has a transfer in flight."""
+        if self.shards > IO_DEPTH and staging.size >= self.shards * BLOCK_BYTES:
+            size = min(IO_CHUNK_BYTES, staging.size // self.shards // BLOCK_BYTES * BLOCK_BYTES)
+            return [staging[i * size:(i + 1) * size] for i in range(self.shards)]
         if staging.size <= IO_CHUNK_BYTES:
             return [staging]
         count = min(IO_DEPTH, staging.size // IO_CHUNK_BYTES)
@@ -8013,7 +8016,7 @@ def _report_objects(add: Callable[[str], None], req: Dict[str, Any], shards: Opt
     if not req.get("files_written"):
         add("  Objects written: none")
         return
-    sizes = " | ".join(f"<= {_byte_size(b['max_bytes'])}: {b['count']:,} ({b['bytes'] / 1e9:.2f} GB)"
+    sizes = " | ".join(f"<= {_byte_size(b['max_bytes'])}: {b['count']:,} ({b['bytes'] / GIB:.2f} GB)"
                        for b in req.get("object_sizes", []))
     add(f"  Objects written: {req['files_written']:,}, mean {_byte_size(req['file_bytes_mean'])} "
         f"(smallest {_byte_size(req['file_bytes_min'])}, largest {_byte_size(req['file_bytes_max'])})")

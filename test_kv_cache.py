@@ -6381,15 +6381,25 @@ class TestTensorParallel:
         trash = nvme.detach("k")
         assert len(trash) == 4 and all(t.exists() for t in trash) and not list(tmp_path.glob("k.tp*"))
 
-    def test_a_sharded_entry_is_written_to_all_its_shards_at_once(self, tmp_path, monkeypatch):
-        nvme = kv.NVMeBackend(tmp_path, direct_io=False, shards=4)
-        order = []
+    @pytest.mark.parametrize("shards", [4, 8])
+    def test_a_sharded_entry_is_written_to_all_its_shards_at_once(self, tmp_path, monkeypatch, shards):
+        nvme = kv.NVMeBackend(tmp_path, direct_io=False, shards=shards)
+        order, lock = [], threading.Lock()
+        first_round = threading.Barrier(shards, timeout=20)         # broken unless every shard's write is in flight
         real = kv._pwrite_all
-        monkeypatch.setattr(kv, "_pwrite_all", lambda fd, buf, off: (order.append((fd, off)), real(fd, buf, off)))
-        nvme.write("k", np.zeros(4 * 3 * kv.IO_CHUNK_BYTES // 2, dtype=np.float16))   # 3 chunks a shard
-        fds = list(dict.fromkeys(fd for fd, _ in order))
-        assert len(fds) == 4
-        assert [fd for fd, _ in order[:8]] == fds + fds             # chunk j of every shard before chunk j + 1
+
+        def pwrite(fd, buf, off):
+            with lock:
+                order.append(fd)
+                first = len(order) <= shards
+            if first:
+                first_round.wait()
+            real(fd, buf, off)
+        monkeypatch.setattr(kv, "_pwrite_all", pwrite)
+        nvme.write("k", np.zeros(shards * 3 * kv.IO_CHUNK_BYTES // 2, dtype=np.float16))   # 3 chunks a shard
+        fds = list(dict.fromkeys(order))
+        assert len(fds) == shards
+        assert order[:2 * shards] == fds + fds                      # chunk j of every shard before chunk j + 1
 
     def test_verify_checks_sharded_entries_whole(self, tmp_path):
         model = kv.MODELS["deepseek-v3"]                           # 70,272 bytes/token: shards start mid-block

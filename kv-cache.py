@@ -6711,6 +6711,7 @@ class TraceReplay:
         self.lags: List[float] = []
         self._lock = threading.Lock()
         self._last: Dict[str, Any] = {}             # object -> the future of its latest operation
+        self.failures: List[str] = []
 
     def run(self) -> Dict[str, Any]:
         from concurrent.futures import ThreadPoolExecutor
@@ -6740,7 +6741,16 @@ class TraceReplay:
 
     def _issue(self, op: TraceOp, due: float, before: Any) -> None:
         if before is not None:
-            before.result()                              # (issued earlier: running or done)
+            before.exception()                           # (issued earlier: running or done)
+        try:
+            self._replay_one(op, due)
+        except Exception as exc:                         # a failure of ours: counted and shown, never lost
+            logger.exception("replaying %s %s failed", op.op, op.key)
+            with self._lock:
+                self.counts["failures"] += 1
+                self.failures.append(f"{op.op} {op.key}: {type(exc).__name__}: {exc}")
+
+    def _replay_one(self, op: TraceOp, due: float) -> None:
         start = time.perf_counter()
         try:
             if op.op == "Delete":
@@ -6783,6 +6793,7 @@ class TraceReplay:
                 "interrupted": self.stop.is_set(), "elapsed_s": elapsed, "operations": operations,
                 "lag_ms": latency_summary_ms(self.lags), "unknown_reads": c["unknown_reads"],
                 "unknown_deletes": c["unknown_deletes"], "io_errors": c["io_errors"], "aborted": c["aborted"],
+                "failures": self.failures[:100], "failure_count": c["failures"],
                 "rows": c["rows"], "other_tier_rows": c["other_tier_rows"], "bad_rows": c["bad_rows"],
                 "device_stats": device}
 
@@ -6804,7 +6815,7 @@ def format_replay_report(r: Dict[str, Any]) -> str:
     lines.append(f"  Behind schedule (start minus due time): mean {_fmt_ms(lag['mean'])}, P95 {_fmt_ms(lag['p95'])}, "
                  f"max {_fmt_ms(lag['max'])}")
     lines.append(f"  Objects the replay never wrote: reads {r['unknown_reads']:,}, deletes {r['unknown_deletes']:,} | "
-                 f"I/O errors: {r['io_errors']:,}")
+                 f"I/O errors: {r['io_errors']:,}" + (f" | FAILURES: {r['failure_count']:,}" if r["failure_count"] else ""))
     lines += [""] + format_device_section(r.get("device_stats") or {}, None) + ["=" * 80]
     return "\n".join(lines)
 
@@ -6841,7 +6852,7 @@ def replay_main(args: argparse.Namespace, stop: "StopRequest", launch: Optional[
     print_report(format_replay_report(results))
     if stop.signal_name:
         return EXIT_SIGNAL[stop.signal_name]
-    return EXIT_OK if written and not results["io_errors"] else EXIT_DEGRADED
+    return EXIT_OK if written and not (results["io_errors"] or results["failure_count"]) else EXIT_DEGRADED
 
 
 # ============================================================================

@@ -6324,6 +6324,18 @@ class TestIOTrace:
         assert r["other_tier_rows"] == 1 and r["bad_rows"] == 1 and r["rows"] == 7
         assert r["operations"]["delete"]["count"] == 1 and files_under(tmp_path) == ["t.csv"]
 
+    def test_a_failure_of_ours_during_the_replay_is_counted_not_lost(self, tmp_path, monkeypatch):
+        trace = write_trace(tmp_path / "t.csv", [(0.0, "Write", MIB, "Tier-2", "a"), (0.0, "Write", MIB, "Tier-2", "b")])
+        config = kv.BenchmarkConfig(model="tiny-1b", replay_io_trace=str(trace), cache_dir=str(tmp_path)).validate()
+        replay = kv.TraceReplay(config, threading.Event())
+        real = replay.backend.write_from
+        monkeypatch.setattr(replay.backend, "write_from", lambda key, *a: (_ for _ in ()).throw(RuntimeError("bug"))
+                            if key == "a" else real(key, *a))
+        r = replay.run()
+        assert r["failure_count"] == 1 and r["failures"] == ["Write a: RuntimeError: bug"]
+        assert r["operations"]["write"]["count"] == 1
+        assert "FAILURES: 1" in kv.format_replay_report({**r, "stop_reason": "trace_end"})
+
     def test_each_mpi_rank_writes_a_trace_of_its_own(self):
         assert kv.rank_trace_path("/t/run.csv", 1) == "/t/run.rank1.csv"
         assert kv.rank_trace_path("/t/run.csv.zst", 0) == "/t/run.rank0.csv.zst"

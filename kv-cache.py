@@ -877,6 +877,10 @@ class BenchmarkConfig:
         if self.replay_io_trace is not None:
             _check_trace_file(self.replay_io_trace)
         if self.io_trace_log is None:
+            for flag, given in (("--trace-bandwidth-gbps", self.trace_bandwidth_gbps),
+                                ("--trace-latency-us", self.trace_latency_us)):
+                if given:
+                    raise UsageError(f"{flag} sets the latency model of --io-trace-log: give --io-trace-log FILE too")
             return
         for flag, given in (("--replay-io-trace", self.replay_io_trace), ("--fio-compare", self.fio_compare),
                             ("--fio-job", self.fio_job), ("--verify", self.verify), ("--io-baseline", self.io_baseline),
@@ -978,6 +982,8 @@ def _check_cache_dir(cache_dir: Optional[str]) -> None:
 
 def _check_trace_file(path: str) -> None:
     """--replay-io-trace: a readable trace with the columns --io-trace-log writes."""
+    if path.endswith(".zst") and not _installed("zstandard"):
+        raise UsageError(f"--replay-io-trace {path}: a .zst trace needs the zstandard package (pip install zstandard)")
     try:
         columns = trace_columns(path)
     except (OSError, ValueError, UnicodeDecodeError) as exc:
@@ -1914,6 +1920,7 @@ class BurstTrace:
         self.rows = 0
         self.bad_rows: Dict[str, int] = defaultdict(int)
         self.passes = 0
+        self.start_s: Optional[float] = None   # the pass's first request's time, whichever rank's it is
 
     def digest(self, users_digest: str, should_stop: Callable[[], bool] = lambda: False) -> str:
         """The workload's identity: sha256 of the users' digest and the files' bytes, in order."""
@@ -1928,7 +1935,7 @@ class BurstTrace:
 
     def requests(self) -> Iterator[TraceRow]:
         """One pass over the trace, this rank's rows in file order."""
-        first, index = self.passes == 0, -1
+        first, index, self.start_s = self.passes == 0, -1, None
         for path in self.files:
             columns = _burst_columns(path)
             with open(path, newline="", encoding="utf-8", errors="replace") as f:
@@ -1938,9 +1945,14 @@ class BurstTrace:
                     if not fields:                       # a blank line is no row
                         continue
                     index += 1
-                    if index % self._ranks != self._rank:
+                    mine = index % self._ranks == self._rank
+                    if not mine and self.start_s is not None:
                         continue
                     row, problem = _trace_row(index, fields, columns)
+                    if self.start_s is None and row is not None:
+                        self.start_s = row.timestamp_s
+                    if not mine:
+                        continue
                     if first:
                         self.rows += 1
                         if row is None:
@@ -6636,6 +6648,7 @@ class _PreconditionProgress:
 # workload generation apart from storage measurement.
 
 REPLAY_WORKERS = STAGING_AREAS          # operations in flight at once (one staging area each)
+REPLAY_ERRORS_LOGGED = 10               # I/O errors named one by one; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -6713,7 +6726,8 @@ class TraceReplay:
         self._last: Dict[str, Any] = {}             # object -> the future of its latest operation
         self.failures: List[str] = []
 
-    def run(self) -> Dict[str, Any]:
+    def run(self, stop_reason: Callable[[], Optional[str]] = lambda: None) -> Dict[str, Any]:
+        """Replay the trace; the results. `stop_reason`: the signal that stopped it, if one did."""
         from concurrent.futures import ThreadPoolExecutor
         monitor = BlockDeviceMonitor(self.run_dir)
         monitor.start()
@@ -6728,16 +6742,13 @@ class TraceReplay:
                         break
                     self.counts[f"trace_{op.op}_count"] += 1
                     self.counts[f"trace_{op.op}_bytes"] += op.nbytes
-                    before = self._last.get(op.key)
-                    self._last[op.key] = workers.submit(self._issue, op, due, before)
-                    if op.op == "Delete":
-                        self._last.pop(op.key, None)
+                    self._last[op.key] = workers.submit(self._issue, op, due, self._last.get(op.key))
             elapsed = time.perf_counter() - t0
         finally:
             device = monitor.finish()
             self.backend.clear()
             self.run_dir.rmdir()
-        return self._results(elapsed, device)
+        return self._results(elapsed, device, stop_reason() or ("stopped" if self.stop.is_set() else "trace_end"))
 
     def _issue(self, op: TraceOp, due: float, before: Any) -> None:
         if before is not None:
@@ -6766,6 +6777,9 @@ class TraceReplay:
         except (OSError, IOAborted) as exc:
             with self._lock:
                 self.counts["io_errors" if isinstance(exc, OSError) else "aborted"] += 1
+                if isinstance(exc, OSError) and self.counts["io_errors"] <= REPLAY_ERRORS_LOGGED:
+                    logger.warning("replaying %s %s: %s%s", op.op, op.key, exc, " (further errors only counted)"
+                                   if self.counts["io_errors"] == REPLAY_ERRORS_LOGGED else "")
             return
         with self._lock:
             self.lags.append(start - due)
@@ -6780,17 +6794,18 @@ class TraceReplay:
             move(transfer)
         return True
 
-    def _results(self, elapsed: float, device: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    def _results(self, elapsed: float, device: Optional[Dict[str, Any]], stop_reason: str) -> Dict[str, Any]:
         c = self.counts
         operations = {op.lower(): {"count": len(samples), "trace_count": c[f"trace_{op}_count"],
                                    "bytes": c[f"{op}_bytes"], "trace_bytes": c[f"trace_{op}_bytes"],
-                                   "gb_per_s": c[f"{op}_bytes"] / elapsed / 1e9 if elapsed > 0 else None,
+                                   "gib_per_s": c[f"{op}_bytes"] / elapsed / GIB if elapsed > 0 else None,
                                    "latency_ms": latency_summary_ms(samples)}
                       for op, samples in self.samples.items()}
         return {"benchmark": "kv-cache", "version": __version__, "mode": "replay-io-trace",
                 "trace": self.config.replay_io_trace, "trace_speedup": self.config.trace_speedup,
                 "cache_dir": str(self.run_dir.parent), "storage_io_mode": self.backend.io_mode,
-                "interrupted": self.stop.is_set(), "elapsed_s": elapsed, "operations": operations,
+                "interrupted": self.stop.is_set(), "stop_reason": stop_reason, "elapsed_s": elapsed,
+                "operations": operations,
                 "lag_ms": latency_summary_ms(self.lags), "unknown_reads": c["unknown_reads"],
                 "unknown_deletes": c["unknown_deletes"], "io_errors": c["io_errors"], "aborted": c["aborted"],
                 "failures": self.failures[:100], "failure_count": c["failures"],
@@ -6807,8 +6822,8 @@ def format_replay_report(r: Dict[str, Any]) -> str:
              + (" | INTERRUPTED" if r["interrupted"] else "")]
     for op, o in r["operations"].items():
         lat = o["latency_ms"]
-        moved = "" if op == "delete" else (f", {o['bytes'] / 1e9:.3f} of {o['trace_bytes'] / 1e9:.3f} GB, "
-                                           f"{_fmt_or_na(o['gb_per_s'], '.3f', ' GB/s')}")
+        moved = "" if op == "delete" else (f", {o['bytes'] / GIB:.3f} of {o['trace_bytes'] / GIB:.3f} GB, "
+                                           f"{_fmt_or_na(o['gib_per_s'], '.3f', ' GB/s')}")
         lines.append(f"  {op.capitalize()}: {o['count']:,} of {o['trace_count']:,} in the trace{moved}; "
                      f"P50 {_fmt_ms(lat['p50'])}, P95 {_fmt_ms(lat['p95'])}, P99 {_fmt_ms(lat['p99'])}")
     lag = r["lag_ms"]
@@ -6838,10 +6853,9 @@ def replay_main(args: argparse.Namespace, stop: "StopRequest", launch: Optional[
     logger.info("Replaying the storage rows of %s in %s at %gx", config.replay_io_trace, replay.run_dir,
                 config.trace_speedup)
     try:
-        results = replay.run()
+        results = replay.run(lambda: stop.signal_name)
     finally:
         _remove_created_dirs(created)
-    results["stop_reason"] = stop.signal_name or "trace_end"
     output = config.output or default_output_path()
     try:
         logger.info("Results written to %s", write_json(results, output))
@@ -7123,16 +7137,15 @@ class BurstArrivals:
     def run(self) -> None:
         offset_s = 0.0
         while not self._stop.is_set() and (not self._passes or self.trace.passes < self._passes):
-            first = last = None
-            rows = 0
+            last, rows = None, 0
             for row in self.trace.requests():
-                first = row.timestamp_s if first is None else first
                 last, rows = row.timestamp_s, rows + 1
-                if not self._admit(row, self._t0 + (offset_s + row.timestamp_s - first) / self._speedup):
+                if not self._admit(row, self._t0 + (offset_s + row.timestamp_s - self.trace.start_s) / self._speedup):
                     return
-            if first is None:                            # nothing in the trace is a request
+            if last is None:                             # nothing in the trace is a request (of this rank's)
                 break
-            offset_s += (last - first) * (1 + 1 / max(1, rows - 1))
+            span = last - self.trace.start_s             # the next pass one mean gap later (1 s for one instant)
+            offset_s += span + (span / (rows - 1) if rows > 1 and span > 0 else 1.0)
         with self._lock:
             self._finished = True
             done = self._completed >= self.admitted
@@ -7426,6 +7439,8 @@ class IntegratedBenchmark:
             else:                                  # a resume: the whole conversation so far is context
                 previous = tuple(self.conversations.get_previous_cache_keys(conv_id))
             turn, cache_key = self.conversations.add_turn(conv_id, planned.context_tokens, planned.generate_tokens)
+        elif not planned.turn:                     # a lone request (a trace row): its own entry, as the original
+            cache_key = f"{user.user_id}_req_{self._request_numbers[user_index]}"
         prefix = self.plan.matcher.lookup(planned.prefix_key) if planned.prefix_key else None
         prefill_only = planned.context_tokens >= PREFILL_ONLY_CONTEXT_TOKENS
         rag_chunks: Tuple[Tuple[str, int], ...] = ()
@@ -7546,7 +7561,8 @@ class IntegratedBenchmark:
             io_baseline=self.io_baseline, process_cpu_s=self.process_cpu_s, shutdown_tail_s=self.shutdown_tail_s,
             autoscaling=(scaling.history, scaling.summary(self.scheduler.active_users)) if scaling else None,
             rag_stats=self.rag.stats() if self.rag else None,
-            dataset_stats=self.dataset.stats() if self.dataset else None, device_stats=self.device_stats,
+            dataset_stats=self.dataset.stats() if self.dataset else None,
+            device_stats=None if self.cache.tiers.trace else self.device_stats,      # trace mode: no I/O to see
             decode_contexts=self.decode_contexts, precondition=self.precondition,
             burst_trace=self.scheduler.trace_stats())
 

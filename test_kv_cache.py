@@ -6155,7 +6155,9 @@ class TestBurstTrace:
         files = kv.burst_trace_files(str(tmp_path))
         assert [f.name for f in files] == ["a.csv", "b.csv"] == [f.name for f in kv.burst_trace_files(str(tmp_path / "*.csv"))]
         assert [r.request_tokens for r in kv.BurstTrace(files).requests()] == [10, 20, 30, 40]
-        assert [r.request_tokens for r in kv.BurstTrace(files, (1, 2)).requests()] == [20, 40]
+        second_rank = kv.BurstTrace(files, (1, 2))
+        assert [r.request_tokens for r in second_rank.requests()] == [20, 40]
+        assert second_rank.start_s == 0.0                         # times count from the trace's first row
 
     def test_bad_rows_are_counted_by_reason_and_skipped(self, tmp_path):
         trace = kv.BurstTrace([write_burst_csv(tmp_path / "t.csv", burst_rows(3), self.BAD_LINES)])
@@ -6174,6 +6176,7 @@ class TestBurstTrace:
         r = results_of(proc, tmp_path)
         s, t = r["summary"], r["summary"]["burst_trace"]
         assert s["stop_reason"] == "burst_trace_replayed" and s["total_requests"] == 40
+        assert s["cache_stats"]["prefill_writes"] == 40           # a user's requests overlap: each its own entry
         assert s["total_tokens"] == sum(a for _, _, a in rows)
         assert t["rows"] == 44 and t["bad_rows"] == 4 and t["requests_admitted"] == 40 and t["passes_completed"] == 1
         assert r["config"]["use_burst_trace"] is True and r["config"]["trace_speedup"] == 50
@@ -6231,6 +6234,7 @@ class TestIOTrace:
         assert run.status == 0, run.stderr[-2000:]
         cs = run.results["summary"]["cache_stats"]
         assert cs["trace_mode"] is True and cs["io_errors"] == 0 and run.results["requests_completed"] >= 20
+        assert run.results["summary"]["device_stats"]["available"] is False   # no I/O of ours for it to show
         assert "TRACE MODE (--io-trace-log): no byte was read or written" in run.stdout
         assert not (workdir / "cache").exists() or files_under(workdir / "cache") == []
         notes, rows = read_trace(trace)
@@ -6324,6 +6328,20 @@ class TestIOTrace:
         assert r["other_tier_rows"] == 1 and r["bad_rows"] == 1 and r["rows"] == 7
         assert r["operations"]["delete"]["count"] == 1 and files_under(tmp_path) == ["t.csv"]
 
+    def test_an_object_rewritten_after_its_delete_keeps_its_order(self, tmp_path):
+        rounds = [(t, op, MIB, "Tier-2", "k") for t in range(5) for op in ("Write", "Delete", "Write", "Read")]
+        trace = write_trace(tmp_path / "t.csv", [(i * 0.001, op, n, tier, key) for i, (_, op, n, tier, key)
+                                                  in enumerate(rounds)])
+        config = kv.BenchmarkConfig(model="tiny-1b", replay_io_trace=str(trace), cache_dir=str(tmp_path)).validate()
+        r = kv.TraceReplay(config, threading.Event()).run()
+        assert r["operations"]["write"]["count"] == 10 and r["operations"]["read"]["count"] == 5
+        assert r["unknown_reads"] == r["unknown_deletes"] == r["io_errors"] == 0 and r["stop_reason"] == "trace_end"
+
+    def test_a_zst_replay_needs_zstandard(self, tmp_path, monkeypatch):
+        monkeypatch.setattr(kv, "_installed", lambda name: name != "zstandard")
+        with pytest.raises(kv.UsageError, match="--replay-io-trace .*zstandard"):
+            kv.BenchmarkConfig(model="tiny-1b", replay_io_trace=str(tmp_path / "t.csv.zst")).validate()
+
     def test_a_failure_of_ours_during_the_replay_is_counted_not_lost(self, tmp_path, monkeypatch):
         trace = write_trace(tmp_path / "t.csv", [(0.0, "Write", MIB, "Tier-2", "a"), (0.0, "Write", MIB, "Tier-2", "b")])
         config = kv.BenchmarkConfig(model="tiny-1b", replay_io_trace=str(trace), cache_dir=str(tmp_path)).validate()
@@ -6334,7 +6352,7 @@ class TestIOTrace:
         r = replay.run()
         assert r["failure_count"] == 1 and r["failures"] == ["Write a: RuntimeError: bug"]
         assert r["operations"]["write"]["count"] == 1
-        assert "FAILURES: 1" in kv.format_replay_report({**r, "stop_reason": "trace_end"})
+        assert "FAILURES: 1" in kv.format_replay_report(r)
 
     def test_each_mpi_rank_writes_a_trace_of_its_own(self):
         assert kv.rank_trace_path("/t/run.csv", 1) == "/t/run.rank1.csv"
@@ -6688,6 +6706,7 @@ class TestReliability:
         pytest.param(["--io-trace-log", "{tmp}/r.json"], "--io-trace-log", id="io-trace-log over the results"),
         pytest.param(["--io-trace-log", "{tmp}/no-such-dir/t.csv"], "--io-trace-log", id="io-trace-log nowhere"),
         pytest.param(["--replay-io-trace", "{tmp}/inputs/none.csv"], "--replay-io-trace", id="replay trace missing"),
+        pytest.param(["--trace-latency-us", "nvme=5"], "--trace-latency-us", id="trace latency without a trace"),
         pytest.param(["--replay-io-trace", "{burst}"], "--replay-io-trace", id="replay trace without its columns"),
         pytest.param(["--num-gpus", "0"], "--num-gpus", id="num-gpus 0"),
         pytest.param(["--tensor-parallel", "0"], "--tensor-parallel", id="tensor-parallel 0"),

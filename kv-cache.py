@@ -2100,6 +2100,30 @@ class EntryLayout:
     stamp_base: int
 
 
+def _lanes(value: int) -> np.uint64:
+    return np.uint64(value * 0x0001_0001_0001_0001)          # a 16-bit value in each of a word's 4 lanes
+
+
+def finite_halves(words: np.ndarray, step: int = 1 << 17) -> None:
+    """In place: in each float16 of the uint64 array `words` whose exponent bits are all ones
+    (infinity, NaN), clear the top exponent bit. Four lanes a word at once, in cache-sized steps
+    (ten times faster than a boolean mask over the pool): a lane's exponent XOR all-ones is 0
+    exactly when the lane needs it, and 0x7FFF added to it sets the lane's top bit otherwise
+    (never carrying into the next lane)."""
+    exponent, carry, top = _lanes(FLOAT16_EXPONENT_MASK), _lanes(0x7FFF), _lanes(0x8000)
+    room = np.empty(min(step, words.size), dtype=np.uint64)
+    for start in range(0, words.size, step):
+        part = words[start:start + step]
+        t = room[:part.size]
+        np.bitwise_and(part, exponent, out=t)
+        np.bitwise_xor(t, exponent, out=t)
+        np.add(t, carry, out=t)
+        np.invert(t, out=t)
+        np.bitwise_and(t, top, out=t)
+        np.right_shift(t, np.uint64(1), out=t)               # 0x8000 -> FLOAT16_TOP_EXPONENT_BIT (0x4000)
+        np.bitwise_xor(part, t, out=part)
+
+
 class KVCacheGenerator:
     """Makes KV-cache bytes: incompressible, deterministic per (seed, key), never duplicated.
 
@@ -2120,8 +2144,7 @@ class KVCacheGenerator:
         # two generations of a key compare equal with np.array_equal.
         words = rng.integers(0, np.iinfo(np.uint64).max, size=KV_POOL_VALUES * 2 // 8,
                              dtype=np.uint64, endpoint=True)
-        halves = words.view(np.uint16)
-        halves[(halves & FLOAT16_EXPONENT_MASK) == FLOAT16_EXPONENT_MASK] ^= FLOAT16_TOP_EXPONENT_BIT
+        finite_halves(words)
         self.precomputed_buffer: np.ndarray = words.view(np.float16)
         self._pool_bytes: np.ndarray = words.view(np.uint8)
 

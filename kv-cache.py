@@ -24,10 +24,13 @@ only probed for, never imported, until a feature needs them.
 
 Sections, in the order data flows through the program (each uses only those above it):
     CONFIGURATION AND MODELS          constants, models, tensor-parallel shards (ShardLayout), QoS
-    CONFIGURATION FILE (--config)     v3.0's YAML: schema and defaults, ConfigLoader, cfg(), setting()
-    THE RUN'S CONFIGURATION           BenchmarkConfig and its checks
-    WORKLOAD: REQUESTS, USERS, ...    requests, personas, conversations, prefixes, plans, RAG, ShareGPT,
-                                      BurstGPT trace rows
+    CONFIGURATION FILE (--config)     the YAML schema and its values: Tunables, read_config_file
+    TRACE FILES                       BurstGPT CSVs and I/O traces: columns, how one is read
+    THE RUN'S CONFIGURATION           BenchmarkConfig (tunables included) and its checks
+    OUTPUT FILES                      every output written whole, never over what is not ours
+    WORKLOAD: REQUESTS, USERS, ...    requests, personas, conversations, prefixes, UserPlan
+    THE WORKLOAD PLAN                 every user and its plan, from the seed
+    REQUEST SOURCES                   RAG, ShareGPT replay, BurstGPT trace rows
     KV DATA                           the incompressible, seeded byte generator
     TRANSFERS: ONE OPERATION ...      Transfer (stop, clock, staging, CRC, record), sources, sinks,
                                       StorageBackend: what every tier supplies, GPUDevice
@@ -37,16 +40,28 @@ Sections, in the order data flows through the program (each uses only those abov
     GPU TIER AND DELIVERY TO THE GPU  GPUDelivery (a sink), GPUMemoryBackend
     MEMORY TIERS, SET UP TOGETHER     RAM and cgroup limits, MPI node share, open_memory_tiers, storage capacity
     I/O TRACE: THE TIERS WITHOUT I/O  --io-trace-log: LatencyModel, TraceLog, TracedTier
-    METRIC MATH                       pure functions over counters and samples
-    MULTI-TIER CACHE                  EvictionPolicy, waterfall LRU over the tiers
-    MONITORING AND AUTOSCALING        timeline, block-device counters, --io-baseline, fio, autoscaler
+    METRIC MATH                       pure functions over counters and samples, saturation_score
+    MULTI-TIER CACHE                  the run's tiers, EvictionPolicy, waterfall LRU over the tiers
+    THE DRIVE'S OWN VIEW              block-layer counters of the cache directory's device
+    RAW BANDWIDTH                     --io-baseline
+    FIO                               --fio-job, --fio-compare: the storage tier's I/O replayed by fio
+    REQUEST RECORDS                   RequestRecord, RunRecorder
+    MONITORING: TIMELINE AND PROGRESS the monitor's samples, the progress line
+    AUTOSCALING                       QoS and capacity modes
     NODE ROLES                        --prefill-only, --decode-only (its contexts before the timer)
     PRECONDITIONING                   --precondition: the drive aged before the timer
     TRACE REPLAY                      --replay-io-trace: a trace's storage rows issued open loop
-    BENCHMARK ENGINE                  schedulers (users, BurstGPT arrivals), workers, request flow, RunMeasurements
-    STATISTICS AND REPORTS            assemble_results (once), console, JSON, Excel, charts
+    RUN MEASUREMENTS                  RequestIO, RunMeasurements: what a run hands the results
+    ARRIVALS                          closed-loop users (ArrivalScheduler), BurstGPT rows (BurstArrivals)
+    BENCHMARK ENGINE                  workers, request flow
+    RESULTS: PUT TOGETHER ONCE        assemble_results and the figures it computes
+    CONSOLE REPORT                    format_report: a pure function of the results
+    SPREADSHEET                       --xlsx-output
+    CHARTS                            --plot
+    SUITE COMPARISON                  the wrapper's closing table
     MULTI-NODE (MPI)                  ranks' shares, merging their measurements
-    COMMAND LINE                      parser, main
+    COMPATIBILITY                     the original's names: v3.0's configuration API (ConfigLoader, cfg, ...)
+    COMMAND LINE                      parser, main, replay_main
 """
 import argparse
 import bisect
@@ -765,6 +780,79 @@ def read_config_file(path: str) -> Tuple[Dict[str, Any], Tunables, str]:
 
 
 # ============================================================================
+# TRACE FILES (--burst-trace-path, --replay-io-trace, --io-trace-log)
+# ============================================================================
+# The CSV files the trace flags name: BurstGPT's arrivals, and this program's I/O traces (their
+# columns, tiers and latency-model defaults, and how one is read, zstd-compressed or not).
+
+BURST_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
+BURST_FORMAT = "Timestamp, Model, Request tokens, Response tokens, Total tokens, Log Type"
+MAX_TRACE_TOKENS = 10_000_000           # a token count above this is a bad row, not a 1 TB entry
+
+
+def burst_trace_files(path: str) -> List[Path]:
+    """--burst-trace-path as the CSV files it names: a file, a directory's *.csv, or a glob's
+    matches, in sorted order; each readable with BurstGPT's columns (UsageError otherwise)."""
+    given = Path(path).expanduser()
+    if given.is_dir():
+        files = sorted(given.glob("*.csv"))
+    elif given.is_file():
+        files = [given]
+    elif any(c in path for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(os.path.expanduser(path)) if os.path.isfile(f))
+    else:
+        raise UsageError(f"--burst-trace-path {path}: no such file, directory or glob")
+    if not files:
+        raise UsageError(f"--burst-trace-path {path}: no CSV files there")
+    for f in files:
+        _burst_columns(f)
+    return files
+
+
+def _burst_columns(path: Path) -> Tuple[int, int, int]:
+    """Where the columns BURST_COLUMNS are in `path`'s header (UsageError when it lacks one)."""
+    try:
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            header = [name.strip() for name in next(csv.reader(f), [])]
+    except OSError as exc:
+        raise UsageError(f"--burst-trace-path {path}: {exc.strerror}") from None
+    missing = [name for name in BURST_COLUMNS if name not in header]
+    if missing:
+        raise UsageError(f"--burst-trace-path {path}: no {', '.join(missing)} column (a BurstGPT CSV has "
+                         f"{BURST_FORMAT})")
+    return tuple(header.index(name) for name in BURST_COLUMNS)     # type: ignore[return-value]
+
+
+TRACE_COLUMNS = ("Timestamp", "Operation", "Object_Size_Bytes", "Tier", "Key", "Phase")
+TRACE_TIER_LABELS = {"gpu": "Tier-0", "cpu": "Tier-1", "nvme": "Tier-2"}
+TRACE_PHASES = {"prefill": "Prefill", "decode": "Decode", "demotion": "Evict"}
+# The latency model's defaults, per tier: GB/s (10**9 bytes) and microseconds per operation.
+TRACE_BANDWIDTH_GBPS = {"gpu": 50.0, "cpu": 20.0, "nvme": 6.0}   # PCIe 5 x16 host<->GPU; memory copies; an NVMe drive
+TRACE_LATENCY_US = {"gpu": 10.0, "cpu": 1.0, "nvme": 80.0}
+
+
+@contextlib.contextmanager
+def _open_trace(path: str) -> Iterator[Any]:
+    """The trace's text, decompressed when it is zstd (by its name ending in .zst)."""
+    with open(Path(path).expanduser(), "rb") as raw:
+        if path.endswith(".zst"):
+            import zstandard
+            stream: Any = zstandard.ZstdDecompressor().stream_reader(raw)
+        else:
+            stream = raw
+        yield io.TextIOWrapper(stream, encoding="utf-8", newline="")
+
+
+def _trace_lines(text: Any) -> Iterator[List[str]]:
+    return csv.reader(line for line in text if not line.startswith("#"))
+
+
+def trace_columns(path: str) -> List[str]:
+    with _open_trace(path) as text:
+        return next(_trace_lines(text), [])
+
+
+# ============================================================================
 # THE RUN'S CONFIGURATION
 # ============================================================================
 
@@ -937,7 +1025,12 @@ class BenchmarkConfig:
             if given:
                 raise UsageError(f"--io-trace-log and {flag} cannot be combined (trace mode moves no bytes)")
         _check_zstd("--io-trace-log", self.io_trace_log)
-        LatencyModel.for_run(self)
+        self.trace_model()
+
+    def trace_model(self) -> Tuple[Dict[str, float], Dict[str, float]]:
+        """--io-trace-log's latency model: (GB/s, microseconds per operation) per tier."""
+        return (tier_values("--trace-bandwidth-gbps", self.trace_bandwidth_gbps, TRACE_BANDWIDTH_GBPS, 1e-3, 1e5),
+                tier_values("--trace-latency-us", self.trace_latency_us, TRACE_LATENCY_US, 0, 1e7))
 
     def _check_burst_trace(self) -> None:
         if not self.use_burst_trace:
@@ -999,6 +1092,22 @@ def _check_range(flag: str, value: float, low: float, high: float, what: str,
         side = below if not value > high else above
         said = f"{side} (accepted: {what})" if side else f"must be {what}"
         raise UsageError(f"{flag} {said}, got {_shown(value)}")
+
+
+def tier_values(flag: str, text: str, defaults: Dict[str, float], low: float, high: float) -> Dict[str, float]:
+    """A 'nvme=3,gpu=25' flag value over the defaults (UsageError naming `flag` otherwise)."""
+    values = dict(defaults)
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        name, _, number = item.partition("=")
+        if name.strip() not in values:
+            raise UsageError(f"{flag}: {item!r} is not TIER=NUMBER with TIER one of gpu, cpu, nvme")
+        try:
+            value = float(number)
+        except ValueError:
+            raise UsageError(f"{flag}: {item!r} is not TIER=NUMBER") from None
+        _check_range(flag, value, low, high, f"TIER=NUMBER with NUMBER from {low:g} to {high:g}")
+        values[name.strip()] = value
+    return values
 
 
 def _check_cache_dir(cache_dir: Optional[str]) -> None:
@@ -1137,6 +1246,99 @@ def _check_outputs(config: "BenchmarkConfig") -> None:
         if real in seen:
             raise UsageError(f"{flag} {value} names the same file as {seen[real]}; give each its own file")
         seen[real] = flag
+
+
+# ============================================================================
+# OUTPUT FILES
+# ============================================================================
+# Every file the run writes goes through _write_file: whole or not at all, never replacing what
+# is not a regular file of ours (a link's target is written; a device is written through).
+
+def write_json(results: Dict[str, Any], path: str) -> str:
+    """Write the results whole or not at all (see _write_text_file)."""
+    return _write_text_file(path, json.dumps(json_safe(results), indent=2, allow_nan=False,
+                                             default=_json_default) + "\n")
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where the kernel tells (Linux 4.7+)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _write_text_file(path: str, text: str) -> str:
+    return _write_file(path, text.encode("utf-8", "surrogateescape"))    # a path's non-UTF-8 bytes as they are
+
+
+def _write_file(path: str, data: bytes) -> str:
+    """Write an output file without replacing anything that is not ours to replace.
+
+    A symbolic link is followed to the file it names. Anything that is not a regular file
+    (/dev/null, /dev/stdout, a FIFO) is written through, never replaced. A regular file is
+    written whole or not at all (a temporary file beside it, then a rename) and keeps the
+    mode it had; a new file gets the permissions the umask gives.
+    """
+    target = Path(os.path.realpath(Path(path).expanduser()))
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat_module.S_ISREG(st.st_mode):
+        with open(target, "wb") as f:
+            f.write(data)
+        return str(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        os.fchmod(fd, stat_module.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return str(path)
+
+
+def default_output_path(directory: str = ".") -> str:
+    """benchmark_results_<timestamp>.json, made unique by creating it (O_EXCL): two runs started in
+    the same second never share it (the second gets a _2 suffix)."""
+    stem = f"benchmark_results_{time.strftime('%Y%m%d_%H%M%S')}"
+    for n in itertools.count(1):
+        name = Path(directory) / (f"{stem}.json" if n == 1 else f"{stem}_{n}.json")
+        try:
+            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return str(name)
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
+def json_safe(value: Any) -> Any:
+    """The results with every non-finite number (inf, NaN, numpy's too) as None: strict JSON,
+    which `json.dumps` alone would break by writing `Infinity` or `NaN`."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    return value
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (Path, Enum)):
+        return str(value.value if isinstance(value, Enum) else value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 # ============================================================================
@@ -1413,8 +1615,18 @@ def conversation_turns(rng: random.Random, most: int, p_end: Optional[float]) ->
     return turns
 
 
-class UserPlan:
-    """The endless, seeded sequence of one user's requests.
+class UserPlan(Protocol):
+    """One user's requests, planned from the seed alone: what the schedulers and the digest use."""
+    profile: UserProfile
+    user_index: int
+
+    def peek(self, count: int) -> List[PlannedRequest]: ...       # the first `count`, however many were taken
+    def next_request(self) -> PlannedRequest: ...
+    def first_arrival_s(self) -> float: ...
+
+
+class SyntheticUserPlan:
+    """The endless, seeded sequence of one user's requests (a UserPlan).
 
     Its generator belongs to this user alone and advances one request at a
     time, when the user's previous request has completed (a user has one
@@ -1437,7 +1649,7 @@ class UserPlan:
 
     def peek(self, count: int) -> List[PlannedRequest]:
         """The user's first `count` planned requests, however many the run has consumed."""
-        fresh = UserPlan(self.profile, self._seed, self.user_index, self._matcher, self._conversation_tunables)
+        fresh = SyntheticUserPlan(self.profile, self._seed, self.user_index, self._matcher, self._conversation_tunables)
         return [fresh.next_request() for _ in range(count)]
 
     def next_request(self) -> PlannedRequest:
@@ -1468,54 +1680,9 @@ class UserPlan:
         )
 
 
-class WorkloadPlan:
-    """All users and their plans, made from (seed, model, user count) before the clock starts.
-
-    User i has a generator of its own, so it is the same user whatever the
-    user count: the autoscaler can add users 100, 101, ... to a run of 100.
-    """
-
-    def __init__(self, model_name: str, num_users: int, seed: int,
-                 dataset: Optional[Sequence["DatasetConversation"]] = None,
-                 should_stop: Callable[[], bool] = lambda: False, tunables: Tunables = BUILT_IN_TUNABLES):
-        self.model_name = model_name
-        self.seed = seed
-        self.num_users = num_users
-        self.dataset = dataset
-        self.tunables = tunables
-        self.matcher = PrefixMatcher(tunables.prefix_cache)
-        self.users: List[UserProfile] = []
-        self.plans: List[Any] = []             # UserPlan, or DatasetUserPlan when replaying a dataset
-        self.ensure_users(num_users, should_stop)
-
-    def ensure_users(self, count: int, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Plan users up to `count` (100,000 take seconds: a stop asked for meanwhile is Interrupted)."""
-        while len(self.users) < count:
-            i = len(self.users)
-            if i % 1024 == 0 and should_stop():
-                raise Interrupted()
-            user = UserSimulator.generate_mixed_user(f"user_{i}", random.Random(derive_seed(self.seed, "user", i)),
-                                                     self.tunables)
-            if self.dataset:
-                self.plans.append(DatasetUserPlan(user, self.seed, i, max(self.num_users, 1), self.dataset))
-            else:
-                self.plans.append(UserPlan(user, self.seed, i, self.matcher, self.tunables.conversation))
-            self.users.append(user)
-
-    def digest(self, should_stop: Callable[[], bool] = lambda: False) -> str:
-        """Hash of each user's profile and first PLAN_DIGEST_REQUESTS planned requests."""
-        h = hashlib.sha256()
-        h.update(f"{self.model_name}|{self.num_users}|{self.seed}".encode())
-        for i, (user, plan) in enumerate(zip(self.users[:self.num_users], self.plans)):
-            if i % 1024 == 0 and should_stop():
-                raise Interrupted()
-            h.update(f"|{user.user_id}:{user.user_type}:{user.qos_level.value}".encode())
-            for planned in plan.peek(PLAN_DIGEST_REQUESTS):
-                h.update(repr(planned.digest_fields()).encode())
-        return h.hexdigest()[:16]
-
-
-# --- RAG --------------------------------------------------------------------------
+# ============================================================================
+# REQUEST SOURCES: RAG, SHAREGPT REPLAY, BURSTGPT ROWS
+# ============================================================================
 
 
 @dataclass(frozen=True)
@@ -1825,7 +1992,7 @@ class ShareGPTDatasetLoader:
 
 class DatasetUserPlan:
     """A user replaying dataset conversations: user i takes conversations i, i+U, i+2U, ...
-    (cycling), with its persona's think times; same interface as UserPlan."""
+    (cycling), with its persona's think times (a UserPlan)."""
 
     def __init__(self, profile: UserProfile, seed: int, user_index: int, num_users: int,
                  conversations: Sequence[DatasetConversation]):
@@ -1863,44 +2030,6 @@ class DatasetUserPlan:
 
 
 # --- BurstGPT arrivals (--use-burst-trace) -------------------------------------------
-
-BURST_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
-BURST_FORMAT = "Timestamp, Model, Request tokens, Response tokens, Total tokens, Log Type"
-MAX_TRACE_TOKENS = 10_000_000           # a token count above this is a bad row, not a 1 TB entry
-
-
-def burst_trace_files(path: str) -> List[Path]:
-    """--burst-trace-path as the CSV files it names: a file, a directory's *.csv, or a glob's
-    matches, in sorted order; each readable with BurstGPT's columns (UsageError otherwise)."""
-    given = Path(path).expanduser()
-    if given.is_dir():
-        files = sorted(given.glob("*.csv"))
-    elif given.is_file():
-        files = [given]
-    elif any(c in path for c in "*?["):
-        files = sorted(Path(f) for f in glob.glob(os.path.expanduser(path)) if os.path.isfile(f))
-    else:
-        raise UsageError(f"--burst-trace-path {path}: no such file, directory or glob")
-    if not files:
-        raise UsageError(f"--burst-trace-path {path}: no CSV files there")
-    for f in files:
-        _burst_columns(f)
-    return files
-
-
-def _burst_columns(path: Path) -> Tuple[int, int, int]:
-    """Where the columns BURST_COLUMNS are in `path`'s header (UsageError when it lacks one)."""
-    try:
-        with open(path, newline="", encoding="utf-8", errors="replace") as f:
-            header = [name.strip() for name in next(csv.reader(f), [])]
-    except OSError as exc:
-        raise UsageError(f"--burst-trace-path {path}: {exc.strerror}") from None
-    missing = [name for name in BURST_COLUMNS if name not in header]
-    if missing:
-        raise UsageError(f"--burst-trace-path {path}: no {', '.join(missing)} column (a BurstGPT CSV has "
-                         f"{BURST_FORMAT})")
-    return tuple(header.index(name) for name in BURST_COLUMNS)     # type: ignore[return-value]
-
 
 @dataclass(frozen=True)
 class TraceRow:
@@ -1982,6 +2111,58 @@ class BurstTrace:
     def stats(self) -> Dict[str, Any]:
         return {"files": [str(p) for p in self.files], "rows": self.rows, "bad_rows": sum(self.bad_rows.values()),
                 "bad_rows_by_reason": dict(self.bad_rows), "passes_completed": self.passes}
+
+
+# ============================================================================
+# THE WORKLOAD PLAN
+# ============================================================================
+# Every user and its plan, made from (seed, model, user count) before the clock starts.
+
+class WorkloadPlan:
+    """All users and their plans, made from (seed, model, user count) before the clock starts.
+
+    User i has a generator of its own, so it is the same user whatever the
+    user count: the autoscaler can add users 100, 101, ... to a run of 100.
+    """
+
+    def __init__(self, model_name: str, num_users: int, seed: int,
+                 dataset: Optional[Sequence[DatasetConversation]] = None,
+                 should_stop: Callable[[], bool] = lambda: False, tunables: Tunables = BUILT_IN_TUNABLES):
+        self.model_name = model_name
+        self.seed = seed
+        self.num_users = num_users
+        self.dataset = dataset
+        self.tunables = tunables
+        self.matcher = PrefixMatcher(tunables.prefix_cache)
+        self.users: List[UserProfile] = []
+        self.plans: List[UserPlan] = []        # SyntheticUserPlan, or DatasetUserPlan when replaying a dataset
+        self.ensure_users(num_users, should_stop)
+
+    def ensure_users(self, count: int, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Plan users up to `count` (100,000 take seconds: a stop asked for meanwhile is Interrupted)."""
+        while len(self.users) < count:
+            i = len(self.users)
+            if i % 1024 == 0 and should_stop():
+                raise Interrupted()
+            user = UserSimulator.generate_mixed_user(f"user_{i}", random.Random(derive_seed(self.seed, "user", i)),
+                                                     self.tunables)
+            if self.dataset:
+                self.plans.append(DatasetUserPlan(user, self.seed, i, max(self.num_users, 1), self.dataset))
+            else:
+                self.plans.append(SyntheticUserPlan(user, self.seed, i, self.matcher, self.tunables.conversation))
+            self.users.append(user)
+
+    def digest(self, should_stop: Callable[[], bool] = lambda: False) -> str:
+        """Hash of each user's profile and first PLAN_DIGEST_REQUESTS planned requests."""
+        h = hashlib.sha256()
+        h.update(f"{self.model_name}|{self.num_users}|{self.seed}".encode())
+        for i, (user, plan) in enumerate(zip(self.users[:self.num_users], self.plans)):
+            if i % 1024 == 0 and should_stop():
+                raise Interrupted()
+            h.update(f"|{user.user_id}:{user.user_type}:{user.qos_level.value}".encode())
+            for planned in plan.peek(PLAN_DIGEST_REQUESTS):
+                h.update(repr(planned.digest_fields()).encode())
+        return h.hexdigest()[:16]
 
 
 # ============================================================================
@@ -2194,9 +2375,9 @@ class KVCacheGenerator:
     def generate(self, sequence_length: int, key: str) -> np.ndarray:
         """The KV entry of `sequence_length` tokens for `key`, shaped (layers, 2, tokens, kv_heads, head_dim)
         (MLA: (layers, 1, tokens, 1, latent))."""
-        cfg = self.model_config
-        data = self.entry_bytes(key, sequence_length * cfg.kv_cache_size_per_token)
-        return data.view(cfg.numpy_dtype).reshape(cfg.entry_shape(sequence_length))
+        model = self.model_config
+        data = self.entry_bytes(key, sequence_length * model.kv_cache_size_per_token)
+        return data.view(model.numpy_dtype).reshape(model.entry_shape(sequence_length))
 
 
 # ============================================================================
@@ -4181,13 +4362,12 @@ class MemoryTiers:
     delivery: Optional[GPUDelivery] = None
     gpu: Optional[GPUMemoryBackend] = None
     cpu: Optional[CPUMemoryBackend] = None
-    trace: Optional["TraceLog"] = None      # --io-trace-log: the tiers are TracedTiers writing to it
+    trace: Optional[Any] = None             # --io-trace-log: the trace log the tiers write to (I/O TRACE)
+    storage: Callable[[Path, int], StorageBackend] = lambda directory, shards: NVMeBackend(directory, shards=shards)
 
     def open_storage(self, directory: Path, shards: int) -> StorageBackend:
-        """The storage tier beside these: files in `directory`, or, in trace mode, none."""
-        if self.trace is None:
-            return NVMeBackend(directory, shards=shards)
-        return TracedTier("nvme", self.trace, shards)
+        """The storage tier beside these: files in `directory` (trace mode: none; `storage` says)."""
+        return self.storage(directory, shards)
 
     def close(self) -> None:
         if self.gpu is not None:
@@ -4249,15 +4429,6 @@ def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
 
 
 
-def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> MemoryTiers:
-    """A run's GPU and CPU tiers (the GPU tier N x --gpu-mem-gb); with --io-trace-log, tiers
-    of the same budgets that move no bytes."""
-    if config.io_trace_log:
-        return open_traced_tiers(config)
-    return open_memory_tiers(config.gpu_mem_gb * config.num_gpus, config.cpu_mem_gb, config.gpu_library, generator,
-                             available_memory_bytes(), config.gpu_device, config.tunables.gpu_backend)
-
-
 STORAGE_FREE_SHARE = 0.95               # --storage-capacity-gb 0: the share of the free space the tier may fill
 
 
@@ -4281,30 +4452,6 @@ def storage_capacity(capacity_gb: Optional[float], directory: Path) -> Tuple[flo
 # moves no bytes: each operation writes rows to a CSV that another machine (or tool) replays
 # (--replay-io-trace), and takes the time a latency model gives it.
 
-TRACE_COLUMNS = ("Timestamp", "Operation", "Object_Size_Bytes", "Tier", "Key", "Phase")
-TRACE_TIER_LABELS = {"gpu": "Tier-0", "cpu": "Tier-1", "nvme": "Tier-2"}
-TRACE_PHASES = {"prefill": "Prefill", "decode": "Decode", "demotion": "Evict"}
-# The latency model's defaults, per tier: GB/s (10**9 bytes) and microseconds per operation.
-TRACE_BANDWIDTH_GBPS = {"gpu": 50.0, "cpu": 20.0, "nvme": 6.0}   # PCIe 5 x16 host<->GPU; memory copies; an NVMe drive
-TRACE_LATENCY_US = {"gpu": 10.0, "cpu": 1.0, "nvme": 80.0}
-
-
-def tier_values(flag: str, text: str, defaults: Dict[str, float], low: float, high: float) -> Dict[str, float]:
-    """A 'nvme=3,gpu=25' flag value over the defaults (UsageError naming `flag` otherwise)."""
-    values = dict(defaults)
-    for item in filter(None, (part.strip() for part in (text or "").split(","))):
-        name, _, number = item.partition("=")
-        if name.strip() not in values:
-            raise UsageError(f"{flag}: {item!r} is not TIER=NUMBER with TIER one of gpu, cpu, nvme")
-        try:
-            value = float(number)
-        except ValueError:
-            raise UsageError(f"{flag}: {item!r} is not TIER=NUMBER") from None
-        _check_range(flag, value, low, high, f"TIER=NUMBER with NUMBER from {low:g} to {high:g}")
-        values[name.strip()] = value
-    return values
-
-
 class LatencyModel:
     """The trace's clock. Each tier is one server of its bandwidth, serving operations one after
     another, and each operation adds the tier's latency; an operation on two tiers (a demotion's
@@ -4317,8 +4464,7 @@ class LatencyModel:
 
     @classmethod
     def for_run(cls, config: BenchmarkConfig) -> "LatencyModel":
-        return cls(tier_values("--trace-bandwidth-gbps", config.trace_bandwidth_gbps, TRACE_BANDWIDTH_GBPS, 1e-3, 1e5),
-                   tier_values("--trace-latency-us", config.trace_latency_us, TRACE_LATENCY_US, 0, 1e7))
+        return cls(*config.trace_model())
 
     def reserve(self, tiers: Sequence[str], nbytes: int) -> Tuple[float, float]:
         """An operation of `nbytes` on `tiers` issued now: (start, end) on the perf_counter clock."""
@@ -4474,7 +4620,8 @@ def open_traced_tiers(config: BenchmarkConfig) -> MemoryTiers:
     """Trace mode's GPU and CPU tiers, at their budgets as asked (nothing is allocated), and
     the trace they and the storage tier write to."""
     log = TraceLog(config.io_trace_log, LatencyModel.for_run(config))
-    tiers = MemoryTiers({}, {}, cpu_memory="none (trace mode)", trace=log)
+    tiers = MemoryTiers({}, {}, cpu_memory="none (trace mode)", trace=log,
+                        storage=lambda directory, shards: TracedTier("nvme", log, shards))
     for tier, gb in (("gpu", config.gpu_mem_gb * config.num_gpus), ("cpu", config.cpu_mem_gb)):
         if gb > 0:
             tiers.backends[tier], tiers.limits[tier] = TracedTier(tier, log), gb * GIB
@@ -4735,9 +4882,45 @@ def prefix_cache_stats(cs: Dict[str, Any]) -> Dict[str, int]:
             "bytes_saved": cs["hit_bytes_by_type"].get("system", 0) + cs["hit_bytes_by_type"].get("common", 0)}
 
 
+# Saturation: how close the run is to what storage and the worker slots can take.
+
+
+def saturation_score(read_p95_ms: Optional[float], write_p95_ms: Optional[float],
+                     queue_wait_mean_ms: Optional[float], service_mean_ms: Optional[float],
+                     queue_depth: Optional[int] = None,
+                     limits: SaturationTunables = BUILT_IN_TUNABLES.saturation_detection) -> float:
+    """Saturation in [0, 1] (docs/metrics.md):
+
+        latency = max(read P95 / 200 ms, write P95 / 500 ms)     storage tier, this window
+        queueing = mean queue wait / (mean queue wait + mean service time)
+        depth = queued requests / queue_depth_threshold          only with --config setting one
+        saturation = min(1, max(latency, queueing, depth))
+
+    1.0 means the storage tier misses its latency targets or requests spend
+    most of their time waiting for a worker slot; a missing sample counts 0.
+    The 200 and 500 ms are --config saturation_detection's read and write thresholds (`limits`).
+    """
+    read_limit, write_limit = limits.read_latency_p95_threshold_ms, limits.write_latency_p95_threshold_ms
+    latency = max((read_p95_ms or 0.0) / read_limit, (write_p95_ms or 0.0) / write_limit)
+    wait, service = queue_wait_mean_ms or 0.0, service_mean_ms or 0.0
+    queueing = wait / (wait + service) if wait + service > 0 else 0.0
+    depth_limit = limits.queue_depth_threshold
+    depth = (queue_depth or 0) / depth_limit if depth_limit else 0.0
+    return min(1.0, max(latency, queueing, depth))
+
+
 # ============================================================================
 # MULTI-TIER CACHE
 # ============================================================================
+
+def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> MemoryTiers:
+    """A run's GPU and CPU tiers (the GPU tier N x --gpu-mem-gb); with --io-trace-log, tiers
+    of the same budgets that move no bytes."""
+    if config.io_trace_log:
+        return open_traced_tiers(config)
+    return open_memory_tiers(config.gpu_mem_gb * config.num_gpus, config.cpu_mem_gb, config.gpu_library, generator,
+                             available_memory_bytes(), config.gpu_device, config.tunables.gpu_backend)
+
 
 class CacheStats:
     """Every counter and latency sample of the cache, updated in one place under one lock."""
@@ -5079,15 +5262,15 @@ class MultiTierCache:
 
     def _allocate(self, key: str, num_tokens: int, phase: InferencePhase,
                   first_tier: int) -> Tuple[bool, Optional[str], int, bool]:
-        cfg = self.model_config
-        size = num_tokens * cfg.kv_cache_size_per_token
+        model = self.model_config
+        size = num_tokens * model.kv_cache_size_per_token
         with self._lock:
             old = self._entries.get(key)
             if old is not None and old.state != "ready":
                 return True, old.tier, 0, False
             if old is not None:
                 self._forget(old)
-            entry = CacheEntry(key, size, num_tokens, shape=cfg.entry_shape(num_tokens), dtype=cfg.numpy_dtype.str)
+            entry = CacheEntry(key, size, num_tokens, shape=model.entry_shape(num_tokens), dtype=model.numpy_dtype.str)
             self._entries[key] = entry
         if old is not None:
             self._discard_data(old.tier, key)
@@ -5349,38 +5532,8 @@ class MultiTierCache:
 
 
 # ============================================================================
-# MONITORING AND AUTOSCALING
+# THE DRIVE'S OWN VIEW (block-layer counters)
 # ============================================================================
-
-# Saturation: how close the run is to what storage and the worker slots can take.
-
-
-def saturation_score(read_p95_ms: Optional[float], write_p95_ms: Optional[float],
-                     queue_wait_mean_ms: Optional[float], service_mean_ms: Optional[float],
-                     queue_depth: Optional[int] = None,
-                     limits: SaturationTunables = BUILT_IN_TUNABLES.saturation_detection) -> float:
-    """Saturation in [0, 1] (docs/metrics.md):
-
-        latency = max(read P95 / 200 ms, write P95 / 500 ms)     storage tier, this window
-        queueing = mean queue wait / (mean queue wait + mean service time)
-        depth = queued requests / queue_depth_threshold          only with --config setting one
-        saturation = min(1, max(latency, queueing, depth))
-
-    1.0 means the storage tier misses its latency targets or requests spend
-    most of their time waiting for a worker slot; a missing sample counts 0.
-    The 200 and 500 ms are --config saturation_detection's read and write thresholds (`limits`).
-    """
-    read_limit, write_limit = limits.read_latency_p95_threshold_ms, limits.write_latency_p95_threshold_ms
-    latency = max((read_p95_ms or 0.0) / read_limit, (write_p95_ms or 0.0) / write_limit)
-    wait, service = queue_wait_mean_ms or 0.0, service_mean_ms or 0.0
-    queueing = wait / (wait + service) if wait + service > 0 else 0.0
-    depth_limit = limits.queue_depth_threshold
-    depth = (queue_depth or 0) / depth_limit if depth_limit else 0.0
-    return min(1.0, max(latency, queueing, depth))
-
-
-# --- The drive's own view: kernel block-layer statistics -------------------------------
-#
 # The storage tier times its own reads and writes; the kernel counts what reached the
 # device underneath (Documentation/block/stat.rst). Reading both over the same window
 # shows how much of a request's latency is the drive and how many of the benchmark's
@@ -5758,7 +5911,9 @@ def _fmt_comparison(c: Dict[str, Any]) -> List[str]:
     return lines
 
 
-# --- The device's raw bandwidth (--io-baseline) --------------------------------------
+# ============================================================================
+# RAW BANDWIDTH (--io-baseline)
+# ============================================================================
 
 BASELINE_THREADS = 32                   # parallel sequential read streams, like fio numjobs: the queue
                                         # depth a drive needs for its read ceiling (docs/performance.md)
@@ -5880,8 +6035,9 @@ def _run_streams(target: Callable[[int], None], threads: int) -> float:
 
 
 
-# --- fio: replaying the storage tier's I/O with a standard tool ------------------------
-#
+# ============================================================================
+# FIO: THE STORAGE TIER'S I/O REPLAYED (--fio-job, --fio-compare)
+# ============================================================================
 # A number from one tool is easier to trust when another tool gets close to it. The job
 # reproduces what the storage tier did (request sizes, read/write mix, concurrency,
 # entry sizes, direct or buffered, incompressible data); it does not reproduce which
@@ -6229,6 +6385,74 @@ def _read_capped(f: Any, limit: int, tail: bool = False) -> Optional[str]:
     return f.read(limit).decode("utf-8", "replace")
 
 
+# ============================================================================
+# REQUEST RECORDS
+# ============================================================================
+# What each completed request measured, kept by one recorder; the monitor and the results read it.
+
+@dataclass
+class RequestRecord:
+    """What one completed request measured, in seconds."""
+    qos_level: str
+    context_tokens: int
+    generate_tokens: int
+    end_to_end_s: float
+    queue_wait_s: float
+    storage_s: float
+    prefill_s: float
+    decode_s: float
+    generation_s: float
+    tokens_moved: int = 0         # tokens this request's cache operations read or wrote (demotions included)
+
+
+class RunRecorder:
+    """Completed-request records and run counters; one lock."""
+
+    def __init__(self, max_requests: int):
+        self._lock = threading.Lock()
+        self._max_requests = max_requests
+        self.records: List[RequestRecord] = []
+        self.abandoned = 0
+        self.in_flight = 0                # requests being processed now, and the most at once
+        self._closed = False              # the run stopped: later completions fall outside the window
+        self.peak_in_flight = 0
+        self.reached_max_requests = threading.Event()
+
+    def begin(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def end(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    def complete(self, record: RequestRecord) -> None:
+        with self._lock:
+            if self._closed:              # finished during the shutdown tail: not in the measured window
+                self.abandoned += 1
+                return
+            self.records.append(record)
+            if self._max_requests and len(self.records) >= self._max_requests:
+                self.reached_max_requests.set()
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned += 1
+
+    def records_since(self, index: int) -> List[RequestRecord]:
+        with self._lock:
+            return self.records[index:]
+
+
+# ============================================================================
+# MONITORING: TIMELINE AND PROGRESS
+# ============================================================================
+
 class StorageMonitor:
     """Samples the run every monitor interval: KPIs over the last window, the saturation
     score, and a `throughput_timeline` point."""
@@ -6348,6 +6572,10 @@ class ProgressReporter:
                 f"P95 R {_fmt_ms(p['storage_read_p95_ms'])} W {_fmt_ms(p['storage_write_p95_ms'])} | "
                 f"tiers GB: {usage} | users {p['active_users']}")
 
+
+# ============================================================================
+# AUTOSCALING
+# ============================================================================
 
 @dataclass
 class ScalingDecision:
@@ -6706,27 +6934,6 @@ class TraceOp:
     key: str
 
 
-@contextlib.contextmanager
-def _open_trace(path: str) -> Iterator[Any]:
-    """The trace's text, decompressed when it is zstd (by its name ending in .zst)."""
-    with open(Path(path).expanduser(), "rb") as raw:
-        if path.endswith(".zst"):
-            import zstandard
-            stream: Any = zstandard.ZstdDecompressor().stream_reader(raw)
-        else:
-            stream = raw
-        yield io.TextIOWrapper(stream, encoding="utf-8", newline="")
-
-
-def _trace_lines(text: Any) -> Iterator[List[str]]:
-    return csv.reader(line for line in text if not line.startswith("#"))
-
-
-def trace_columns(path: str) -> List[str]:
-    with _open_trace(path) as text:
-        return next(_trace_lines(text), [])
-
-
 def storage_trace_ops(path: str, counts: Dict[str, int]) -> Iterator[TraceOp]:
     """The trace's storage-tier (Tier-2) operations in file order; `counts` gets the rows read,
     those of other tiers, and the bad ones (not a number, an unknown operation)."""
@@ -6882,58 +7089,9 @@ def format_replay_report(r: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def replay_main(args: argparse.Namespace, stop: "StopRequest", launch: Optional[Tuple[int, int]]) -> int:
-    """--replay-io-trace: replay, write the results (--output), print the report; the exit status."""
-    try:
-        if launch:
-            raise UsageError("--replay-io-trace replays one trace in one process: run it without mpiexec")
-        config = config_from_args(args)
-        stop.install()
-        created = _make_cache_dir(config.cache_dir)
-        replay = TraceReplay(config, stop.event)
-    except UsageError as exc:
-        print(f"kv-cache.py: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        print(f"kv-cache.py: error: --cache-dir {config.cache_dir}: {exc.strerror}", file=sys.stderr)
-        return EXIT_USAGE
-    logger.info("Replaying the storage rows of %s in %s at %gx", config.replay_io_trace, replay.run_dir,
-                config.trace_speedup)
-    try:
-        results = replay.run(lambda: stop.signal_name)
-    finally:
-        _remove_created_dirs(created)
-    output = config.output or default_output_path()
-    try:
-        logger.info("Results written to %s", write_json(results, output))
-        written = True
-    except (OSError, ValueError) as exc:
-        logger.error("could not write the results to %s: %s", output, exc)
-        written = False
-    print_report(format_replay_report(results))
-    if stop.signal_name:
-        return EXIT_SIGNAL[stop.signal_name]
-    return EXIT_OK if written and not (results["io_errors"] or results["failure_count"]) else EXIT_DEGRADED
-
-
 # ============================================================================
-# BENCHMARK ENGINE
+# RUN MEASUREMENTS
 # ============================================================================
-
-@dataclass
-class RequestRecord:
-    """What one completed request measured, in seconds."""
-    qos_level: str
-    context_tokens: int
-    generate_tokens: int
-    end_to_end_s: float
-    queue_wait_s: float
-    storage_s: float
-    prefill_s: float
-    decode_s: float
-    generation_s: float
-    tokens_moved: int = 0         # tokens this request's cache operations read or wrote (demotions included)
-
 
 @dataclass
 class RequestIO:
@@ -6953,50 +7111,6 @@ class RequestIO:
         self.tokens += result.tokens
         self.aborted = self.aborted or result.aborted
         return result
-
-
-class RunRecorder:
-    """Completed-request records and run counters; one lock."""
-
-    def __init__(self, max_requests: int):
-        self._lock = threading.Lock()
-        self._max_requests = max_requests
-        self.records: List[RequestRecord] = []
-        self.abandoned = 0
-        self.in_flight = 0                # requests being processed now, and the most at once
-        self._closed = False              # the run stopped: later completions fall outside the window
-        self.peak_in_flight = 0
-        self.reached_max_requests = threading.Event()
-
-    def begin(self) -> None:
-        with self._lock:
-            self.in_flight += 1
-            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-
-    def end(self) -> None:
-        with self._lock:
-            self.in_flight -= 1
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-
-    def complete(self, record: RequestRecord) -> None:
-        with self._lock:
-            if self._closed:              # finished during the shutdown tail: not in the measured window
-                self.abandoned += 1
-                return
-            self.records.append(record)
-            if self._max_requests and len(self.records) >= self._max_requests:
-                self.reached_max_requests.set()
-
-    def abandon(self) -> None:
-        with self._lock:
-            self.abandoned += 1
-
-    def records_since(self, index: int) -> List[RequestRecord]:
-        with self._lock:
-            return self.records[index:]
 
 
 @dataclass
@@ -7044,6 +7158,10 @@ class RunMeasurements:
 
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
 
+
+# ============================================================================
+# ARRIVALS: WHEN REQUESTS COME (closed-loop users, BurstGPT rows)
+# ============================================================================
 
 class ArrivalScheduler:
     """Releases each user's next request `think_time` after its previous one completed.
@@ -7239,6 +7357,10 @@ def merge_trace_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dic
             "admission_lag_max_ms": max(p["admission_lag_max_ms"] for p in parts)}
 
 
+# ============================================================================
+# BENCHMARK ENGINE
+# ============================================================================
+
 class WorkerPool:
     """The threads that process requests, one per request in flight as in the original
     (min(users, 500) by default), resized when the autoscaler adds or retires users.
@@ -7341,10 +7463,6 @@ class IntegratedBenchmark:
             self.stop_reason = reason
         self._stop.set()
 
-    def run(self) -> Dict[str, Any]:
-        """Run the workload, then return the results; the cache's files are removed either way."""
-        return assemble_results(self.measure())
-
     def measure(self) -> RunMeasurements:
         """Run the workload and remove the cache's files; what it measured. The cache's entry
         counts are taken before the clean-up, its counters after (a clean-up error counts)."""
@@ -7383,17 +7501,17 @@ class IntegratedBenchmark:
     def _drive(self) -> float:
         """Run the workload; returns the measured window (start to stop) in seconds. The shutdown
         tail (in-flight work giving up) is kept apart in `shutdown_tail_s`."""
-        cfg = self.config
+        config = self.config
         t0 = time.perf_counter()
         self.device_monitor.start()
-        deadline = t0 + cfg.duration_s if cfg.duration_s else None
+        deadline = t0 + config.duration_s if config.duration_s else None
         housekeeping = [self._spawn(self._monitor, "monitor", t0), self._spawn(self._reaper, "storage-reaper"),
                         self._spawn(self._watch_stop, "stop-watch", deadline)]
-        if cfg.progress:
+        if config.progress:
             progress_monitor = StorageMonitor(self.cache, self.recorder, self.request_queue,
                                               lambda: self.scheduler.active_users, None,
-                                              cfg.tunables.saturation_detection)
-            reporter = ProgressReporter(progress_monitor, cfg.duration_s, cfg.max_requests)
+                                              config.tunables.saturation_detection)
+            reporter = ProgressReporter(progress_monitor, config.duration_s, config.max_requests)
             housekeeping.append(self._spawn(reporter.run, "progress", self._stop, t0))
         if self.rag is not None:                   # the workload's first phase: a write burst, timed
             logger.info("RAG: ingesting %d documents (%d chunks)...", len(self.rag.documents), len(self.rag.chunks))
@@ -7415,7 +7533,7 @@ class IntegratedBenchmark:
         self.device_stats = self.device_monitor.finish()
         for thread in housekeeping:
             thread.join()
-        if elapsed - self.monitor.last_elapsed_s >= 0.5 * cfg.monitor_interval_s:
+        if elapsed - self.monitor.last_elapsed_s >= 0.5 * config.monitor_interval_s:
             try:                                  # the last window, unless it is too short to mean much
                 self.monitor.sample(elapsed)
             except Exception as exc:              # recorded like the monitor thread's own failure
@@ -7618,7 +7736,7 @@ class IntegratedBenchmark:
 
 
 # ============================================================================
-# STATISTICS AND REPORTS
+# RESULTS: PUT TOGETHER ONCE
 # ============================================================================
 
 def qos_metrics(records: Sequence[RequestRecord], profiles: QoSProfiles = BUILT_IN_TUNABLES.qos_profiles
@@ -7846,6 +7964,10 @@ def rag_summary(rag_stats: Optional[Dict[str, Any]], cs: Dict[str, Any]) -> Opti
     return out
 
 
+# ============================================================================
+# CONSOLE REPORT
+# ============================================================================
+
 def _fmt_latency(name: str, s: Dict[str, Any]) -> str:
     return (f"  {name}: mean {_fmt_ms(s['mean'])}, P50 {_fmt_ms(s['p50'])}, "
             f"P95 {_fmt_ms(s['p95'])}, P99 {_fmt_ms(s['p99'])}")
@@ -7872,18 +7994,18 @@ def headline_not_measured(results: Dict[str, Any]) -> Optional[str]:
 
 def format_report(results: Dict[str, Any]) -> str:
     """The console report, as one string (no printing here)."""
-    s, cfg = results["summary"], results["config"]
+    s, given = results["summary"], results["config"]
     cs = s["cache_stats"]
     lines: List[str] = []
     add = lines.append
     add("=" * 80)
     add("KV CACHE BENCHMARK RESULTS")
     add("=" * 80)
-    shown_name = f" \"{cfg['model_display_name']}\"" if cfg.get("model_display_name") else ""
-    add(f"Model: {cfg['model']}{shown_name} ({cfg['kv_bytes_per_token']:,} bytes/token) | Users: {cfg['num_users']} | "
-        f"Generation: {cfg['generation_mode']} | Seed: {results['seed']}"
+    shown_name = f" \"{given['model_display_name']}\"" if given.get("model_display_name") else ""
+    add(f"Model: {given['model']}{shown_name} ({given['kv_bytes_per_token']:,} bytes/token) | Users: {given['num_users']} | "
+        f"Generation: {given['generation_mode']} | Seed: {results['seed']}"
         + ("" if results["seed_given"] else " (drawn at random; pass --seed to reproduce)"))
-    requested = f"{cfg['duration_s']:.0f}s" if cfg["duration_s"] else "no time limit"
+    requested = f"{given['duration_s']:.0f}s" if given["duration_s"] else "no time limit"
     add(f"Duration: {requested} requested, {s['elapsed_time']:.2f}s elapsed | stopped by: {s['stop_reason']}"
         + (" | INTERRUPTED" if results["interrupted"] else ""))
     gpu_note = f" (disabled: {cs['gpu_disabled_reason']})" if cs.get("gpu_disabled_reason") else ""
@@ -7901,15 +8023,15 @@ def format_report(results: Dict[str, Any]) -> str:
         add("Reads delivered to: host memory (no GPU tier)")
     add(f"Workload digest: {results['workload_digest']}")
     _report_node_role(add, s)
-    if cfg.get("config_file"):
-        add(f"Configuration file: {cfg['config_file']} (sha256 {cfg['config_sha256'][:16]}...; every value "
+    if given.get("config_file"):
+        add(f"Configuration file: {given['config_file']} (sha256 {given['config_sha256'][:16]}...; every value "
             f"in the results' config.settings)")
     if (missing := headline_not_measured(results)):
         add(f"NOT A RESULT: {missing}")
     _report_assessment(add, cs["storage_health"])
     _report_overall(add, s, cs)
     _report_latency(add, s)
-    _report_tiers(add, cs, cfg)
+    _report_tiers(add, cs, given)
     add("")
     for line in format_device_section(s.get("device_stats") or {}, s.get("device_comparison")):
         add(line)
@@ -8038,8 +8160,8 @@ def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
         add(f"    - {note}")
 
 
-def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any], cfg: Dict[str, Any]) -> None:
-    _report_objects(add, cs.get("storage_requests") or {}, cfg.get("shards"))
+def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any], given: Dict[str, Any]) -> None:
+    _report_objects(add, cs.get("storage_requests") or {}, given.get("shards"))
     add("")
     add("### TIER DISTRIBUTION (entries at the end of the workload) ###")
     add(f"  GPU: {cs['gpu_entries']:,} | CPU: {cs['cpu_entries']:,} | Storage: {cs['nvme_entries']:,}")
@@ -8151,7 +8273,74 @@ def _report_qos(add: Callable[[str], None], qos: Dict[str, Any]) -> None:
             f"[{'MET' if sla['met'] else 'MISSED'}]")
 
 
-# --- Spreadsheet export ----------------------------------------------------------
+def _report_sources(add: Callable[[str], None], s: Dict[str, Any]) -> None:
+    """Where the requests came from: a ShareGPT dataset, a BurstGPT trace (or neither: synthetic users)."""
+    if s.get("dataset_stats"):
+        _report_dataset(add, s["dataset_stats"])
+    t = s.get("burst_trace")
+    if not t:
+        return
+    add("")
+    add("### BURSTGPT TRACE ###")
+    add(f"  {', '.join(t['files'])}: {t['rows']:,} rows, {t['bad_rows']:,} not requests (skipped)"
+        + (": " + ", ".join(f"{k} {v:,}" for k, v in sorted(t["bad_rows_by_reason"].items())) if t["bad_rows"] else ""))
+    passes = f"of {t['replay_cycles']}" if t["replay_cycles"] else "(no limit)"
+    lag = t["admission_lag_mean_ms"]
+    add(f"  Speedup {t['trace_speedup']:g}x; passes completed: {t['passes_completed']} {passes}; requests admitted "
+        f"{t['requests_admitted']:,}; admission behind the trace's time: mean {_fmt_ms(lag)}, "
+        f"max {_fmt_ms(t['admission_lag_max_ms'])}")
+    add("  Each row is a lone request (no multi-turn conversation, no shared prefix), as in the original")
+
+
+def _report_dataset(add: Callable[[str], None], d: Dict[str, Any]) -> None:
+    add("")
+    add("### DATASET REPLAY ###")
+    add(f"  {d['path']}: {d['conversations']:,} conversations sampled of {d['conversations_in_file']:,} "
+        f"usable ({d['conversations_skipped']:,} skipped), {d['turns']:,} turns")
+    add(f"  Tokenizer: {d['tokenizer']}")
+    for label, key in (("Context tokens per turn", "context_tokens"), ("Generated tokens per turn", "generate_tokens")):
+        v = d[key]
+        if v:
+            add(f"  {label}: mean {v['mean']:,.1f}, P50 {v['p50']:,.0f}, P95 {v['p95']:,.0f}, max {v['max']:,}")
+
+
+def _report_rag(add: Callable[[str], None], r: Dict[str, Any]) -> None:
+    add("")
+    add("### RAG ###")
+    add(f"  Ingested {r['documents_ingested']}/{r['documents']} documents, {r['chunks_ingested']:,}/{r['chunks']:,} "
+        f"chunks, {r['bytes_ingested'] / GIB:.3f} GB in {r['ingest_seconds']:.2f}s"
+        + (f" ({r['ingest_failures']} chunk writes failed)" if r["ingest_failures"] else ""))
+    if r.get("ingestion_interrupted"):
+        add(f"  Ingestion was cut short by the run's stop: {r['documents_not_ingested']} of {r['documents']} "
+            f"documents not ingested (a longer --duration or fewer --rag-num-docs)")
+    hits = ", ".join(f"{t} {n:,}" for t, n in sorted(r["hits_by_tier"].items())) or "none"
+    add(f"  Queries: {r['rag_queries']:,}, chunk reads: {r['chunk_reads']:,} (hits by tier: {hits}; "
+        f"misses {r['misses']:,})")
+    add(_fmt_latency("Chunk read latency", r["read_latency_ms"]))
+
+
+def _report_autoscaling(add: Callable[[str], None], summary: Dict[str, Any], stats: List[Dict[str, Any]]) -> None:
+    add("")
+    add(f"### AUTOSCALING ({summary['mode']} mode) ###")
+    if summary["mode"] == "capacity" and summary["peak_throughput"] is None:
+        add("  Peak throughput: not measured (no monitor window in which a request completed)")
+    elif summary["mode"] == "capacity":
+        add(f"  Peak throughput: {summary['peak_throughput']:,.1f} I/O tok/s at {summary['peak_users']} users"
+            + ("" if summary["peak_found"] else " (the run ended before the peak was confirmed)"))
+    else:
+        add(f"  Target saturation {summary['target_saturation']:.2f}: settled at {summary['settled_users']} users "
+            f"(the count that ran through the last interval judged)")
+    add(f"  Users: {summary['initial_users']} at the start, {summary['final_users']} at the end; "
+        f"{summary['evaluations']} evaluations; last: {summary['reason']}")
+    for h in stats:
+        add(f"  t={h['elapsed_s']:7.1f}s  {h['action']:>4}  {h['users_before']:>5} -> {h['users_after']:<5} "
+            f"saturation {h['saturation']:.2f}  {h['throughput_tokens_per_sec']:,.0f} tok/s  "
+            f"I/O {h['io_tokens_per_sec']:,.0f} tok/s")
+
+
+# ============================================================================
+# SPREADSHEET (--xlsx-output)
+# ============================================================================
 
 def _arg(args: Any, name: str, default: Any = None) -> Any:
     if args is None:
@@ -8173,7 +8362,7 @@ def _dig(tree: Any, *path: str) -> Any:
 def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
     """One spreadsheet row per run: the original's columns first, then ours (units in the names).
     Works on any results dict: a figure the run did not record is an empty cell."""
-    cfg = results.get("config") or {}
+    given = results.get("config") or {}
 
     def s(*path: str) -> Any:
         return _dig(results, "summary", *path)
@@ -8182,11 +8371,11 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
         return s("cache_stats", name)
 
     def asked(flag: str, key: str) -> Any:         # what the user asked for, not the clamped budget
-        return _arg(args, flag, cfg.get(f"requested_{key}", cfg.get(key)))
+        return _arg(args, flag, given.get(f"requested_{key}", given.get(key)))
     return {
-        "Model": _arg(args, "model", cfg.get("model")),
-        "Num Users": _arg(args, "num_users", cfg.get("num_users")),
-        "Duration (s)": cfg.get("duration_s") if cfg.get("duration_s") is not None else _arg(args, "duration"),
+        "Model": _arg(args, "model", given.get("model")),
+        "Num Users": _arg(args, "num_users", given.get("num_users")),
+        "Duration (s)": given.get("duration_s") if given.get("duration_s") is not None else _arg(args, "duration"),
         "GPU Mem (GB)": asked("gpu_mem_gb", "gpu_mem_gb"),
         "CPU Mem (GB)": asked("cpu_mem_gb", "cpu_mem_gb"),
         "Total Requests": s("total_requests"),
@@ -8212,13 +8401,13 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
         "Decode Bytes Read (GB)": cs("decode_bytes_read_gb"),
         "Prefill Bytes Written (GB)": cs("prefill_bytes_written_gb"),
         "Elapsed (s)": s("elapsed_time"),
-        "Generation Mode": cfg.get("generation_mode"),
+        "Generation Mode": given.get("generation_mode"),
         "Assessment": s("cache_stats", "storage_health", "overall_status"),
         "I/O Errors": s("io_errors"),
         "Seed": results.get("seed"),
         "Workload Digest": results.get("workload_digest"),
-        "Num GPUs": cfg.get("num_gpus"),
-        "Tensor Parallel": cfg.get("tensor_parallel"),
+        "Num GPUs": given.get("num_gpus"),
+        "Tensor Parallel": given.get("tensor_parallel"),
         "Storage Objects Written": _dig(cs("storage_requests"), "files_written"),
     }
 
@@ -8299,146 +8488,9 @@ def write_workbook(sheets: Dict[str, List[Dict[str, Any]]], output_path: str) ->
     _write_file(output_path, book.getvalue())
 
 
-# --- Suite comparison (the wrapper's closing table) ----------------------------------
-
-_SUITE_COLUMNS = (("Workload", "{}"), ("Status", "{}"), ("Throughput tok/s", "{:,.1f}"),
-                  ("Storage tok/s", "{:,.1f}"), ("E2E P95 ms", "{:,.1f}"), ("Storage P95 ms", "{:,.1f}"),
-                  ("Hit rate", "{:.1%}"), ("GPU/CPU/Storage entries", "{}"))
-
-
-def _suite_row(name: str, status: str, results: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    row: Dict[str, Any] = {"Workload": name, "Status": status}
-    if results is None:
-        return row
-    s = results["summary"]
-    cs = s["cache_stats"]
-    row.update({"Throughput tok/s": s["avg_throughput_tokens_per_sec"],
-                "Storage tok/s": s["nvme_throughput"],
-                "E2E P95 ms": s["end_to_end_latency_ms"]["p95"],
-                "Storage P95 ms": s["storage_io_latency_ms"]["p95"],
-                "Hit rate": cs["cache_hit_rate"],
-                "GPU/CPU/Storage entries": f"{cs['gpu_entries']}/{cs['cpu_entries']}/{cs['nvme_entries']}"})
-    return row
-
-
-def _median_row(name: str, rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"Workload": f"{name} (median of {len(rows)})",
-                           "Status": "ok" if all(r["Status"] == "ok" for r in rows) else "degraded"}
-    for column, _ in _SUITE_COLUMNS[2:7]:
-        values = [r[column] for r in rows if r.get(column) is not None]
-        out[column] = float(np.median(values)) if values else None
-    out["GPU/CPU/Storage entries"] = rows[-1].get("GPU/CPU/Storage entries")
-    return out
-
-
-def suite_comparison(results_dir: str) -> str:
-    """Compare every run of a wrapper suite in `results_dir`: a table (returned) and a
-    workbook `suite_summary.xlsx` with one row per run (when pandas and openpyxl are there).
-    MLPerf submission trials are also summarised as the median of their trials."""
-    directory = Path(results_dir)
-    statuses: Dict[str, str] = {}
-    status_file = directory / "status.tsv"
-    if status_file.exists():
-        for line in status_file.read_text().splitlines():
-            name, _, status = line.partition("\t")
-            statuses[name] = status
-    names = list(statuses) or sorted(p.stem[len("results_"):] for p in directory.glob("results_*.json"))
-    rows, sheet_rows, trials = [], [], defaultdict(list)
-    for name in names:
-        path = directory / f"results_{name}.json"
-        results = json.loads(path.read_text()) if path.exists() else None
-        row = _suite_row(name, statuses.get(name, "ok" if results else "failed"), results)
-        rows.append(row)
-        if results is not None:
-            sheet_rows.append({"Workload": name, "Status": row["Status"], **summary_row(results)})
-        match = re.match(r"(mlperf_submission_\w+?)_trial\d+$", name)
-        if match:
-            trials[match.group(1)].append(row)
-    rows += [_median_row(option, option_rows) for option, option_rows in trials.items()]
-    lines = ["", "### SUITE COMPARISON ###"]
-    widths = {c: max(len(c), *(len(_suite_cell(r.get(c), f)) for r in rows)) for c, f in _SUITE_COLUMNS}
-    lines.append("  ".join(c.ljust(widths[c]) for c, _ in _SUITE_COLUMNS))
-    for row in rows:
-        lines.append("  ".join(_suite_cell(row.get(c), f).ljust(widths[c]) for c, f in _SUITE_COLUMNS))
-    if sheet_rows and PANDAS_AVAILABLE and OPENPYXL_AVAILABLE:
-        write_workbook({"Runs": sheet_rows}, str(directory / "suite_summary.xlsx"))
-        lines.append(f"Workbook: {directory / 'suite_summary.xlsx'} ({len(sheet_rows)} runs)")
-    chart = plot_suite(rows, directory / "suite_comparison.png")
-    if chart is not None:
-        lines.append(f"Chart: {chart}")
-    return "\n".join(lines)
-
-
-def _suite_cell(value: Any, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
-
-
-def _report_sources(add: Callable[[str], None], s: Dict[str, Any]) -> None:
-    """Where the requests came from: a ShareGPT dataset, a BurstGPT trace (or neither: synthetic users)."""
-    if s.get("dataset_stats"):
-        _report_dataset(add, s["dataset_stats"])
-    t = s.get("burst_trace")
-    if not t:
-        return
-    add("")
-    add("### BURSTGPT TRACE ###")
-    add(f"  {', '.join(t['files'])}: {t['rows']:,} rows, {t['bad_rows']:,} not requests (skipped)"
-        + (": " + ", ".join(f"{k} {v:,}" for k, v in sorted(t["bad_rows_by_reason"].items())) if t["bad_rows"] else ""))
-    passes = f"of {t['replay_cycles']}" if t["replay_cycles"] else "(no limit)"
-    lag = t["admission_lag_mean_ms"]
-    add(f"  Speedup {t['trace_speedup']:g}x; passes completed: {t['passes_completed']} {passes}; requests admitted "
-        f"{t['requests_admitted']:,}; admission behind the trace's time: mean {_fmt_ms(lag)}, "
-        f"max {_fmt_ms(t['admission_lag_max_ms'])}")
-    add("  Each row is a lone request (no multi-turn conversation, no shared prefix), as in the original")
-
-
-def _report_dataset(add: Callable[[str], None], d: Dict[str, Any]) -> None:
-    add("")
-    add("### DATASET REPLAY ###")
-    add(f"  {d['path']}: {d['conversations']:,} conversations sampled of {d['conversations_in_file']:,} "
-        f"usable ({d['conversations_skipped']:,} skipped), {d['turns']:,} turns")
-    add(f"  Tokenizer: {d['tokenizer']}")
-    for label, key in (("Context tokens per turn", "context_tokens"), ("Generated tokens per turn", "generate_tokens")):
-        v = d[key]
-        if v:
-            add(f"  {label}: mean {v['mean']:,.1f}, P50 {v['p50']:,.0f}, P95 {v['p95']:,.0f}, max {v['max']:,}")
-
-
-def _report_rag(add: Callable[[str], None], r: Dict[str, Any]) -> None:
-    add("")
-    add("### RAG ###")
-    add(f"  Ingested {r['documents_ingested']}/{r['documents']} documents, {r['chunks_ingested']:,}/{r['chunks']:,} "
-        f"chunks, {r['bytes_ingested'] / GIB:.3f} GB in {r['ingest_seconds']:.2f}s"
-        + (f" ({r['ingest_failures']} chunk writes failed)" if r["ingest_failures"] else ""))
-    if r.get("ingestion_interrupted"):
-        add(f"  Ingestion was cut short by the run's stop: {r['documents_not_ingested']} of {r['documents']} "
-            f"documents not ingested (a longer --duration or fewer --rag-num-docs)")
-    hits = ", ".join(f"{t} {n:,}" for t, n in sorted(r["hits_by_tier"].items())) or "none"
-    add(f"  Queries: {r['rag_queries']:,}, chunk reads: {r['chunk_reads']:,} (hits by tier: {hits}; "
-        f"misses {r['misses']:,})")
-    add(_fmt_latency("Chunk read latency", r["read_latency_ms"]))
-
-
-def _report_autoscaling(add: Callable[[str], None], summary: Dict[str, Any], stats: List[Dict[str, Any]]) -> None:
-    add("")
-    add(f"### AUTOSCALING ({summary['mode']} mode) ###")
-    if summary["mode"] == "capacity" and summary["peak_throughput"] is None:
-        add("  Peak throughput: not measured (no monitor window in which a request completed)")
-    elif summary["mode"] == "capacity":
-        add(f"  Peak throughput: {summary['peak_throughput']:,.1f} I/O tok/s at {summary['peak_users']} users"
-            + ("" if summary["peak_found"] else " (the run ended before the peak was confirmed)"))
-    else:
-        add(f"  Target saturation {summary['target_saturation']:.2f}: settled at {summary['settled_users']} users "
-            f"(the count that ran through the last interval judged)")
-    add(f"  Users: {summary['initial_users']} at the start, {summary['final_users']} at the end; "
-        f"{summary['evaluations']} evaluations; last: {summary['reason']}")
-    for h in stats:
-        add(f"  t={h['elapsed_s']:7.1f}s  {h['action']:>4}  {h['users_before']:>5} -> {h['users_after']:<5} "
-            f"saturation {h['saturation']:.2f}  {h['throughput_tokens_per_sec']:,.0f} tok/s  "
-            f"I/O {h['io_tokens_per_sec']:,.0f} tok/s")
-
-
-# --- Charts (--plot) -------------------------------------------------------------------
+# ============================================================================
+# CHARTS (--plot)
+# ============================================================================
 
 def _pyplot():
     """matplotlib's pyplot on the file-only Agg backend; None when matplotlib is missing."""
@@ -8597,91 +8649,80 @@ def plot_suite(rows: List[Dict[str, Any]], path: Path) -> Optional[Path]:
     return _save(plt, fig, path)
 
 
-def write_json(results: Dict[str, Any], path: str) -> str:
-    """Write the results whole or not at all (see _write_text_file)."""
-    return _write_text_file(path, json.dumps(json_safe(results), indent=2, allow_nan=False,
-                                             default=_json_default) + "\n")
+# ============================================================================
+# SUITE COMPARISON (the wrapper's closing table)
+# ============================================================================
+
+_SUITE_COLUMNS = (("Workload", "{}"), ("Status", "{}"), ("Throughput tok/s", "{:,.1f}"),
+                  ("Storage tok/s", "{:,.1f}"), ("E2E P95 ms", "{:,.1f}"), ("Storage P95 ms", "{:,.1f}"),
+                  ("Hit rate", "{:.1%}"), ("GPU/CPU/Storage entries", "{}"))
 
 
-def _umask() -> int:
-    """The process umask, read without changing it where the kernel tells (Linux 4.7+)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def _suite_row(name: str, status: str, results: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    row: Dict[str, Any] = {"Workload": name, "Status": status}
+    if results is None:
+        return row
+    s = results["summary"]
+    cs = s["cache_stats"]
+    row.update({"Throughput tok/s": s["avg_throughput_tokens_per_sec"],
+                "Storage tok/s": s["nvme_throughput"],
+                "E2E P95 ms": s["end_to_end_latency_ms"]["p95"],
+                "Storage P95 ms": s["storage_io_latency_ms"]["p95"],
+                "Hit rate": cs["cache_hit_rate"],
+                "GPU/CPU/Storage entries": f"{cs['gpu_entries']}/{cs['cpu_entries']}/{cs['nvme_entries']}"})
+    return row
 
 
-def _write_text_file(path: str, text: str) -> str:
-    return _write_file(path, text.encode("utf-8", "surrogateescape"))    # a path's non-UTF-8 bytes as they are
+def _median_row(name: str, rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"Workload": f"{name} (median of {len(rows)})",
+                           "Status": "ok" if all(r["Status"] == "ok" for r in rows) else "degraded"}
+    for column, _ in _SUITE_COLUMNS[2:7]:
+        values = [r[column] for r in rows if r.get(column) is not None]
+        out[column] = float(np.median(values)) if values else None
+    out["GPU/CPU/Storage entries"] = rows[-1].get("GPU/CPU/Storage entries")
+    return out
 
 
-def _write_file(path: str, data: bytes) -> str:
-    """Write an output file without replacing anything that is not ours to replace.
-
-    A symbolic link is followed to the file it names. Anything that is not a regular file
-    (/dev/null, /dev/stdout, a FIFO) is written through, never replaced. A regular file is
-    written whole or not at all (a temporary file beside it, then a rename) and keeps the
-    mode it had; a new file gets the permissions the umask gives.
-    """
-    target = Path(os.path.realpath(Path(path).expanduser()))
-    try:
-        st = os.stat(target)
-    except FileNotFoundError:
-        st = None
-    if st is not None and not stat_module.S_ISREG(st.st_mode):
-        with open(target, "wb") as f:
-            f.write(data)
-        return str(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        os.fchmod(fd, stat_module.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return str(path)
-
-
-def default_output_path(directory: str = ".") -> str:
-    """benchmark_results_<timestamp>.json, made unique by creating it (O_EXCL): two runs started in
-    the same second never share it (the second gets a _2 suffix)."""
-    stem = f"benchmark_results_{time.strftime('%Y%m%d_%H%M%S')}"
-    for n in itertools.count(1):
-        name = Path(directory) / (f"{stem}.json" if n == 1 else f"{stem}_{n}.json")
-        try:
-            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            return str(name)
-        except FileExistsError:
-            continue
-    raise AssertionError("unreachable")
+def suite_comparison(results_dir: str) -> str:
+    """Compare every run of a wrapper suite in `results_dir`: a table (returned) and a
+    workbook `suite_summary.xlsx` with one row per run (when pandas and openpyxl are there).
+    MLPerf submission trials are also summarised as the median of their trials."""
+    directory = Path(results_dir)
+    statuses: Dict[str, str] = {}
+    status_file = directory / "status.tsv"
+    if status_file.exists():
+        for line in status_file.read_text().splitlines():
+            name, _, status = line.partition("\t")
+            statuses[name] = status
+    names = list(statuses) or sorted(p.stem[len("results_"):] for p in directory.glob("results_*.json"))
+    rows, sheet_rows, trials = [], [], defaultdict(list)
+    for name in names:
+        path = directory / f"results_{name}.json"
+        results = json.loads(path.read_text()) if path.exists() else None
+        row = _suite_row(name, statuses.get(name, "ok" if results else "failed"), results)
+        rows.append(row)
+        if results is not None:
+            sheet_rows.append({"Workload": name, "Status": row["Status"], **summary_row(results)})
+        match = re.match(r"(mlperf_submission_\w+?)_trial\d+$", name)
+        if match:
+            trials[match.group(1)].append(row)
+    rows += [_median_row(option, option_rows) for option, option_rows in trials.items()]
+    lines = ["", "### SUITE COMPARISON ###"]
+    widths = {c: max(len(c), *(len(_suite_cell(r.get(c), f)) for r in rows)) for c, f in _SUITE_COLUMNS}
+    lines.append("  ".join(c.ljust(widths[c]) for c, _ in _SUITE_COLUMNS))
+    for row in rows:
+        lines.append("  ".join(_suite_cell(row.get(c), f).ljust(widths[c]) for c, f in _SUITE_COLUMNS))
+    if sheet_rows and PANDAS_AVAILABLE and OPENPYXL_AVAILABLE:
+        write_workbook({"Runs": sheet_rows}, str(directory / "suite_summary.xlsx"))
+        lines.append(f"Workbook: {directory / 'suite_summary.xlsx'} ({len(sheet_rows)} runs)")
+    chart = plot_suite(rows, directory / "suite_comparison.png")
+    if chart is not None:
+        lines.append(f"Chart: {chart}")
+    return "\n".join(lines)
 
 
-def json_safe(value: Any) -> Any:
-    """The results with every non-finite number (inf, NaN, numpy's too) as None: strict JSON,
-    which `json.dumps` alone would break by writing `Infinity` or `NaN`."""
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, (float, np.floating)):
-        return float(value) if math.isfinite(value) else None
-    return value
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (Path, Enum)):
-        return str(value.value if isinstance(value, Enum) else value)
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+def _suite_cell(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
 
 
 # ============================================================================
@@ -9421,6 +9462,40 @@ def _launch_and_logging(args: argparse.Namespace) -> Optional[Tuple[int, int]]:
         logger.info("MPI rank variables found, but %s: it runs as an independent benchmark (exactly its own "
                     "--output, --cache-dir, --seed and --num-users; no merging)", independent)
     return launch
+
+
+def replay_main(args: argparse.Namespace, stop: "StopRequest", launch: Optional[Tuple[int, int]]) -> int:
+    """--replay-io-trace: replay, write the results (--output), print the report; the exit status."""
+    try:
+        if launch:
+            raise UsageError("--replay-io-trace replays one trace in one process: run it without mpiexec")
+        config = config_from_args(args)
+        stop.install()
+        created = _make_cache_dir(config.cache_dir)
+        replay = TraceReplay(config, stop.event)
+    except UsageError as exc:
+        print(f"kv-cache.py: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"kv-cache.py: error: --cache-dir {config.cache_dir}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    logger.info("Replaying the storage rows of %s in %s at %gx", config.replay_io_trace, replay.run_dir,
+                config.trace_speedup)
+    try:
+        results = replay.run(lambda: stop.signal_name)
+    finally:
+        _remove_created_dirs(created)
+    output = config.output or default_output_path()
+    try:
+        logger.info("Results written to %s", write_json(results, output))
+        written = True
+    except (OSError, ValueError) as exc:
+        logger.error("could not write the results to %s: %s", output, exc)
+        written = False
+    print_report(format_replay_report(results))
+    if stop.signal_name:
+        return EXIT_SIGNAL[stop.signal_name]
+    return EXIT_OK if written and not (results["io_errors"] or results["failure_count"]) else EXIT_DEGRADED
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -7974,3 +7974,57 @@ sys.exit(subprocess.run([sys.executable, script, "--config", config, "--model", 
         assert "Not a directory" in proc.stderr and "rank1" in proc.stderr
         assert "another MPI rank could not start" in proc.stderr
         assert sorted(p.name for p in cache.iterdir()) == ["rank1"] and not (tmp_path / "agg.json").exists()
+
+
+# ============================================================================
+# The house: sections in data order, one configuration object
+# ============================================================================
+
+def module_sections():
+    """[(title, first line, last line)] of kv-cache.py's banner-marked sections."""
+    lines = SCRIPT.read_text().splitlines()
+    starts = [(i + 2, lines[i + 1][2:].strip()) for i in range(len(lines) - 2)
+              if lines[i].startswith("# ====") and lines[i + 2].startswith("# ====")]
+    return [(title, start, (starts[k + 1][0] - 2) if k + 1 < len(starts) else len(lines))
+            for k, (start, title) in enumerate(starts)]
+
+
+class TestTheHouse:
+    def test_a_section_uses_only_the_sections_above_it(self):
+        import ast
+        sections = module_sections()
+        tree = ast.parse(SCRIPT.read_text())
+
+        def section(line):            # -1: the imports and probes above the first banner
+            return max((k for k, (_, start, _) in enumerate(sections) if start <= line), default=-1)
+        defined = {}
+        for node in tree.body:
+            targets = ([node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else
+                       [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)])
+            for name in targets:
+                defined.setdefault(name, section(node.lineno))
+        later = set()
+        for node in tree.body:
+            here = section(node.lineno)
+            for sub in ast.walk(node):
+                name = sub.id if isinstance(sub, ast.Name) else (
+                    sub.value if isinstance(sub, ast.Constant) and isinstance(sub.value, str) else None)  # "Annotation"
+                if name in defined and defined[name] > here:
+                    later.add(f"{sections[here][0] if here >= 0 else 'the preamble'} uses {name} "
+                              f"of {sections[defined[name]][0]}")
+        assert sorted(later) == []
+
+    def test_the_docstring_lists_every_section_and_none_is_over_about_600_lines(self):
+        doc = kv.__doc__
+        sizes = {title: end - start for title, start, end in module_sections()}
+        assert [t for t in sizes if t.split(" (")[0].split(":")[0] not in doc] == []
+        assert {t: n for t, n in sizes.items() if n > 640} == {}
+
+    def test_nothing_reads_a_setting_outside_the_compatibility_room(self):
+        compat = next((start, end) for title, start, end in module_sections() if title.startswith("COMPATIBILITY"))
+        lines = SCRIPT.read_text().splitlines()
+        readers = [i + 1 for i, line in enumerate(lines) if re.search(r"\b(setting|cfg|get_config|installed_tunables)\(",
+                                                                       line) and not compat[0] <= i + 1 <= compat[1]]
+        assert readers == []
+        assigned = {line.split()[1] for line in lines if line.lstrip().startswith("global ")}
+        assert assigned == {"_IO_POOL", "_FALLOCATE"}          # process resources made once, not settings

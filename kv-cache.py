@@ -8994,6 +8994,15 @@ def _v30_user_templates() -> Dict[str, Dict[str, Tuple[Any, Any]]]:
 UserSimulator._get_user_templates = staticmethod(_v30_user_templates)
 
 
+def _run_and_report(self: IntegratedBenchmark) -> Dict[str, Any]:
+    """The original's IntegratedBenchmark.run(): the workload run, then its results (the cache's
+    files removed either way)."""
+    return assemble_results(self.measure())
+
+
+IntegratedBenchmark.run = _run_and_report
+
+
 def available_models() -> Dict[str, ModelConfig]:
     return installed_tunables().models()
 

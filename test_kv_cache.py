@@ -8028,3 +8028,10 @@ class TestTheHouse:
         assert readers == []
         assigned = {line.split()[1] for line in lines if line.lstrip().startswith("global ")}
         assert assigned == {"_IO_POOL", "_FALLOCATE"}          # process resources made once, not settings
+
+    def test_the_original_run_returns_the_results_and_leaves_no_file(self, tmp_path):
+        config = kv.BenchmarkConfig(model="tiny-1b", num_users=2, max_requests=2, gpu_mem_gb=0, cpu_mem_gb=0,
+                                    generation_mode="none", cache_dir=str(tmp_path), seed=1, progress=False,
+                                    storage_capacity_gb=None)
+        results = kv.IntegratedBenchmark(config).run()
+        assert results["summary"]["total_requests"] == 2 and files_under(tmp_path) == []

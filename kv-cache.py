@@ -78,6 +78,7 @@ import threading
 import time
 import types
 import warnings
+import weakref
 import collections
 import contextlib
 import csv
@@ -4893,6 +4894,23 @@ def _cleanup_counted(stats: CacheStats, step: Callable[[], Any], what: str = "cl
         logger.exception("a clean-up step failed; the others still run")
 
 
+def _release_run(stats: CacheStats, tiers: "MemoryTiers", run_dir: Path, trash: List[Path]) -> None:
+    """A cache's last clean-up, once, by close(), its collection or the interpreter's exit (its
+    weakref.finalize, which holds only these): the files set aside and those the tiers hold, the
+    tiers, then the run directory it made, only when empty (nothing it did not write is deleted)."""
+    while trash:
+        _unlink_counted(stats, trash.pop())
+    for backend in tiers.backends.values():
+        _cleanup_counted(stats, backend.clear)
+    _cleanup_counted(stats, tiers.close)                  # unpins what the GPU registered; ends the trace
+    try:
+        run_dir.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("left %s in place: %s", run_dir, exc)
+
+
 def invariant_violations(entries: Dict[str, "CacheEntry"], backends: Dict[str, StorageBackend],
                          usage: Dict[str, int], capacity: Callable[[str], float]) -> List[str]:
     """A cache's bookkeeping checked against its backends (pure; the caller holds the cache's
@@ -5025,6 +5043,7 @@ class MultiTierCache:
         self._sink: ReadSink = self.tiers.delivery if self.tiers.delivery is not None else HostSink()
         self._retired: set = set()
         self._trash: List[Path] = []
+        self._release = weakref.finalize(self, _release_run, self.stats, self.tiers, self.run_dir, self._trash)
         self._limits["nvme"], self.storage_capacity_source = storage_capacity(config.storage_capacity_gb, self.run_dir)
         self._usage: Dict[str, int] = {t: 0 for t in self.backends}
         self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
@@ -5310,7 +5329,8 @@ class MultiTierCache:
                     self._retired.discard(key)
                     self._trash.extend(self._remove_data_locked("nvme", key))
                     retired += 1
-            trash, self._trash = self._trash, []
+            trash = self._trash[:]
+            self._trash.clear()                         # in place: the finalizer holds this list
         for i, path in enumerate(trash):
             if should_stop():
                 with self._lock:
@@ -5341,24 +5361,12 @@ class MultiTierCache:
         """Delete everything the cache stored, including the run directory it made. A step that
         fails is counted and the rest still run: a dying file system costs errors, not results."""
         _cleanup_counted(self.stats, lambda: self.collect_garbage(count_retired=False))
-        with self._lock:
-            trash, self._trash = self._trash, []
-        for path in trash:
-            _unlink_counted(self.stats, path)
-        for backend in self.backends.values():
-            _cleanup_counted(self.stats, backend.clear)
-        _cleanup_counted(self.stats, self.tiers.close)     # unpins what the GPU registered; ends the trace
+        self._release()                                   # the rest of it; a second call does nothing
         with self._lock:
             self._entries.clear()
             for tier in self._usage:
                 self._usage[tier] = 0
                 self._lru[tier].clear()
-        try:
-            self.run_dir.rmdir()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            logger.warning("left %s in place: %s", self.run_dir, exc)
 
 
 # ============================================================================

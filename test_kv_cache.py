@@ -19,6 +19,7 @@ import contextlib
 import csv
 import dataclasses
 import errno
+import gc
 import hashlib
 import importlib.util
 import io
@@ -2945,6 +2946,35 @@ class TestMultiTierCache:
         cache.close()
         assert foreign.read_text() == "keep me"
         assert not (cache.run_dir / "k.npy").exists()
+
+    def test_a_cache_never_closed_removes_its_files_at_exit(self, tmp_path):
+        script = textwrap.dedent("""
+            import importlib.util, sys
+            spec = importlib.util.spec_from_file_location("kv_cache", sys.argv[1])
+            kv = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(kv)
+            cache = kv.MultiTierCache(kv.MODEL_CONFIGS["tiny-1b"], 0, 0, cache_dir=sys.argv[2], seed=1)
+            for key, tokens in (("a", 100), ("b", 100), ("a", 200)):     # the second "a" sets a file aside
+                cache.allocate_cache(key, tokens)
+            print(cache.tier_entry_counts()["nvme"], len(list(cache.run_dir.iterdir())))""")
+        given = tmp_path / "cache"
+        given.mkdir()
+        (given / "users.txt").write_text("not the cache's")
+        proc = subprocess.run([sys.executable, "-c", script, str(SCRIPT), str(given)], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["2", "3"]                  # files on the storage tier when it exited
+        assert sorted(tmp_path.rglob("*")) == [given, given / "users.txt"]
+        assert (given / "users.txt").read_text() == "not the cache's"
+
+    def test_dropping_the_last_reference_removes_its_files(self, tmp_path):
+        cache = kv.MultiTierCache(TINY, gpu_memory_gb=0, cpu_memory_gb=0, cache_dir=tmp_path, seed=1)
+        cache.allocate_cache("k", TOKENS)
+        run_dir = cache.run_dir
+        assert (run_dir / "k.npy").is_file()
+        del cache
+        gc.collect()
+        assert not run_dir.exists() and list(tmp_path.iterdir()) == []
 
 
 class TestWaterfallEviction:

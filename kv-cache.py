@@ -1606,16 +1606,15 @@ def merge_figures(parts: Sequence[Optional[Dict[str, Any]]], sums: Sequence[str]
     added up (lists joined, so samples pool; None if a rank's is), `maxima` and `minima` the ranks'
     extremes, the rest the lowest rank's. Names the figures lack are skipped."""
     present = [p for p in parts if p]
-    rules = ((sums, lambda values: None if None in values else sum(values[1:], values[0])), (maxima, max), (minima, min))
+    rules = ((sums, lambda vs: None if None in vs else sum(vs[1:], vs[0])), (maxima, max), (minima, min))
     return {**present[0], **{name: rule([p[name] for p in present]) for names, rule in rules for name in names
                              if name in present[0]}} if present else None
 
 
-def merge_rag_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
-    """Each rank ingests and queries a corpus of its own seed: counts, bytes, latencies add up."""
-    return merge_figures(parts, sums=("documents", "chunks", "documents_ingested", "chunks_ingested", "bytes_ingested",
-                                      "ingest_failures", "documents_not_ingested", "rag_queries", "read_latencies_s"),
-                         maxima=("ingest_seconds", "ingestion_interrupted"))
+# MPI: each rank ingests and queries a corpus of its own seed, so counts, bytes and latencies add up.
+merge_rag_stats = functools.partial(merge_figures, maxima=("ingest_seconds", "ingestion_interrupted"), sums=(
+    "documents", "chunks", "documents_ingested", "chunks_ingested", "bytes_ingested", "ingest_failures",
+    "documents_not_ingested", "rag_queries", "read_latencies_s"))
 
 
 # --- ShareGPT replay -------------------------------------------------------------------
@@ -1815,27 +1814,14 @@ class ShareGPTDatasetLoader:
         return DatasetConversation(conv_id, tuple(turns)) if turns else None
 
     def stats(self) -> Dict[str, Any]:
-        """The sample's figures, and the (context, generate) tokens of each turn they describe (for
-        merge_dataset_stats; not reported)."""
-        turns = [turn for conv in self.conversations for turn in conv.turns]
+        """The sample; `turn_tokens`: each turn's (context, generate) tokens, which dataset_summary describes."""
         return {"path": str(self.path), "tokenizer": self.tokenizer_name,
                 "conversations_in_file": self.file_conversations, "conversations_skipped": self.skipped_conversations,
-                "conversations": len(self.conversations), **describe_turns(turns), "turn_tokens": turns}
+                "conversations": len(self.conversations), "turn_tokens": [t for c in self.conversations for t in c.turns]}
 
 
-def describe_turns(turns: Sequence[Tuple[int, int]]) -> Dict[str, Any]:
-    """The count of `turns` and their context and generated tokens: mean, P50, P95, max (pure)."""
-    def describe(values: List[int]) -> Dict[str, float]:
-        return {"mean": float(np.mean(values)), "p50": float(np.percentile(values, 50)),
-                "p95": float(np.percentile(values, 95)), "max": int(max(values))} if values else {}
-    return {"turns": len(turns), "context_tokens": describe([c for c, _ in turns]),
-            "generate_tokens": describe([g for _, g in turns])}
-
-
-def merge_dataset_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
-    """Each rank samples the file with its own seed: the token figures describe all ranks' turns."""
-    merged = merge_figures(parts, sums=("conversations", "turn_tokens"))
-    return merged and {**merged, **describe_turns(merged["turn_tokens"])}
+# MPI: each rank samples the file with its own seed; the world's sample is all of their turns.
+merge_dataset_stats = functools.partial(merge_figures, sums=("conversations", "turn_tokens"))
 
 
 class DatasetUserPlan:
@@ -5028,11 +5014,12 @@ class MultiTierCache:
         self._limits: Dict[str, float] = self.tiers.limits
         self.gpu_disabled_reason = self.tiers.gpu_disabled_reason
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvcache_run_", dir=config.cache_dir))
+        self._trash: List[Path] = []
+        self._release = weakref.finalize(self, _release_run, self.stats, self.tiers, self.run_dir, self._trash)
         try:
             self.backends["nvme"] = self.tiers.open_storage(self.run_dir, config.tensor_parallel)
         except OSError:                                # e.g. a full file system: leave nothing behind
-            self.run_dir.rmdir()
-            self.tiers.close()
+            self._release()
             raise
         self._abort = threading.Event()
         self.staging_pool = StagingPool(STAGING_AREAS, STAGING_BYTES)
@@ -5042,8 +5029,6 @@ class MultiTierCache:
         # Where reads end: in GPU memory with a GPU tier, else in host memory (the staging area).
         self._sink: ReadSink = self.tiers.delivery if self.tiers.delivery is not None else HostSink()
         self._retired: set = set()
-        self._trash: List[Path] = []
-        self._release = weakref.finalize(self, _release_run, self.stats, self.tiers, self.run_dir, self._trash)
         self._limits["nvme"], self.storage_capacity_source = storage_capacity(config.storage_capacity_gb, self.run_dir)
         self._usage: Dict[str, int] = {t: 0 for t in self.backends}
         self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
@@ -6557,9 +6542,8 @@ class WorkloadAutoscaler:
 def merge_autoscaling(parts: Sequence[Optional[Tuple[list, dict]]]) -> Optional[Tuple[list, dict]]:
     """Each rank scales its own users: users, evaluations and peaks add up; every rank's decisions."""
     present = [p for p in parts if p]
-    summary = merge_figures([s for _, s in present], minima=("peak_found",), sums=(
-        "initial_users", "final_users", "settled_users", "evaluations", "peak_throughput", "peak_users",
-        "peak_generated_tokens_per_sec"))
+    summary = merge_figures([s for _, s in present], minima=("peak_found",), sums=("initial_users", "final_users",
+                            "settled_users", "evaluations", "peak_throughput", "peak_users", "peak_generated_tokens_per_sec"))
     return ([h for history, _ in present for h in history], summary) if present else None
 
 
@@ -6751,10 +6735,10 @@ class _PreconditionProgress:
                 "device_write_gib_per_sec_last_tenth": last}
 
 
-def merge_precondition(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
-    """Each rank writes the whole size in its directory: GiB and entries add up; the device's view
-    is the lowest rank's (a node's ranks share its device, whose counters hold all their writes)."""
-    return merge_figures(parts, sums=("target_gb", "written_gb", "entries", "failed_writes"), maxima=("seconds",))
+# MPI: each rank writes the whole size in its directory, so GiB and entries add up; the device's view is
+# the lowest rank's (a node's ranks share its device, whose counters hold all their writes).
+merge_precondition = functools.partial(merge_figures, sums=("target_gb", "written_gb", "entries", "failed_writes"),
+                                       maxima=("seconds",))
 
 
 # ============================================================================
@@ -7305,17 +7289,6 @@ def merged_by(rule: Optional[Callable[[List[Any]], Any]], default: Any = None, f
     return field(metadata={"merge": rule}, **({"default_factory": factory} if factory else {"default": default}))
 
 
-def _every_default_merges(cls: type) -> type:
-    """Refuses a field a run may leave out (one with a default) without a merge rule: merge_measurements
-    would drop its figures from every multi-rank run without a word."""
-    missing = [f.name for f in dataclasses.fields(cls) if "merge" not in f.metadata
-               and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)]
-    if missing:
-        raise TypeError(f"{cls.__name__}: fields without a merge rule (merged_by): {', '.join(missing)}")
-    return cls
-
-
-@_every_default_merges
 @dataclass
 class RunMeasurements:
     """What a run measured, before its results are put together: the one input of
@@ -7359,6 +7332,12 @@ class RunMeasurements:
         """Every operation's total latency per tier and operation, seconds (for --plot)."""
         return {f"{tier} {op}": list(totals) for (tier, op), (totals, *_) in self.cache.samples.items()}
 
+
+# A field with a default holds figures a run may leave out: without a merge rule, merge_measurements
+# would drop them from every multi-rank run without a word.
+if [f for f in dataclasses.fields(RunMeasurements)
+        if not (f.default is f.default_factory is dataclasses.MISSING) and "merge" not in f.metadata]:
+    raise TypeError("a RunMeasurements field with a default has no merge rule (merged_by)")
 
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
 
@@ -7809,7 +7788,7 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "autoscaling_stats": m.autoscaling[0] if m.autoscaling else [],
         "autoscaling_summary": m.autoscaling[1] if m.autoscaling else None,
         "rag_stats": rag_summary(m.rag_stats, cache_stats),
-        "dataset_stats": m.dataset_stats and {k: v for k, v in m.dataset_stats.items() if k != "turn_tokens"},
+        "dataset_stats": dataset_summary(m.dataset_stats),
         "burst_trace": m.burst_trace,
         "multi_turn_stats": {"cache_hits": multi_hits, "cache_misses": multi_misses,
                              "hit_rate": _ratio(multi_hits, multi_hits + multi_misses),
@@ -7926,6 +7905,17 @@ def rag_summary(rag_stats: Optional[Dict[str, Any]], cs: Dict[str, Any]) -> Opti
     out.update(chunk_reads=cs["rag_chunk_hits"] + cs["rag_chunk_misses"], hits_by_tier=dict(hits_by_tier),
                misses=cs["rag_chunk_misses"], read_latency_ms=latency_summary_ms(rag_stats["read_latencies_s"]))
     return out
+
+
+def dataset_summary(d: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The dataset's figures, its sample's turns described: their count, and their context and
+    generated tokens: mean, P50, P95, max."""
+    def describe(values: List[int]) -> Dict[str, float]:
+        return {"mean": float(np.mean(values)), "p50": float(np.percentile(values, 50)),
+                "p95": float(np.percentile(values, 95)), "max": int(max(values))} if values else {}
+    turns = d["turn_tokens"] if d else []
+    return d and {**{k: v for k, v in d.items() if k != "turn_tokens"}, "turns": len(turns),
+                  "context_tokens": describe([c for c, _ in turns]), "generate_tokens": describe([g for _, g in turns])}
 
 
 def _fmt_latency(name: str, s: Dict[str, Any]) -> str:

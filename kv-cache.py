@@ -93,6 +93,7 @@ import threading
 import time
 import types
 import warnings
+import weakref
 import collections
 import contextlib
 import csv
@@ -1779,6 +1780,23 @@ class RAGDocumentManager:
                     "rag_queries": self.queries, "read_latencies_s": list(self.read_latencies_s)}
 
 
+def merge_figures(parts: Sequence[Optional[Dict[str, Any]]], sums: Sequence[str] = (), maxima: Sequence[str] = (),
+                  minima: Sequence[str] = ()) -> Optional[Dict[str, Any]]:
+    """The MPI ranks' figures of one feature as the world's (pure; None when no rank has any): `sums`
+    added up (lists joined, so samples pool; None if a rank's is), `maxima` and `minima` the ranks'
+    extremes, the rest the lowest rank's. Names the figures lack are skipped."""
+    present = [p for p in parts if p]
+    rules = ((sums, lambda vs: None if None in vs else sum(vs[1:], vs[0])), (maxima, max), (minima, min))
+    return {**present[0], **{name: rule([p[name] for p in present]) for names, rule in rules for name in names
+                             if name in present[0]}} if present else None
+
+
+# MPI: each rank ingests and queries a corpus of its own seed, so counts, bytes and latencies add up.
+merge_rag_stats = functools.partial(merge_figures, maxima=("ingest_seconds", "ingestion_interrupted"), sums=(
+    "documents", "chunks", "documents_ingested", "chunks_ingested", "bytes_ingested", "ingest_failures",
+    "documents_not_ingested", "rag_queries", "read_latencies_s"))
+
+
 # --- ShareGPT replay -------------------------------------------------------------------
 
 class DatasetError(Exception):
@@ -1978,16 +1996,14 @@ class ShareGPTDatasetLoader:
         return DatasetConversation(conv_id, tuple(turns)) if turns else None
 
     def stats(self) -> Dict[str, Any]:
-        contexts = [c for conv in self.conversations for c, _ in conv.turns]
-        generated = [g for conv in self.conversations for _, g in conv.turns]
-
-        def describe(values: List[int]) -> Dict[str, float]:
-            return {"mean": float(np.mean(values)), "p50": float(np.percentile(values, 50)),
-                    "p95": float(np.percentile(values, 95)), "max": int(max(values))} if values else {}
+        """The sample; `turn_tokens`: each turn's (context, generate) tokens, which dataset_summary describes."""
         return {"path": str(self.path), "tokenizer": self.tokenizer_name,
                 "conversations_in_file": self.file_conversations, "conversations_skipped": self.skipped_conversations,
-                "conversations": len(self.conversations), "turns": len(contexts),
-                "context_tokens": describe(contexts), "generate_tokens": describe(generated)}
+                "conversations": len(self.conversations), "turn_tokens": [t for c in self.conversations for t in c.turns]}
+
+
+# MPI: each rank samples the file with its own seed; the world's sample is all of their turns.
+merge_dataset_stats = functools.partial(merge_figures, sums=("conversations", "turn_tokens"))
 
 
 class DatasetUserPlan:
@@ -5063,6 +5079,23 @@ def _cleanup_counted(stats: CacheStats, step: Callable[[], Any], what: str = "cl
         logger.exception("a clean-up step failed; the others still run")
 
 
+def _release_run(stats: CacheStats, tiers: "MemoryTiers", run_dir: Path, trash: List[Path]) -> None:
+    """A cache's last clean-up, once, by close(), its collection or the interpreter's exit (its
+    weakref.finalize, which holds only these): the files set aside and those the tiers hold, the
+    tiers, then the run directory it made, only when empty (nothing it did not write is deleted)."""
+    while trash:
+        _unlink_counted(stats, trash.pop())
+    for backend in tiers.backends.values():
+        _cleanup_counted(stats, backend.clear)
+    _cleanup_counted(stats, tiers.close)                  # unpins what the GPU registered; ends the trace
+    try:
+        run_dir.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("left %s in place: %s", run_dir, exc)
+
+
 def invariant_violations(entries: Dict[str, "CacheEntry"], backends: Dict[str, StorageBackend],
                          usage: Dict[str, int], capacity: Callable[[str], float]) -> List[str]:
     """A cache's bookkeeping checked against its backends (pure; the caller holds the cache's
@@ -5180,11 +5213,12 @@ class MultiTierCache:
         self._limits: Dict[str, float] = self.tiers.limits
         self.gpu_disabled_reason = self.tiers.gpu_disabled_reason
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvcache_run_", dir=config.cache_dir))
+        self._trash: List[Path] = []
+        self._release = weakref.finalize(self, _release_run, self.stats, self.tiers, self.run_dir, self._trash)
         try:
             self.backends["nvme"] = self.tiers.open_storage(self.run_dir, config.tensor_parallel)
         except OSError:                                # e.g. a full file system: leave nothing behind
-            self.run_dir.rmdir()
-            self.tiers.close()
+            self._release()
             raise
         self._abort = threading.Event()
         self.staging_pool = StagingPool(STAGING_AREAS, STAGING_BYTES)
@@ -5194,7 +5228,6 @@ class MultiTierCache:
         # Where reads end: in GPU memory with a GPU tier, else in host memory (the staging area).
         self._sink: ReadSink = self.tiers.delivery if self.tiers.delivery is not None else HostSink()
         self._retired: set = set()
-        self._trash: List[Path] = []
         self._limits["nvme"], self.storage_capacity_source = storage_capacity(config.storage_capacity_gb, self.run_dir)
         self._usage: Dict[str, int] = {t: 0 for t in self.backends}
         self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
@@ -5480,7 +5513,8 @@ class MultiTierCache:
                     self._retired.discard(key)
                     self._trash.extend(self._remove_data_locked("nvme", key))
                     retired += 1
-            trash, self._trash = self._trash, []
+            trash = self._trash[:]
+            self._trash.clear()                         # in place: the finalizer holds this list
         for i, path in enumerate(trash):
             if should_stop():
                 with self._lock:
@@ -5511,24 +5545,12 @@ class MultiTierCache:
         """Delete everything the cache stored, including the run directory it made. A step that
         fails is counted and the rest still run: a dying file system costs errors, not results."""
         _cleanup_counted(self.stats, lambda: self.collect_garbage(count_retired=False))
-        with self._lock:
-            trash, self._trash = self._trash, []
-        for path in trash:
-            _unlink_counted(self.stats, path)
-        for backend in self.backends.values():
-            _cleanup_counted(self.stats, backend.clear)
-        _cleanup_counted(self.stats, self.tiers.close)     # unpins what the GPU registered; ends the trace
+        self._release()                                   # the rest of it; a second call does nothing
         with self._lock:
             self._entries.clear()
             for tier in self._usage:
                 self._usage[tier] = 0
                 self._lru[tier].clear()
-        try:
-            self.run_dir.rmdir()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            logger.warning("left %s in place: %s", self.run_dir, exc)
 
 
 # ============================================================================
@@ -5911,6 +5933,39 @@ def _fmt_comparison(c: Dict[str, Any]) -> List[str]:
     return lines
 
 
+_DEVICE_SUMS = ("reads_completed", "reads_merged", "bytes_read", "writes_completed", "writes_merged",
+                "bytes_written", "flushes_completed", "discards_completed", "bytes_discarded")
+
+
+def merge_device_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """The world's DEVICE section from the ranks' (pure). Ranks of one node that sampled the same
+    device saw the same counters: it counts once (the longest window). Different devices add
+    up their requests, bytes, rates and queue depths; await is the mean over their requests,
+    utilization the busiest device's. None when no rank sampled a device."""
+    sampled = [d for d in parts if d and d.get("available")]
+    if not sampled:
+        return next((d for d in parts if d), None)
+    devices: Dict[Tuple[Any, Any], Dict[str, Any]] = {}
+    for d in sampled:
+        key = (d.get("host"), d.get("device"))
+        if key not in devices or d["window_s"] > devices[key]["window_s"]:
+            devices[key] = d
+    every = sorted(devices.values(), key=lambda d: -d["window_s"])       # the longest window's figures first
+    merged = dict(merge_figures(every, sums=_DEVICE_SUMS + ("read_gib_per_sec", "write_gib_per_sec", "avg_queue_depth")),
+                  ranks_sampled=len(sampled), devices=sorted(f"{host}:{name}" for host, name in devices))
+    if len(devices) == 1:
+        return merged
+    for op, done, moved in (("read", "reads_completed", "bytes_read"), ("write", "writes_completed", "bytes_written")):
+        merged[f"{op}_gb"] = _per(merged[moved], GIB)
+        merged[f"mean_{op}_request_bytes"] = _per(merged[moved], merged[done])
+        weighted = [(d.get(f"{op}_await_ms"), d.get(done)) for d in every]
+        merged[f"{op}_await_ms"] = (None if any(a is None or n is None for a, n in weighted) else
+                                    _per(sum(a * n for a, n in weighted), merged[done]))
+    merged["utilization"] = max((d.get("utilization") or 0.0 for d in every), default=None)
+    merged["device"] = "+".join(sorted({str(d.get("device")) for d in every}))
+    return merged
+
+
 # ============================================================================
 # RAW BANDWIDTH (--io-baseline)
 # ============================================================================
@@ -5970,6 +6025,15 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
         "write_s": write_s,
         "read_s": read_s,
     }
+
+
+def merge_io_baseline(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """The ranks start together, so each measures its directory while the others do: streams, bytes
+    and GiB/s add up (what the devices gave them all); a rank's failure is the world's."""
+    failed = [p for p in parts if p and "error" in p]
+    return failed[0] if failed else merge_figures(
+        parts, sums=("threads", "write_threads", "write_gib_per_sec", "read_gib_per_sec", "bytes_written", "bytes_read"),
+        maxima=("write_s", "read_s"))
 
 
 def _baseline_write_stream(path: Path, layout: EntryLayout, generator: KVCacheGenerator, direct: bool,
@@ -6723,6 +6787,14 @@ class WorkloadAutoscaler:
         return out
 
 
+def merge_autoscaling(parts: Sequence[Optional[Tuple[list, dict]]]) -> Optional[Tuple[list, dict]]:
+    """Each rank scales its own users: users, evaluations and peaks add up; every rank's decisions."""
+    present = [p for p in parts if p]
+    summary = merge_figures([s for _, s in present], minima=("peak_found",), sums=("initial_users", "final_users",
+                            "settled_users", "evaluations", "peak_throughput", "peak_users", "peak_generated_tokens_per_sec"))
+    return ([h for history, _ in present for h in history], summary) if present else None
+
+
 # ============================================================================
 # NODE ROLES: DISAGGREGATED PREFILL AND DECODE
 # ============================================================================
@@ -6801,13 +6873,9 @@ def write_decode_contexts(cache: "MultiTierCache", plan: WorkloadPlan, users: in
 
 def merge_decode_contexts(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
     """The ranks' --decode-only set-ups as one (pure): counts and GiB added up, the longest time."""
-    parts = [p for p in parts if p]
-    if not parts:
-        return None
-    return {"users": sum(p["users"] for p in parts), "contexts_written": sum(p["contexts_written"] for p in parts),
-            "gb": sum(p["gb"] for p in parts), "seconds": max(p["seconds"] for p in parts),
-            "by_tier": {tier: {"entries": sum(p["by_tier"][tier]["entries"] for p in parts),
-                               "gb": sum(p["by_tier"][tier]["gb"] for p in parts)} for tier in TIER_NAMES}}
+    merged = merge_figures(parts, sums=("users", "contexts_written", "gb"), maxima=("seconds",))
+    return merged and {**merged, "by_tier": {tier: merge_figures([p["by_tier"][tier] for p in parts if p],
+                                                                 sums=("entries", "gb")) for tier in TIER_NAMES}}
 
 
 # ============================================================================
@@ -6913,6 +6981,12 @@ class _PreconditionProgress:
                 "device": device.get("device") if device.get("available") else None,
                 "device_write_gib_per_sec_first_tenth": self._marks[0] if self._marks else None,
                 "device_write_gib_per_sec_last_tenth": last}
+
+
+# MPI: each rank writes the whole size in its directory, so GiB and entries add up; the device's view is
+# the lowest rank's (a node's ranks share its device, whose counters hold all their writes).
+merge_precondition = functools.partial(merge_figures, sums=("target_gb", "written_gb", "entries", "failed_writes"),
+                                       maxima=("seconds",))
 
 
 # ============================================================================
@@ -7087,76 +7161,6 @@ def format_replay_report(r: Dict[str, Any]) -> str:
                  f"I/O errors: {r['io_errors']:,}" + (f" | FAILURES: {r['failure_count']:,}" if r["failure_count"] else ""))
     lines += [""] + format_device_section(r.get("device_stats") or {}, None) + ["=" * 80]
     return "\n".join(lines)
-
-
-# ============================================================================
-# RUN MEASUREMENTS
-# ============================================================================
-
-@dataclass
-class RequestIO:
-    """Accumulates one request's cache operations."""
-    storage_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    tokens: int = 0
-    aborted: bool = False
-
-    def add(self, phase: str, result: CacheResult) -> CacheResult:
-        self.storage_s += result.latency_s
-        if phase == "decode":
-            self.decode_s += result.latency_s
-        else:
-            self.prefill_s += result.latency_s
-        self.tokens += result.tokens
-        self.aborted = self.aborted or result.aborted
-        return result
-
-
-@dataclass
-class RunMeasurements:
-    """What a run measured, before its results are put together: the one input of
-    assemble_results. Under MPI each rank sends its own to rank 0, which merges them into the
-    world's (`ranks`: the merged ones, in rank order); --fio-compare adds `fio`."""
-    config: BenchmarkConfig
-    seed: Optional[int]
-    records: List[RequestRecord]
-    cache: CacheReport                        # counters taken after the clean-up (its errors count)
-    window_counters: Optional[Dict[str, int]]  # the cache's counters at the stop: what the wall-basis rates divide
-    elapsed_s: float
-    timeline: List[Dict[str, Any]]
-    workload_digest: str
-    admitted: int
-    abandoned: int
-    peak_in_flight: int
-    stop_reason: Optional[str]
-    thread_errors: List[str]
-    conversations_evicted: int = 0
-    io_baseline: Optional[Dict[str, Any]] = None
-    process_cpu_s: float = 0.0
-    shutdown_tail_s: float = 0.0
-    autoscaling: Optional[Tuple[List[Dict[str, Any]], Dict[str, Any]]] = None
-    rag_stats: Optional[Dict[str, Any]] = None
-    dataset_stats: Optional[Dict[str, Any]] = None
-    device_stats: Optional[Dict[str, Any]] = None
-    fio: Dict[str, Any] = field(default_factory=dict)
-    ranks: List["RunMeasurements"] = field(default_factory=list)
-    rank: Optional[int] = None
-    ranks_without_results: List[int] = field(default_factory=list)   # ranks stopped before their workload
-    decode_contexts: Optional[Dict[str, Any]] = None                 # --decode-only's set-up (write_decode_contexts)
-    precondition: Optional[Dict[str, Any]] = None                    # --precondition (precondition_storage)
-    burst_trace: Optional[Dict[str, Any]] = None                     # --use-burst-trace (BurstArrivals.trace_stats)
-
-    @property
-    def interrupted(self) -> bool:
-        return any(p.stop_reason in EXIT_SIGNAL for p in [self, *self.ranks])
-
-    def latency_samples(self) -> Dict[str, List[float]]:
-        """Every operation's total latency per tier and operation, seconds (for --plot)."""
-        return {f"{tier} {op}": list(totals) for (tier, op), (totals, *_) in self.cache.samples.items()}
-
-
-EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
 
 
 # ============================================================================
@@ -7344,17 +7348,99 @@ class BurstArrivals:
 def merge_trace_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
     """The MPI ranks' BurstGPT figures as the world's: each rank replays its own rows."""
     parts = [p for p in parts if p]
-    if not parts:
-        return None
-    admitted = sum(p["requests_admitted"] for p in parts)
     reasons: Dict[str, int] = collections.Counter()
     for p in parts:
         reasons.update(p["bad_rows_by_reason"])
     lag_total = sum((p["admission_lag_mean_ms"] or 0.0) * p["requests_admitted"] for p in parts)
-    return {**parts[0], "rows": sum(p["rows"] for p in parts), "bad_rows": sum(reasons.values()),
-            "bad_rows_by_reason": dict(reasons), "passes_completed": min(p["passes_completed"] for p in parts),
-            "requests_admitted": admitted, "admission_lag_mean_ms": lag_total / admitted if admitted else None,
-            "admission_lag_max_ms": max(p["admission_lag_max_ms"] for p in parts)}
+    merged = merge_figures(parts, sums=("rows", "requests_admitted"), minima=("passes_completed",),
+                           maxima=("admission_lag_max_ms",))
+    return merged and {**merged, "bad_rows": sum(reasons.values()), "bad_rows_by_reason": dict(reasons),
+                       "admission_lag_mean_ms": _per(lag_total, merged["requests_admitted"])}
+
+
+# ============================================================================
+# RUN MEASUREMENTS
+# ============================================================================
+
+@dataclass
+class RequestIO:
+    """Accumulates one request's cache operations."""
+    storage_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    tokens: int = 0
+    aborted: bool = False
+
+    def add(self, phase: str, result: CacheResult) -> CacheResult:
+        self.storage_s += result.latency_s
+        if phase == "decode":
+            self.decode_s += result.latency_s
+        else:
+            self.prefill_s += result.latency_s
+        self.tokens += result.tokens
+        self.aborted = self.aborted or result.aborted
+        return result
+
+
+EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
+
+
+def merged_by(rule: Optional[Callable[[List[Any]], Any]], default: Any = None, factory: Any = None) -> Any:
+    """A RunMeasurements field a run may leave out, and how the MPI ranks' values (in rank order)
+    merge into the world's; rule None: the world's own, set by merge_measurements or main."""
+    return field(metadata={"merge": rule}, **({"default_factory": factory} if factory else {"default": default}))
+
+
+@dataclass
+class RunMeasurements:
+    """What a run measured, before its results are put together: the one input of
+    assemble_results. Under MPI each rank sends its own to rank 0, which merges them into the
+    world's (`ranks`: the merged ones, in rank order; each feature's figures by its field's
+    rule); --fio-compare adds `fio` to the world's."""
+    config: BenchmarkConfig
+    seed: Optional[int]
+    records: List[RequestRecord]
+    cache: CacheReport                        # counters taken after the clean-up (its errors count)
+    window_counters: Optional[Dict[str, int]]  # the cache's counters at the stop: what the wall-basis rates divide
+    elapsed_s: float
+    timeline: List[Dict[str, Any]]
+    workload_digest: str
+    admitted: int
+    abandoned: int
+    peak_in_flight: int
+    stop_reason: Optional[str]
+    thread_errors: List[str]
+    conversations_evicted: int = merged_by(sum, 0)
+    io_baseline: Optional[Dict[str, Any]] = merged_by(merge_io_baseline)
+    process_cpu_s: float = merged_by(sum, 0.0)
+    shutdown_tail_s: float = merged_by(max, 0.0)
+    autoscaling: Optional[Tuple[List[Dict[str, Any]], Dict[str, Any]]] = merged_by(merge_autoscaling)
+    rag_stats: Optional[Dict[str, Any]] = merged_by(merge_rag_stats)
+    dataset_stats: Optional[Dict[str, Any]] = merged_by(merge_dataset_stats)
+    device_stats: Optional[Dict[str, Any]] = merged_by(merge_device_stats)
+    fio: Dict[str, Any] = merged_by(None, factory=dict)
+    ranks: List["RunMeasurements"] = merged_by(None, factory=list)
+    rank: Optional[int] = merged_by(None)
+    ranks_without_results: List[int] = merged_by(None, factory=list)      # ranks stopped before their workload
+    decode_contexts: Optional[Dict[str, Any]] = merged_by(merge_decode_contexts)  # --decode-only (write_decode_contexts)
+    precondition: Optional[Dict[str, Any]] = merged_by(merge_precondition)    # --precondition (precondition_storage)
+    burst_trace: Optional[Dict[str, Any]] = merged_by(merge_trace_stats)      # --use-burst-trace (trace_stats)
+
+    @property
+    def interrupted(self) -> bool:
+        return any(p.stop_reason in EXIT_SIGNAL for p in [self, *self.ranks])
+
+    def latency_samples(self) -> Dict[str, List[float]]:
+        """Every operation's total latency per tier and operation, seconds (for --plot)."""
+        return {f"{tier} {op}": list(totals) for (tier, op), (totals, *_) in self.cache.samples.items()}
+
+
+# A field with a default holds figures a run may leave out: without a merge rule, merge_measurements
+# would drop them from every multi-rank run without a word.
+if [f for f in dataclasses.fields(RunMeasurements)
+        if not (f.default is f.default_factory is dataclasses.MISSING) and "merge" not in f.metadata]:
+    raise TypeError("a RunMeasurements field with a default has no merge rule (merged_by)")
+
 
 
 # ============================================================================
@@ -7846,7 +7932,8 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "autoscaling_stats": m.autoscaling[0] if m.autoscaling else [],
         "autoscaling_summary": m.autoscaling[1] if m.autoscaling else None,
         "rag_stats": rag_summary(m.rag_stats, cache_stats),
-        "dataset_stats": m.dataset_stats, "burst_trace": m.burst_trace,
+        "dataset_stats": dataset_summary(m.dataset_stats),
+        "burst_trace": m.burst_trace,
         "multi_turn_stats": {"cache_hits": multi_hits, "cache_misses": multi_misses,
                              "hit_rate": _ratio(multi_hits, multi_hits + multi_misses),
                              "resumes": cache_stats["multi_turn_resumes"]},
@@ -7962,6 +8049,17 @@ def rag_summary(rag_stats: Optional[Dict[str, Any]], cs: Dict[str, Any]) -> Opti
     out.update(chunk_reads=cs["rag_chunk_hits"] + cs["rag_chunk_misses"], hits_by_tier=dict(hits_by_tier),
                misses=cs["rag_chunk_misses"], read_latency_ms=latency_summary_ms(rag_stats["read_latencies_s"]))
     return out
+
+
+def dataset_summary(d: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The dataset's figures, its sample's turns described: their count, and their context and
+    generated tokens: mean, P50, P95, max."""
+    def describe(values: List[int]) -> Dict[str, float]:
+        return {"mean": float(np.mean(values)), "p50": float(np.percentile(values, 50)),
+                "p95": float(np.percentile(values, 95)), "max": int(max(values))} if values else {}
+    turns = d["turn_tokens"] if d else []
+    return d and {**{k: v for k, v in d.items() if k != "turn_tokens"}, "turns": len(turns),
+                  "context_tokens": describe([c for c, _ in turns]), "generate_tokens": describe([g for _, g in turns])}
 
 
 # ============================================================================
@@ -8837,9 +8935,9 @@ def _sum_timelines(timelines: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]
 def merge_measurements(config: BenchmarkConfig, gathered: List[Optional[RunMeasurements]]) -> Optional[RunMeasurements]:
     """The world's measurements from the ranks' (in rank order; None: a rank stopped before its
     workload began, named in `ranks_without_results`): request records and cache samples
-    pooled (so percentiles come from all samples), counts and bytes added up, the devices the
-    ranks sampled merged; each rank's stays in `ranks`, for the per-rank table and the rates
-    summed over the ranks. None when no rank measured anything."""
+    pooled (so percentiles come from all samples), counts and bytes added up, each feature's
+    figures merged by its field's rule (merged_by); each rank's stays in `ranks`, for the
+    per-rank table and the rates summed over the ranks. None when no rank measured anything."""
     parts = [p for p in gathered if p is not None]
     missing = [rank for rank, p in enumerate(gathered) if p is None]
     if missing:
@@ -8855,6 +8953,8 @@ def merge_measurements(config: BenchmarkConfig, gathered: List[Optional[RunMeasu
             for merged, part in zip(samples[key], lists):
                 merged.extend(part)
     digest = hashlib.sha256("|".join(p.workload_digest for p in parts).encode()).hexdigest()[:16]
+    figures = {f.name: f.metadata["merge"]([getattr(p, f.name) for p in parts])
+               for f in dataclasses.fields(RunMeasurements) if f.metadata.get("merge")}
     return RunMeasurements(
         config=config, seed=config.seed, records=[r for p in parts for r in p.records],
         cache=CacheReport(dict(counters), dict(samples), dict(entry_counts), parts[0].cache.tiers_info),
@@ -8863,48 +8963,7 @@ def merge_measurements(config: BenchmarkConfig, gathered: List[Optional[RunMeasu
         admitted=sum(p.admitted for p in parts), abandoned=sum(p.abandoned for p in parts),
         peak_in_flight=sum(p.peak_in_flight for p in parts), stop_reason=parts[0].stop_reason,
         thread_errors=[f"rank {p.rank}: {e}" for p in parts for e in p.thread_errors],
-        process_cpu_s=sum(p.process_cpu_s for p in parts), shutdown_tail_s=max(p.shutdown_tail_s for p in parts),
-        device_stats=merge_device_stats([p.device_stats for p in parts]), ranks=list(parts),
-        ranks_without_results=missing, decode_contexts=merge_decode_contexts([p.decode_contexts for p in parts]),
-        burst_trace=merge_trace_stats([p.burst_trace for p in parts]))
-
-
-_DEVICE_SUMS = ("reads_completed", "reads_merged", "bytes_read", "writes_completed", "writes_merged",
-                "bytes_written", "flushes_completed", "discards_completed", "bytes_discarded")
-
-
-def merge_device_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
-    """The world's DEVICE section from the ranks' (pure). Ranks of one node that sampled the same
-    device saw the same counters: it counts once (the longest window). Different devices add
-    up their requests, bytes, rates and queue depths; await is the mean over their requests,
-    utilization the busiest device's. None when no rank sampled a device."""
-    sampled = [d for d in parts if d and d.get("available")]
-    if not sampled:
-        return next((d for d in parts if d), None)
-    devices: Dict[Tuple[Any, Any], Dict[str, Any]] = {}
-    for d in sampled:
-        key = (d.get("host"), d.get("device"))
-        if key not in devices or d["window_s"] > devices[key]["window_s"]:
-            devices[key] = d
-    merged = dict(max(devices.values(), key=lambda d: d["window_s"]), ranks_sampled=len(sampled),
-                  devices=sorted(f"{host}:{name}" for host, name in devices))
-    if len(devices) == 1:
-        return merged
-    every = list(devices.values())
-    def total(name: str) -> Optional[float]:
-        values = [d.get(name) for d in every]
-        return None if None in values else sum(values)
-    for name in _DEVICE_SUMS + ("read_gib_per_sec", "write_gib_per_sec", "avg_queue_depth"):
-        merged[name] = total(name)
-    for op, done, moved in (("read", "reads_completed", "bytes_read"), ("write", "writes_completed", "bytes_written")):
-        merged[f"{op}_gb"] = _per(merged[moved], GIB)
-        merged[f"mean_{op}_request_bytes"] = _per(merged[moved], merged[done])
-        weighted = [(d.get(f"{op}_await_ms"), d.get(done)) for d in every]
-        merged[f"{op}_await_ms"] = (None if any(a is None or n is None for a, n in weighted) else
-                                    _per(sum(a * n for a, n in weighted), merged[done]))
-    merged["utilization"] = max((d.get("utilization") or 0.0 for d in every), default=None)
-    merged["device"] = "+".join(sorted({str(d.get("device")) for d in every}))
-    return merged
+        ranks=list(parts), ranks_without_results=missing, **figures)
 
 
 def format_rank_table(results: Dict[str, Any]) -> str:

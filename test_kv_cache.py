@@ -19,6 +19,7 @@ import contextlib
 import csv
 import dataclasses
 import errno
+import gc
 import hashlib
 import importlib.util
 import io
@@ -962,7 +963,7 @@ class TestShareGPTReplay:
         assert [c.conversation_id for c in conversations] == [
             "german", "chinese-emoji", "starts-with-gpt", "empty-turns", "missing-value", "roles"]   # file order
         assert all(context >= 1 and generate >= 0 for c in conversations for context, generate in c.turns)
-        s = loader.stats()
+        s = kv.dataset_summary(loader.stats())
         # Usable: has a human message ("unanswered" too, though it gives no turn); skipped: the other four.
         assert (s["conversations_in_file"], s["conversations_skipped"], s["conversations"], s["turns"]) == (7, 4, 6, 8)
 
@@ -997,7 +998,7 @@ class TestShareGPTReplay:
             assert conv.turns == reference_turns(raw[conv.conversation_id], count)
         contexts = [c for conv in loader.conversations for c, _ in conv.turns]
         generated = [g for conv in loader.conversations for _, g in conv.turns]
-        s = loader.stats()
+        s = kv.dataset_summary(loader.stats())
         assert (s["conversations"], s["turns"], s["conversations_in_file"]) == (50, len(contexts), 300)
         assert s["path"] == str(sharegpt_file) and s["tokenizer"] == loader.tokenizer_name
         for key, values in (("context_tokens", contexts), ("generate_tokens", generated)):
@@ -1038,7 +1039,7 @@ class TestShareGPTReplay:
         loader.load()
         assert loader.stats()["tokenizer"] == name
         lines = []
-        kv._report_dataset(lines.append, loader.stats())
+        kv._report_dataset(lines.append, kv.dataset_summary(loader.stats()))
         assert f"  Tokenizer: {name}" in lines
 
     @pytest.mark.parametrize("name", sorted(BAD_DATASETS))
@@ -2939,6 +2940,35 @@ class TestMultiTierCache:
         cache.close()
         assert foreign.read_text() == "keep me"
         assert not (cache.run_dir / "k.npy").exists()
+
+    def test_a_cache_never_closed_removes_its_files_at_exit(self, tmp_path):
+        script = textwrap.dedent("""
+            import importlib.util, sys
+            spec = importlib.util.spec_from_file_location("kv_cache", sys.argv[1])
+            kv = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(kv)
+            cache = kv.MultiTierCache(kv.MODEL_CONFIGS["tiny-1b"], 0, 0, cache_dir=sys.argv[2], seed=1)
+            for key, tokens in (("a", 100), ("b", 100), ("a", 200)):     # the second "a" sets a file aside
+                cache.allocate_cache(key, tokens)
+            print(cache.tier_entry_counts()["nvme"], len(list(cache.run_dir.iterdir())))""")
+        given = tmp_path / "cache"
+        given.mkdir()
+        (given / "users.txt").write_text("not the cache's")
+        proc = subprocess.run([sys.executable, "-c", script, str(SCRIPT), str(given)], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["2", "3"]                  # files on the storage tier when it exited
+        assert sorted(tmp_path.rglob("*")) == [given, given / "users.txt"]
+        assert (given / "users.txt").read_text() == "not the cache's"
+
+    def test_dropping_the_last_reference_removes_its_files(self, tmp_path):
+        cache = kv.MultiTierCache(TINY, gpu_memory_gb=0, cpu_memory_gb=0, cache_dir=tmp_path, seed=1)
+        cache.allocate_cache("k", TOKENS)
+        run_dir = cache.run_dir
+        assert (run_dir / "k.npy").is_file()
+        del cache
+        gc.collect()
+        assert not run_dir.exists() and list(tmp_path.iterdir()) == []
 
 
 class TestWaterfallEviction:
@@ -7726,6 +7756,68 @@ def _rank_pid(rank: int, marker: str) -> int:
     raise AssertionError(f"no rank {rank} process found")
 
 
+def _scaled(rank):
+    """Rank `rank`'s capacity autoscaler after one measured stage (rank r: (r + 1) x 100 I/O tok/s)."""
+    scaler = kv.WorkloadAutoscaler("capacity", 0.8, 2)
+    scaler.evaluate({"elapsed_s": 1.0, "saturation": 0.5, "throughput_tokens_per_sec": 10.0, "storage_read_p95_ms": 1.0,
+                     "io_tokens_per_sec": 100.0 * (rank + 1), "storage_write_p95_ms": 1.0, "queue_wait_mean_ms": 0.0,
+                     "window_requests": 3}, 2)
+    return scaler.history, scaler.summary(4)
+
+
+def _ragged(rank):
+    """Rank `rank`'s RAG figures: a corpus of 2 documents, rank + 1 queries each reading one chunk."""
+    rag = kv.RAGDocumentManager(2, seed=rank)
+    for _ in range(rank + 1):
+        rag.record_query()
+        rag.record_read(0.001)
+    return rag.stats()
+
+
+def _sampled(turns):
+    return {"path": "chats.json", "tokenizer": "estimate", "conversations_in_file": 7, "conversations_skipped": 4,
+            "conversations": len(turns), "turn_tokens": turns}
+
+
+BASELINE = {"directory": "d", "io_mode": "O_DIRECT", "threads": 32, "write_threads": 8, "chunk_bytes": 8 * MIB,
+            "write_gib_per_sec": 0.5, "read_gib_per_sec": 2.0, "bytes_written": GIB, "bytes_read": 4 * GIB,
+            "write_s": 2.0, "read_s": 2.0}
+PRECONDITIONED = {"target_gb": 0.25, "written_gb": 0.25, "entries": 10, "failed_writes": 0, "seconds": 1.0,
+                  "device_written_gb": None, "device": None, "device_write_gib_per_sec_first_tenth": None,
+                  "device_write_gib_per_sec_last_tenth": None}
+DECODE_SET_UP = {"users": 3, "contexts_written": 3, "gb": 1.5, "seconds": 2.0, "by_tier": {
+    "gpu": {"entries": 0, "gb": 0.0}, "cpu": {"entries": 1, "gb": 0.5}, "nvme": {"entries": 2, "gb": 1.0}}}
+BURST_FIGURES = {"files": ["b.csv"], "rows": 5, "bad_rows": 1, "bad_rows_by_reason": {"not a number": 1},
+                 "passes_completed": 1, "trace_speedup": 1.0, "replay_cycles": 1, "requests_admitted": 4,
+                 "admission_lag_mean_ms": 1.0, "admission_lag_max_ms": 2.0}
+# Each optional feature of a run: rank r's figures, what the world's summary must say, and its report line.
+TWO_RANK_FEATURES = {
+    "precondition": (lambda r: dict(PRECONDITIONED, entries=10 + r, seconds=1.0 + r),
+                     lambda s: (s["precondition"]["entries"], s["precondition"]["written_gb"],
+                                s["precondition"]["seconds"]) == (21, 0.5, 2.0),
+                     "Preconditioned before the timer: 0.50 of 0.50 GB in 21 entries, 2.0 s"),
+    "rag_stats": (_ragged, lambda s: (s["rag_stats"]["documents"], s["rag_stats"]["rag_queries"],
+                                      s["rag_stats"]["read_latency_ms"]["count"]) == (4, 3, 3), "Queries: 3,"),
+    "dataset_stats": (lambda r: _sampled([(10, 1), (30, 3)] if r else [(20, 2)]),
+                      lambda s: (s["dataset_stats"]["conversations"], s["dataset_stats"]["turns"],
+                                 s["dataset_stats"]["context_tokens"]["p50"]) == (3, 3, 20.0)
+                      and "turn_tokens" not in s["dataset_stats"], "chats.json: 3 conversations sampled of 7"),
+    "io_baseline": (lambda r: BASELINE if r else dict(BASELINE, read_gib_per_sec=1.0, read_s=2.5),
+                    lambda s: (s["io_baseline"]["read_gib_per_sec"], s["io_baseline"]["threads"],
+                               s["io_baseline"]["read_s"]) == (3.0, 64, 2.5) and s["storage_efficiency"] is not None,
+                    "read 3.000 GB/s"),
+    "autoscaling": (_scaled, lambda s: (s["autoscaling_summary"]["peak_throughput"], s["autoscaling_summary"][
+        "initial_users"], len(s["autoscaling_stats"])) == (300.0, 4, 2), "Peak throughput: 300.0 I/O tok/s at 4 users"),
+    "decode_contexts": (lambda r: dict(DECODE_SET_UP, contexts_written=3 - r),
+                        lambda s: (s["decode_contexts"]["users"], s["decode_contexts"]["contexts_written"]) == (6, 5),
+                        "Contexts written before the timer: 5 of 6 users"),
+    "burst_trace": (lambda r: dict(BURST_FIGURES, requests_admitted=4 + r),
+                    lambda s: (s["burst_trace"]["rows"], s["burst_trace"]["requests_admitted"],
+                               s["burst_trace"]["bad_rows_by_reason"]) == (10, 9, {"not a number": 2}),
+                    "b.csv: 10 rows, 2 not requests"),
+}
+
+
 class TestMPI:
     def test_launcher_is_detected_from_its_environment(self, monkeypatch):
         for var in MPI_ENV_VARS:
@@ -7759,6 +7851,22 @@ class TestMPI:
         assert two["read_gib_per_sec"] == pytest.approx(1.5) and two["write_await_ms"] is None
         unsampled = {"available": False, "device": None, "reason": "tmpfs has no block device"}
         assert kv.merge_device_stats([unsampled, unsampled]) == unsampled and kv.merge_device_stats([]) is None
+
+    def test_every_figure_a_run_may_leave_out_declares_how_ranks_merge(self):
+        optional = [f for f in dataclasses.fields(kv.RunMeasurements)
+                    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
+        assert optional and all("merge" in f.metadata for f in optional)
+        assert {f.name for f in optional if f.metadata["merge"]} >= set(TWO_RANK_FEATURES)
+
+    @pytest.mark.parametrize("feature", sorted(TWO_RANK_FEATURES))
+    def test_each_features_figures_survive_the_merge_of_two_ranks(self, feature, make_cache):
+        figures, merged_ok, report_line = TWO_RANK_FEATURES[feature]
+        config = kv.BenchmarkConfig(model=TINY, num_users=2, seed=1, decode_only=feature == "decode_contexts")
+        cache = make_cache()
+        parts = [measured(config, cache, [record()], rank=r, **{feature: figures(r)}) for r in (0, 1)]
+        results = kv.assemble_results(kv.merge_measurements(config, parts))
+        assert merged_ok(results["summary"]), results["summary"]
+        assert report_line in kv.format_report(results)
 
     def test_importing_the_module_does_not_import_mpi4py(self):
         code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('k', sys.argv[1]); "
@@ -7863,6 +7971,23 @@ class TestMPI:
             assert d["bytes_written"] == max(x["summary"]["device_stats"]["bytes_written"] for x in ranks
                                              if x["summary"]["device_stats"]["window_s"] == d["window_s"])
             assert "N/A: not sampled" not in proc.stdout
+
+    @pytest.mark.slow
+    def test_two_ranks_keep_their_preconditioning_and_rag_figures(self, tmp_path):
+        mpiexec, env = _mpi_launcher()
+        config = tmp_path / "config.yaml"                          # one 600-token document per rank
+        config.write_text("rag:\n  small_model_doc_tokens_min: 600\n  small_model_doc_tokens_max: 600\n")
+        proc = run_cli(*SMALL_RUN, "--config", config, "--num-users", "2", "--max-requests", "4", "--cpu-mem-gb", "0",
+                       "--seed", "42", "--precondition", "--precondition-size-gb", "0.02", "--enable-rag",
+                       "--rag-num-docs", "1", "--cache-dir", tmp_path / "cache", "--output", tmp_path / "agg.json",
+                       "--quiet", cwd=tmp_path, timeout=120, env=env, launcher=[mpiexec, "-n", "2", "--oversubscribe"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        r = json.loads((tmp_path / "agg.json").read_text())
+        s, ranks = r["summary"], [x["summary"] for x in r["ranks"]]
+        assert r["world_size"] == 2 and s["precondition"] is not None and s["rag_stats"] is not None
+        assert s["precondition"]["entries"] == sum(x["precondition"]["entries"] for x in ranks) > 0
+        assert s["rag_stats"]["chunks_ingested"] == sum(x["rag_stats"]["chunks_ingested"] for x in ranks) == 4
+        assert "Preconditioned before the timer: " in proc.stdout and "### RAG ###" in proc.stdout
 
     def test_a_ranks_child_runs_as_an_independent_benchmark(self, tmp_path, monkeypatch, caplog):
         """MLPerf Storage's harness: mpirun starts a launcher per rank, which runs kv-cache.py as its

@@ -170,7 +170,7 @@ DEFAULT_MONITOR_INTERVAL_S = 10.0
 
 # --- Limits for command-line values (the original v3.0's names and values) ---
 MAX_USERS = 100_000
-MAX_DURATION_SECONDS = MAX_DURATION_S = 86_400
+MAX_DURATION_SECONDS = 86_400
 MAX_GPU_MEMORY_GB = 1_024               # per GPU
 MAX_CPU_MEMORY_GB = 16_384
 MAX_STORAGE_CAPACITY_GB = 1 << 30
@@ -1077,8 +1077,6 @@ def config_block(config: BenchmarkConfig) -> Dict[str, Any]:
 
 SYSTEM_PATHS = ("/", "/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "/boot", "/lib", "/lib64")
 SYSTEM_TREES = tuple(p for p in SYSTEM_PATHS if p != "/")     # nothing inside these either
-# The original's name for them. Unlike the original, /root is not refused: it is a home directory.
-FORBIDDEN_CACHE_PREFIXES = frozenset(SYSTEM_TREES)
 USER_TREES_IN_SYSTEM = ("/dev/shm",)    # shared memory: a tier users measure (tmpfs), not a system file
 SPREADSHEET_SUFFIXES = (".xlsx", ".csv")
 CHART_NAMES = ("throughput.png", "latency_cdf.png", "tier_occupancy.png", "autoscaler.png")   # --plot's files
@@ -1505,16 +1503,6 @@ class ConversationManager:
     def get_previous_cache_keys(self, conv_id: str) -> List[str]:
         with self._lock:
             return [key for _, _, key in self._touch(conv_id).turns]
-
-    # The original's names, which users' scripts call.
-    def get_conversation_context_size(self, conv_id: str) -> int:
-        """User plus assistant tokens of every turn so far."""
-        return self.get_context_size(conv_id)
-
-    def get_all_previous_turn_keys(self, conv_id: str, turn_number: int) -> List[str]:
-        """The cache keys of the turns before `turn_number` (1-based)."""
-        with self._lock:
-            return [key for _, _, key in self._touch(conv_id).turns[:max(0, turn_number - 1)]]
 
     def has_conversation(self, conv_id: str) -> bool:
         with self._lock:
@@ -5180,19 +5168,11 @@ class MultiTierCache:
     outside it, so workers overlap on the devices.
     """
 
-    def __init__(self, model_config: ModelConfig, gpu_memory_gb: float, cpu_memory_gb: float,
-                 seed: Optional[int] = None, cache_dir: Optional[Any] = None,
-                 generator: Optional[KVCacheGenerator] = None, **options: Any):
-        """The original's signature; `options` are BenchmarkConfig fields (performance_profile,
-        storage_capacity_gb, max_concurrent_allocs, gpu_library, verify, gpu_device). The storage
-        tier is unbounded unless `storage_capacity_gb` says otherwise (0: 95 % of the free space)."""
-        options.setdefault("storage_capacity_gb", None)
-        self._open(BenchmarkConfig(model=model_config, gpu_mem_gb=gpu_memory_gb, cpu_mem_gb=cpu_memory_gb, seed=seed,
-                                   cache_dir=None if cache_dir is None else str(cache_dir), **options), generator)
-
     @classmethod
     def for_run(cls, config: BenchmarkConfig, generator: Optional[KVCacheGenerator] = None) -> "MultiTierCache":
-        """The cache a run's configuration describes (its `seed` the run's)."""
+        """The cache a run's configuration describes (its `seed` the run's). The original's
+        constructor, MultiTierCache(model_config, gpu_memory_gb, cpu_memory_gb, ...), is in the
+        compatibility room."""
         cache = cls.__new__(cls)
         cache._open(config, generator)
         return cache
@@ -5233,14 +5213,16 @@ class MultiTierCache:
         self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
         self._policy = EvictionPolicy.for_run(config.tunables)
 
-    # --- introspection used by callers and tests ---
-    def _get_tier_order(self) -> List[str]:
+    # --- introspection ---
+    def tier_order(self) -> List[str]:
+        """The cache's tiers, fastest first."""
         return [t for t in TIER_NAMES if t in self.backends]
 
-    def _get_tier_limit(self, tier: str) -> float:
+    def tier_limit(self, tier: str) -> float:
+        """The tier's budget in bytes (the storage tier's capacity; inf: unbounded)."""
         return self._limits[tier]
 
-    def _get_tier_usage(self, tier: str) -> int:
+    def tier_usage(self, tier: str) -> int:
         with self._lock:
             return self._usage[tier]
 
@@ -5267,19 +5249,11 @@ class MultiTierCache:
                         reason=reason)
 
     # --- writes ---
-    def allocate_cache(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
-                       cache_type: str = "user") -> Tuple[bool, Optional[str], float]:
-        """Write a new entry of `num_tokens` tokens into the fastest tier that takes it.
-
-        Returns (success, tier, seconds spent, demotions included). An entry
-        that another worker is writing right now is left to it.
-        """
-        result = self.write_entry(key, num_tokens, phase)
-        return result.success, result.tier, result.latency_s
-
     def write_entry(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
                     first_tier: int = 0) -> "CacheResult":
-        """`allocate_cache` with the tokens moved (its own and its demotions'); `first_tier`: the fastest allowed."""
+        """Write a new entry of `num_tokens` tokens into the fastest tier that takes it (`first_tier`:
+        the fastest allowed): its tier, the seconds spent (demotions included) and the tokens moved
+        (its own and its demotions'). An entry another worker is writing right now is left to it."""
         t0 = time.perf_counter()
         if num_tokens <= 0:
             return CacheResult(False, None, 0.0, 0)
@@ -5331,7 +5305,7 @@ class MultiTierCache:
         """Reserve `size` bytes in the fastest tier from `first_tier_index` on, demoting LRU entries
         to make room (EvictionPolicy; `depth`: demotions down the waterfall so far)."""
         policy = self._policy
-        for tier in self._get_tier_order()[first_tier_index:]:
+        for tier in self.tier_order()[first_tier_index:]:
             limit, last = self._limits[tier], tier == "nvme"
             if policy.skips(size, limit, last):
                 continue                                   # too big for this tier: skip it
@@ -5363,7 +5337,7 @@ class MultiTierCache:
     def evict_to_next_tier(self, victim: CacheEntry, depth: int = 1) -> None:
         """Move a (moving-marked) entry one tier down; off the end of the last tier it leaves the cache."""
         source = victim.tier
-        order = self._get_tier_order()
+        order = self.tier_order()
         dest = self._reserve(victim.size_bytes, order.index(source) + 1, depth)
         if dest is None:
             with self._lock:                        # off the books and out of the way in one step
@@ -5423,15 +5397,10 @@ class MultiTierCache:
             return []
 
     # --- reads ---
-    def access_cache(self, key: str, phase: InferencePhase = InferencePhase.DECODE,
-                     cache_type: str = "user") -> Tuple[Optional[str], float]:
-        """Read the whole entry from the tier that holds it. Returns (tier or None on a miss, seconds)."""
-        result = self.read_entry(key, phase, cache_type)
-        return result.tier, result.latency_s
-
     def read_entry(self, key: str, phase: InferencePhase = InferencePhase.DECODE,
                    cache_type: str = "user") -> "CacheResult":
-        """`access_cache` with the tokens read; `aborted` when the run's stop cut the read short."""
+        """Read the whole entry from the tier that holds it: the tier (None on a miss), the seconds
+        and the tokens read; `aborted` when the run's stop cut the read short."""
         t0 = time.perf_counter()
         if cache_type not in _HIT_COUNTER:
             raise ValueError(f"cache_type must be one of {CACHE_TYPES}, not {cache_type!r}")
@@ -5476,7 +5445,7 @@ class MultiTierCache:
     def check_invariants(self) -> List[str]:
         """Bookkeeping violations, as messages (empty when all hold); see invariant_violations."""
         with self._lock:
-            return invariant_violations(self._entries, self.backends, self._usage, self._get_tier_limit)
+            return invariant_violations(self._entries, self.backends, self._usage, self.tier_limit)
 
     # --- end of life of entries ---
     def retire(self, keys: Sequence[str]) -> None:
@@ -5533,13 +5502,8 @@ class MultiTierCache:
     def report(self) -> CacheReport:
         counters, samples = self.stats.snapshot()
         return CacheReport(counters, samples, self.tier_entry_counts(),
-                           describe_tiers(self.tiers, self.backends["nvme"], self.run_dir, self._get_tier_order(),
+                           describe_tiers(self.tiers, self.backends["nvme"], self.run_dir, self.tier_order(),
                                           self.storage_capacity_source))
-
-    def get_stats(self, duration: float, window_counters: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
-        report = self.report()
-        return cache_stats_summary(report, self.config.performance_profile,
-                                   [(window_counters if window_counters is not None else report.counters, duration)])
 
     def close(self) -> None:
         """Delete everything the cache stored, including the run directory it made. A step that
@@ -6565,7 +6529,7 @@ class StorageMonitor:
             "service_mean_ms": service_ms,
             "saturation_window": saturation_score(read_p95, write_p95, queue_ms, service_ms, self._queue.qsize(),
                                                   self._limits),
-            "tier_usage_gb": {t: self._cache._get_tier_usage(t) / GIB for t in self._cache._get_tier_order()},
+            "tier_usage_gb": {t: self._cache.tier_usage(t) / GIB for t in self._cache.tier_order()},
         }
         # What the autoscaler judges: the mean over the last history_window_size windows (--config).
         self._recent.append(point["saturation_window"])
@@ -6899,10 +6863,10 @@ def precondition_storage(cache: "MultiTierCache", plan: WorkloadPlan, config: Be
     asked for meanwhile aborts the writes in flight and raises Interrupted. The statistics are
     reset afterwards. Returns what was written and the device's view of it."""
     from concurrent.futures import ThreadPoolExecutor
-    limit = cache._get_tier_limit("nvme")
+    limit = cache.tier_limit("nvme")
     target = int(config.precondition_size_gb * GIB) if config.precondition_size_gb else int(2 * limit)
     sizes = [r.context_tokens for p in plan.plans[:PRECONDITION_SIZE_USERS] for r in p.peek(PRECONDITION_SIZES_PER_USER)]
-    per_token, storage = cache.model_config.kv_cache_size_per_token, len(cache._get_tier_order()) - 1
+    per_token, storage = cache.model_config.kv_cache_size_per_token, len(cache.tier_order()) - 1
     monitor, progress = BlockDeviceMonitor(cache.run_dir), _PreconditionProgress(target, sizes, per_token)
     monitor.start()
 
@@ -9060,6 +9024,54 @@ def _run_and_report(self: IntegratedBenchmark) -> Dict[str, Any]:
 
 
 IntegratedBenchmark.run = _run_and_report
+
+
+# --- MultiTierCache and ConversationManager: the original's constructor and methods ---
+
+def _original_cache(self: MultiTierCache, model_config: ModelConfig, gpu_memory_gb: float, cpu_memory_gb: float,
+                    seed: Optional[int] = None, cache_dir: Optional[Any] = None,
+                    generator: Optional[KVCacheGenerator] = None, **options: Any) -> None:
+    """MultiTierCache(model_config, gpu_memory_gb, cpu_memory_gb, ...): `options` are BenchmarkConfig
+    fields (performance_profile, storage_capacity_gb, max_concurrent_allocs, gpu_library, verify,
+    gpu_device, tunables). The storage tier is unbounded unless `storage_capacity_gb` says otherwise
+    (0: 95 % of the free space)."""
+    options.setdefault("storage_capacity_gb", None)
+    self._open(BenchmarkConfig(model=model_config, gpu_mem_gb=gpu_memory_gb, cpu_mem_gb=cpu_memory_gb, seed=seed,
+                               cache_dir=None if cache_dir is None else str(cache_dir), **options), generator)
+
+
+def _allocate_cache(self: MultiTierCache, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
+                    cache_type: str = "user") -> Tuple[bool, Optional[str], float]:
+    """(success, tier, seconds spent, demotions included) of write_entry."""
+    result = self.write_entry(key, num_tokens, phase)
+    return result.success, result.tier, result.latency_s
+
+
+def _access_cache(self: MultiTierCache, key: str, phase: InferencePhase = InferencePhase.DECODE,
+                  cache_type: str = "user") -> Tuple[Optional[str], float]:
+    """(tier or None on a miss, seconds) of read_entry."""
+    result = self.read_entry(key, phase, cache_type)
+    return result.tier, result.latency_s
+
+
+def _get_stats(self: MultiTierCache, duration: float, window_counters: Optional[Dict[str, int]] = None
+               ) -> Dict[str, Any]:
+    """The cache's figures over `duration` seconds, as summary.cache_stats says them."""
+    report = self.report()
+    return cache_stats_summary(report, self.config.performance_profile,
+                               [(window_counters if window_counters is not None else report.counters, duration)])
+
+
+MultiTierCache.__init__ = _original_cache
+MultiTierCache.allocate_cache, MultiTierCache.access_cache, MultiTierCache.get_stats = \
+    _allocate_cache, _access_cache, _get_stats
+MultiTierCache._get_tier_order, MultiTierCache._get_tier_limit, MultiTierCache._get_tier_usage = \
+    MultiTierCache.tier_order, MultiTierCache.tier_limit, MultiTierCache.tier_usage
+ConversationManager.get_conversation_context_size = ConversationManager.get_context_size
+ConversationManager.get_all_previous_turn_keys = \
+    lambda self, conv_id, turn_number: self.get_previous_cache_keys(conv_id)[:max(0, turn_number - 1)]
+MAX_DURATION_S = MAX_DURATION_SECONDS                       # v3.0's names for constants
+FORBIDDEN_CACHE_PREFIXES = frozenset(SYSTEM_TREES)          # unlike the original's, /root is allowed: a home
 
 
 def available_models() -> Dict[str, ModelConfig]:

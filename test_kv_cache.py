@@ -2585,7 +2585,7 @@ def live_bytes(cache, tier):
 
 
 def holders(cache, key):
-    return [t for t in cache._get_tier_order() if key in cache.backends[t]]
+    return [t for t in cache.tier_order() if key in cache.backends[t]]
 
 
 class TestMultiTierCache:
@@ -2611,7 +2611,7 @@ class TestMultiTierCache:
         assert result[0].aborted and not result[0].success and cache.entry_location("k") is None
         s = cache.get_stats(1.0)
         assert (s["cpu_aborted_writes"], s["cpu_writes"]) == (1, 0)
-        assert cache._get_tier_usage("cpu") == 0 and cache.check_invariants() == []
+        assert cache.tier_usage("cpu") == 0 and cache.check_invariants() == []
 
     def test_a_cpu_tier_write_is_one_fill_per_memory_piece(self, make_cache, monkeypatch):
         cache = make_cache(cpu_entries=150)
@@ -2650,12 +2650,12 @@ class TestMultiTierCache:
 
     def test_tiers_without_gpu(self, make_cache):
         cache = make_cache(cpu_entries=10)
-        assert cache._get_tier_order() == ["cpu", "nvme"]
+        assert cache.tier_order() == ["cpu", "nvme"]
         assert isinstance(cache.backends["cpu"], kv.CPUMemoryBackend)
         assert isinstance(cache.backends["nvme"], kv.NVMeBackend)
-        assert cache._get_tier_limit("cpu") == pytest.approx(budget_gb(10) * GIB)
-        assert cache._get_tier_limit("nvme") == float("inf")
-        assert cache._get_tier_usage("cpu") == cache._get_tier_usage("nvme") == 0
+        assert cache.tier_limit("cpu") == pytest.approx(budget_gb(10) * GIB)
+        assert cache.tier_limit("nvme") == float("inf")
+        assert cache.tier_usage("cpu") == cache.tier_usage("nvme") == 0
 
     def test_requested_gpu_without_cuda_falls_back(self, tmp_path, generator):
         if kv.TORCH_AVAILABLE or kv.CUPY_AVAILABLE:
@@ -2666,7 +2666,7 @@ class TestMultiTierCache:
                 pass
         cache = kv.MultiTierCache(TINY, gpu_memory_gb=1, cpu_memory_gb=0.01, cache_dir=tmp_path, generator=generator)
         try:
-            assert cache._get_tier_order() == ["cpu", "nvme"]
+            assert cache.tier_order() == ["cpu", "nvme"]
             assert cache.gpu_disabled_reason
             assert cache.get_stats(1.0)["gpu_disabled_reason"] == cache.gpu_disabled_reason
         finally:
@@ -2674,7 +2674,7 @@ class TestMultiTierCache:
 
     def test_storage_only_cache(self, make_cache, generator):
         cache = make_cache(cpu_entries=0)
-        assert cache._get_tier_order() == ["nvme"]
+        assert cache.tier_order() == ["nvme"]
         assert cache.allocate_cache("k", 10)[:2] == (True, "nvme")
         np.testing.assert_array_equal(np.load(cache.run_dir / "k.npy"), generator.generate(10, "k"))
 
@@ -2682,7 +2682,7 @@ class TestMultiTierCache:
         cache = make_cache()
         ok, tier, seconds = cache.allocate_cache("k", TOKENS)
         assert (ok, tier) == (True, "cpu") and seconds > 0
-        assert cache._get_tier_usage("cpu") == ENTRY
+        assert cache.tier_usage("cpu") == ENTRY
         assert cache.entry_location("k") == "cpu"
         np.testing.assert_array_equal(cache.backends["cpu"].cache["k"], generator.generate(TOKENS, "k"))
         stats = cache.get_stats(1.0)
@@ -2718,8 +2718,8 @@ class TestMultiTierCache:
             assert cache.allocate_cache(f"k{i}", TOKENS)[1] == "cpu"
         assert cache.get_stats(1.0)["offloads_nvme"] == 0
         assert cache.allocate_cache("k8", TOKENS)[1] == "cpu"
-        assert cache._get_tier_usage("cpu") == 8 * ENTRY
-        assert cache._get_tier_usage("cpu") <= 0.8 * cache._get_tier_limit("cpu")
+        assert cache.tier_usage("cpu") == 8 * ENTRY
+        assert cache.tier_usage("cpu") <= 0.8 * cache.tier_limit("cpu")
         assert cache.entry_location("k0") == "nvme"         # the least recently used went down
         assert cache.get_stats(1.0)["offloads_nvme"] == 1
 
@@ -2729,13 +2729,13 @@ class TestMultiTierCache:
             cache.allocate_cache(f"small{i}", TOKENS)
         assert cache.allocate_cache("big", 9 * TOKENS)[1] == "nvme"
         assert [cache.entry_location(f"small{i}") for i in range(3)] == ["cpu"] * 3   # nothing demoted for it
-        assert cache._get_tier_usage("cpu") == 3 * ENTRY
+        assert cache.tier_usage("cpu") == 3 * ENTRY
         assert cache.get_stats(1.0)["offloads_nvme"] == 0
 
     def test_entry_of_80_percent_fits_the_tier(self, make_cache):
         cache = make_cache(cpu_entries=10.01)
         assert cache.allocate_cache("fits", 8 * TOKENS)[1] == "cpu"
-        assert cache._get_tier_usage("nvme") == 0
+        assert cache.tier_usage("nvme") == 0
 
     def test_waterfall_demotion_keeps_data_and_counts_offloads(self, make_cache, generator):
         cache = make_cache(cpu_entries=10.01)
@@ -2766,7 +2766,7 @@ class TestMultiTierCache:
             assert cache.access_cache("cold")[0] == "nvme"
         assert cache.entry_location("cold") == "nvme"
         assert holders(cache, "cold") == ["nvme"]
-        assert cache._get_tier_usage("cpu") == ENTRY
+        assert cache.tier_usage("cpu") == ENTRY
         s = cache.get_stats(1.0)
         assert (s["nvme_reads"], s["offloads_cpu"]) == (3, 0)
 
@@ -2777,11 +2777,11 @@ class TestMultiTierCache:
             cache.allocate_cache(f"k{rng.randrange(15)}", rng.choice([20, 50, 100, 300, 900]))
         cache.collect_garbage()
         for tier in ("cpu", "nvme"):
-            assert cache._get_tier_usage(tier) == live_bytes(cache, tier)
+            assert cache.tier_usage(tier) == live_bytes(cache, tier)
         counts = cache.tier_entry_counts()
         assert counts["cpu"] == len(cache.backends["cpu"].cache)
         assert counts["nvme"] == len(cache.backends["nvme"].metadata)
-        assert cache._get_tier_usage("cpu") <= 0.8 * cache._get_tier_limit("cpu")
+        assert cache.tier_usage("cpu") <= 0.8 * cache.tier_limit("cpu")
         for i in range(15):
             assert holders(cache, f"k{i}") == ([cache.entry_location(f"k{i}")] if cache.entry_location(f"k{i}") else [])
         assert sorted(p.name for p in cache.run_dir.iterdir()) == sorted(
@@ -2811,7 +2811,7 @@ class TestMultiTierCache:
         assert cache.check_invariants() == []
         assert cache.collect_garbage() == 0                    # only leftover files to delete now
         assert sorted(p.name for p in cache.run_dir.iterdir()) == ["k2.npy"]
-        assert cache._get_tier_usage("nvme") == 10 * TOKEN_BYTES
+        assert cache.tier_usage("nvme") == 10 * TOKEN_BYTES
 
     def test_check_invariants_detects_broken_bookkeeping(self, make_cache):
         cache = make_cache()
@@ -2869,7 +2869,7 @@ class TestMultiTierCache:
         assert cache.allocate_cache("k", TOKENS)[1] == "cpu"
         cache.collect_garbage()
         assert holders(cache, "k") == ["cpu"]
-        assert cache._get_tier_usage("nvme") == 0 and cache._get_tier_usage("cpu") == ENTRY
+        assert cache.tier_usage("nvme") == 0 and cache.tier_usage("cpu") == ENTRY
         assert list(cache.run_dir.iterdir()) == []
         np.testing.assert_array_equal(cache.backends["cpu"].cache["k"], generator.generate(TOKENS, "k"))
 
@@ -2892,7 +2892,7 @@ class TestMultiTierCache:
         assert cache.collect_garbage() == 1
         assert cache.entry_location("done_on_disk") is None
         assert cache.entry_location("done_in_ram") == "cpu"    # only storage entries are reaped
-        assert cache._get_tier_usage("nvme") == 0
+        assert cache.tier_usage("nvme") == 0
         assert list(cache.run_dir.iterdir()) == []
         assert cache.get_stats(1.0)["retired_entries_deleted"] == 1
 
@@ -2975,7 +2975,7 @@ class TestWaterfallEviction:
     """GPU -> CPU -> storage, the GPU tier's own code over host memory (use_host_gpu)."""
 
     def test_tier_order_has_three_tiers(self, make_cache):
-        assert make_cache(cpu_entries=5.01, gpu_entries=5.01)._get_tier_order() == ["gpu", "cpu", "nvme"]
+        assert make_cache(cpu_entries=5.01, gpu_entries=5.01).tier_order() == ["gpu", "cpu", "nvme"]
 
     def test_cascade_and_offload_counters(self, make_cache, generator):
         cache = make_cache(cpu_entries=5.01, gpu_entries=5.01)     # 4 entries per memory tier
@@ -2987,7 +2987,7 @@ class TestWaterfallEviction:
         assert (s["offloads_cpu"], s["offloads_nvme"]) == (6, 2)
         assert (s["gpu_entries"], s["cpu_entries"], s["nvme_entries"]) == (4, 4, 2)
         for tier in ("gpu", "cpu", "nvme"):
-            assert cache._get_tier_usage(tier) == live_bytes(cache, tier)
+            assert cache.tier_usage(tier) == live_bytes(cache, tier)
         for i in range(10):
             assert holders(cache, f"k{i}") == [where[i]]
         assert cache.check_invariants() == []
@@ -2999,7 +2999,7 @@ class TestWaterfallEviction:
         cache = make_cache(cpu_entries=10.01, gpu_entries=5.01)
         assert cache.allocate_cache("mid", 6 * TOKENS)[1] == "cpu"
         assert cache.allocate_cache("huge", 9 * TOKENS)[1] == "nvme"
-        assert cache._get_tier_usage("gpu") == 0
+        assert cache.tier_usage("gpu") == 0
 
     def test_reads_hit_every_tier_without_moving(self, make_cache):
         cache = make_cache(cpu_entries=5.01, gpu_entries=5.01)
@@ -3094,7 +3094,7 @@ class TestMultiTierCacheWithGPU:
         assert not queue_done                               # this thread did not wait for the other's stream
 
     def test_gpu_is_the_first_tier(self, gpu_cache):
-        assert gpu_cache._get_tier_order() == ["gpu", "cpu", "nvme"]
+        assert gpu_cache.tier_order() == ["gpu", "cpu", "nvme"]
         assert isinstance(gpu_cache.backends["gpu"], kv.GPUMemoryBackend)
         assert gpu_cache.allocate_cache("k", TOKENS)[1] == "gpu"
         assert gpu_cache.access_cache("k")[0] == "gpu"
@@ -3121,7 +3121,7 @@ class TestCPUTierArena:
             cache.allocate_cache(f"k{i}", unit)          # rewritten smaller, at units 5, 6 and 7
         cache.allocate_cache("f", 6 * unit)              # units 40-46; free: 8-10, 15-20, 25-30, 46-50.1
         needed = int(5.5 * unit) * TOKEN_BYTES
-        assert cache._get_tier_usage("cpu") + needed <= cache._get_tier_limit("cpu") * kv.TIER_HEADROOM   # the budget has room,
+        assert cache.tier_usage("cpu") + needed <= cache.tier_limit("cpu") * kv.TIER_HEADROOM   # the budget has room,
         assert not cpu.arena.can_fit(needed)                                            # the arena has not
         assert cache.allocate_cache("g", int(5.5 * unit))[1] == "cpu"
         # LRU first: k1's place (0-5) is still too small; with k3's (10-15) units 8-20 are free
@@ -3168,7 +3168,7 @@ class TestConcurrency:
     def test_threads_allocating_and_reading(self, make_cache, gpu_entries):
         cache = make_cache(cpu_entries=4.01, gpu_entries=gpu_entries, verify=True)
         assert isinstance(cache.backends.get("gpu"), kv.GPUMemoryBackend) == bool(gpu_entries)
-        tiers = cache._get_tier_order()
+        tiers = cache.tier_order()
         keys = [f"k{i}" for i in range(20)]
         # One size per key: a rewrite stores the same bytes, so --verify must never disagree.
         tokens_of = {key: (10, 40, 100, 150)[i % 4] for i, key in enumerate(keys)}
@@ -3179,7 +3179,7 @@ class TestConcurrency:
         def watch():
             while not done.is_set():
                 for tier in tiers:
-                    if cache._get_tier_usage(tier) < 0:
+                    if cache.tier_usage(tier) < 0:
                         negative.append(tier)
 
         def work(seed):
@@ -3221,9 +3221,9 @@ class TestConcurrency:
             location = cache.entry_location(key)
             assert holders(cache, key) == ([location] if location else []), key
         for tier in tiers:
-            assert cache._get_tier_usage(tier) == live_bytes(cache, tier)
+            assert cache.tier_usage(tier) == live_bytes(cache, tier)
             if tier != "nvme":
-                assert cache._get_tier_usage(tier) <= 0.8 * cache._get_tier_limit(tier)
+                assert cache.tier_usage(tier) <= 0.8 * cache.tier_limit(tier)
         assert sorted(p.name for p in cache.run_dir.iterdir()) == sorted(
             f"{k}.npy" for k in cache.backends["nvme"].metadata)
         assert cache.check_invariants() == []
@@ -5476,7 +5476,7 @@ class TestConfigChangesTheRun:
         opened = use_host_gpu_with(monkeypatch, free=40 * ENTRY, total=40 * ENTRY)
         cache = kv.MultiTierCache(TINY, gpu_memory_gb=budget_gb(100), cpu_memory_gb=budget_gb(10.01),
                                   cache_dir=tmp_path, generator=generator, tunables=t)
-        assert cache._get_tier_limit("gpu") == 20 * ENTRY                           # half the free memory
+        assert cache.tier_limit("gpu") == 20 * ENTRY                           # half the free memory
         opened[0].free = 12 * ENTRY                                                 # another process took memory
         assert cache.allocate_cache("a", 2 * TOKENS)[1] == "gpu"                   # 12 - 2 >= 10 kept free
         assert cache.allocate_cache("b", 3 * TOKENS)[1] == "cpu"                   # would leave 9: demote a, once
@@ -6018,7 +6018,7 @@ class TestEndToEnd:
         assert "storage 0.15 GB (95% of the 0.2 GB free at the start)" in run.stdout
         unbounded = kv.MultiTierCache(TINY, 0, 0, cache_dir=tmp_path)      # the module's constructor: as before
         try:
-            assert unbounded._get_tier_limit("nvme") == float("inf")
+            assert unbounded.tier_limit("nvme") == float("inf")
         finally:
             unbounded.close()
 
@@ -6857,7 +6857,7 @@ class TestReliability:
             assert cache.allocate_cache("k", TOKENS)[:2] == (False, None)
         s = cache.get_stats(1.0)
         assert s["io_errors"] == 1 and s["io_errors_by_kind"] == {f"nvme_write_{errno.errorcode[code]}": 1}
-        assert cache.entry_location("k") is None and cache._get_tier_usage("nvme") == 0
+        assert cache.entry_location("k") is None and cache.tier_usage("nvme") == 0
         assert list(cache.run_dir.iterdir()) == [] and cache.check_invariants() == []
         assert cache.allocate_cache("k", TOKENS)[:2] == (True, "nvme")      # the next write works again
 
@@ -7003,15 +7003,15 @@ class TestReliability:
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
                 cache, bench = self.cache, self
-                capacity = {t: cache._get_tier_limit(t) * (1 if t == "nvme" else kv.TIER_HEADROOM)
-                            for t in cache._get_tier_order()}
+                capacity = {t: cache.tier_limit(t) * (1 if t == "nvme" else kv.TIER_HEADROOM)
+                            for t in cache.tier_order()}
                 assert set(capacity) == {"cpu", "nvme"}
 
                 def checked(operation):                # the workers' public cache calls, each checked after
                     def call(*args, **kwargs):
                         result = operation(*args, **kwargs)
                         for tier, cap in capacity.items():
-                            used = cache._get_tier_usage(tier)
+                            used = cache.tier_usage(tier)
                             if not 0 <= used <= cap:
                                 violations.append((tier, used))
                         with counting:

@@ -5184,7 +5184,6 @@ class MultiTierCache:
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._entries: Dict[str, CacheEntry] = {}
-        self._tls = threading.local()
         slots = config.max_concurrent_allocs
         self._alloc_slots = threading.BoundedSemaphore(slots) if slots > 0 else None
 
@@ -5257,7 +5256,6 @@ class MultiTierCache:
         t0 = time.perf_counter()
         if num_tokens <= 0:
             return CacheResult(False, None, 0.0, 0)
-        self._tls.demoted_tokens = 0
         if self._alloc_slots is not None:
             self._alloc_slots.acquire()
         try:
@@ -5265,10 +5263,11 @@ class MultiTierCache:
         finally:
             if self._alloc_slots is not None:
                 self._alloc_slots.release()
-        return CacheResult(success, tier, time.perf_counter() - t0, tokens + self._tls.demoted_tokens, aborted)
+        return CacheResult(success, tier, time.perf_counter() - t0, tokens, aborted)
 
     def _allocate(self, key: str, num_tokens: int, phase: InferencePhase,
                   first_tier: int) -> Tuple[bool, Optional[str], int, bool]:
+        """(success, tier, tokens moved: the entry's and its demotions', aborted)."""
         model = self.model_config
         size = num_tokens * model.kv_cache_size_per_token
         with self._lock:
@@ -5281,11 +5280,11 @@ class MultiTierCache:
             self._entries[key] = entry
         if old is not None:
             self._discard_data(old.tier, key)
-        tier = self._reserve(size, first_tier)
+        tier, demoted = self._reserve(size, first_tier)
         if tier is None:
             self._drop(entry, reserved_tier=None)
             self.stats.count("allocation_failures")
-            return False, None, 0, False
+            return False, None, demoted, False
         source = EntrySource.generated(self.generator, key, size, entry.shape, entry.dtype)
         reason = "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE) else "decode"
         try:
@@ -5293,18 +5292,19 @@ class MultiTierCache:
                 self.backends[tier].write_from(key, source, transfer)
         except (OSError, IOAborted) as exc:             # counted by the transfer
             self._drop(entry, reserved_tier=tier)
-            return False, None, 0, isinstance(exc, IOAborted)
+            return False, None, demoted, isinstance(exc, IOAborted)
         with self._lock:
             entry.checksum = transfer.crc if self.config.verify else None
             entry.tier, entry.state = tier, "ready"
             self._lru[tier][key] = None
         transfer.record(num_tokens)
-        return True, tier, num_tokens, False
+        return True, tier, num_tokens + demoted, False
 
-    def _reserve(self, size: int, first_tier_index: int, depth: int = 0) -> Optional[str]:
+    def _reserve(self, size: int, first_tier_index: int, depth: int = 0) -> Tuple[Optional[str], int]:
         """Reserve `size` bytes in the fastest tier from `first_tier_index` on, demoting LRU entries
-        to make room (EvictionPolicy; `depth`: demotions down the waterfall so far)."""
-        policy = self._policy
+        to make room (EvictionPolicy; `depth`: demotions down the waterfall so far): the tier (None:
+        none had room) and the tokens the demotions moved."""
+        policy, moved = self._policy, 0
         for tier in self.tier_order()[first_tier_index:]:
             limit, last = self._limits[tier], tier == "nvme"
             if policy.skips(size, limit, last):
@@ -5315,14 +5315,14 @@ class MultiTierCache:
                 with self._lock:
                     if policy.has_room(self._usage[tier], size, limit, last) and self.backends[tier].can_place(size):
                         self._usage[tier] += size
-                        return tier
+                        return tier, moved
                     budget = budget or policy.eviction_budget(tier, len(self._lru[tier]))
                     victim = self._pick_victim(tier) if may_demote and demoted < budget else None
                 if victim is None:
                     break                                  # all in flight, or enough tried: the next tier
                 demoted += 1
-                self.evict_to_next_tier(victim, depth + 1)
-        return None
+                moved += self.evict_to_next_tier(victim, depth + 1)
+        return None, moved
 
     def _pick_victim(self, tier: str) -> Optional[CacheEntry]:
         """The tier's least recently used ready entry, marked as moving. Caller holds the lock."""
@@ -5334,11 +5334,12 @@ class MultiTierCache:
         victim.state = "moving"
         return victim
 
-    def evict_to_next_tier(self, victim: CacheEntry, depth: int = 1) -> None:
-        """Move a (moving-marked) entry one tier down; off the end of the last tier it leaves the cache."""
+    def evict_to_next_tier(self, victim: CacheEntry, depth: int = 1) -> int:
+        """Move a (moving-marked) entry one tier down; off the end of the last tier it leaves the
+        cache. Returns the tokens moved: the entry's, and those of the demotions it caused below."""
         source = victim.tier
         order = self.tier_order()
-        dest = self._reserve(victim.size_bytes, order.index(source) + 1, depth)
+        dest, moved = self._reserve(victim.size_bytes, order.index(source) + 1, depth)
         if dest is None:
             with self._lock:                        # off the books and out of the way in one step
                 self._drop_locked(victim, reserved_tier=source)
@@ -5346,7 +5347,7 @@ class MultiTierCache:
             for path in trash:
                 _unlink_counted(self.stats, path)                  # the capacity cap holds on disk too
             self.stats.count("evictions")
-            return
+            return moved
         try:                                         # the next tier stores the entry from where it lies
             entry_source = self.backends[source].source(victim.key)
             with self._transfer(dest, "write", victim.size_bytes, False, "demotion") as transfer:
@@ -5356,7 +5357,7 @@ class MultiTierCache:
                 self._usage[dest] -= victim.size_bytes
             self._drop(victim, reserved_tier=source)
             self.backends[source].delete(victim.key)
-            return
+            return moved
         with self._lock:
             victim.tier, victim.state = dest, "ready"
             self._usage[source] -= victim.size_bytes
@@ -5364,7 +5365,7 @@ class MultiTierCache:
         self.backends[source].delete(victim.key)
         self.stats.count(f"offloads_{dest}")
         transfer.record(victim.num_tokens)
-        self._tls.demoted_tokens = getattr(self._tls, "demoted_tokens", 0) + victim.num_tokens
+        return moved + victim.num_tokens
 
     def _forget(self, entry: CacheEntry) -> None:
         """Remove a ready entry's bookkeeping. Caller holds the lock."""

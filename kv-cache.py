@@ -5455,7 +5455,7 @@ class MultiTierCache:
         They keep their place in the GPU/CPU LRU order, so the waterfall is
         exactly what it would be without this; once they reach the storage
         tier, where they would otherwise sit until the end of the run,
-        `reap_retired` deletes them (a server frees a finished session too),
+        `collect_garbage` deletes them (a server frees a finished session too),
         so the run's files do not pile up for a long cleanup at the end.
         """
         with self._lock:

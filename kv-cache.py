@@ -102,7 +102,8 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import (Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, Union,
+                    runtime_checkable)
 
 import numpy as np
 
@@ -2804,6 +2805,7 @@ class StoredEntry:
     dtype: str
 
 
+@runtime_checkable
 class GPUDevice(Protocol):
     """What the GPU tier and its delivery need of a GPU library: _TorchDevice and _CupyDevice
     here, and a host-memory stand-in in the tests (so that CI runs the tier's own code).
@@ -3662,9 +3664,10 @@ def pin_host_buffer(dev: Optional[Any], host: np.ndarray) -> bool:
 
 # --- The two libraries' devices (GPUDevice, above) ----------------------------------
 
-class _GPUDeviceBase:
-    """What both libraries' devices keep alike: the pinning bookkeeping (every registered buffer
-    kept alive until close() unpins it), per-thread state, 1-D views."""
+class GPUDeviceBase:
+    """What both libraries' devices keep alike, for a GPUDevice of another library to build on:
+    the pinning bookkeeping (every registered buffer kept alive until close() unpins it),
+    per-thread state, 1-D views, KV made on the device from the uploaded pool."""
 
     def __init__(self) -> None:
         self.pin_refusal: Optional[str] = None
@@ -3763,7 +3766,7 @@ class _GPUDeviceBase:
         return pointers
 
 
-class _TorchDevice(_GPUDeviceBase):
+class _TorchDevice(GPUDeviceBase):
     """GPU operations through PyTorch: per-thread streams, pinned host memory, KV filled on the GPU."""
 
     def __init__(self, device_index: int):
@@ -3898,7 +3901,7 @@ class _TorchDevice(_GPUDeviceBase):
             self._torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-class _CupyDevice(_GPUDeviceBase):
+class _CupyDevice(GPUDeviceBase):
     """GPU operations through CuPy: per-thread streams, pinned host memory, KV filled on the GPU."""
 
     def __init__(self, device_index: int):

@@ -2087,8 +2087,8 @@ class TestOpenGpuDeviceWithoutLibraries:
         assert "Torch broke" in str(info.value) and "Cupy broke" in str(info.value)
 
 
-class _HostDevice(kv._GPUDeviceBase):
-    """Every method of a GPU device (the interface listed above kv._GPUDeviceBase) over host
+class _HostDevice(kv.GPUDeviceBase):
+    """Every method of a GPU device (the interface listed above kv.GPUDeviceBase) over host
     memory: streams are names, events log what they wait for, copies are numpy copies, and
     fill() is fill_entry over numpy. With it the GPU tier's own code (GPUMemoryBackend,
     GPUDelivery, the page-locked arena, demotions, hits delivered to the GPU) runs and is
@@ -2333,7 +2333,7 @@ def torch_device_on_cpu(monkeypatch):
     Pinning is bookkeeping only (a CPU build of PyTorch has no cudart)."""
     torch = pytest.importorskip("torch")
     dev = object.__new__(kv._TorchDevice)
-    kv._GPUDeviceBase.__init__(dev)
+    kv.GPUDeviceBase.__init__(dev)
     dev._torch, dev.device, dev.device_index = torch, torch.device("cpu"), 0
     dev.library, dev.name = f"torch {torch.__version__}", "CPU tensors (no CUDA)"
     dev._pool, dev._table, dev._alloc_stream = None, None, None
@@ -2436,6 +2436,13 @@ def on_threads(count: int, fn):
 
 
 class TestGPUDevice:
+    def test_the_host_stand_in_is_a_gpu_device(self):
+        """The tests' device implements the public protocol the GPU tier takes, member for member."""
+        members = [m for m in vars(kv.GPUDevice) if not m.startswith("_")]
+        assert isinstance(_HostDevice(), kv.GPUDevice) and len(members) >= 15
+        assert [m for m in members if not callable(getattr(_HostDevice(), m, None)) and
+                not hasattr(_HostDevice, m)] == []
+
     def test_reports_library_and_name(self, device):
         assert device.library.split()[0] in ("torch", "cupy") and len(device.library.split()) == 2
         assert device.name
@@ -5267,7 +5274,7 @@ class TestPlots:
 
     @pytest.mark.slow
     def test_without_matplotlib_there_are_no_charts(self, engine_run, tmp_path, monkeypatch, caplog):
-        monkeypatch.setattr(kv, "_pyplot", lambda: None)
+        monkeypatch.setitem(sys.modules, "matplotlib", None)                # as if not installed
         assert kv.make_plots(engine_run["results"], engine_run["bench"].latency_samples, str(tmp_path / "c")) == []
         assert kv.plot_suite([kv._suite_row("a", "ok", engine_run["results"])], tmp_path / "s.png") is None
         assert list(tmp_path.iterdir()) == []
@@ -6391,7 +6398,7 @@ class TestIOTrace:
         assert r["unknown_reads"] == r["unknown_deletes"] == r["io_errors"] == 0 and r["stop_reason"] == "trace_end"
 
     def test_a_zst_replay_needs_zstandard(self, tmp_path, monkeypatch):
-        monkeypatch.setattr(kv, "_installed", lambda name: name != "zstandard")
+        monkeypatch.setitem(sys.modules, "zstandard", None)                 # as if not installed
         with pytest.raises(kv.UsageError, match="--replay-io-trace .*zstandard"):
             kv.BenchmarkConfig(model="tiny-1b", replay_io_trace=str(tmp_path / "t.csv.zst")).validate()
 
@@ -6414,7 +6421,7 @@ class TestIOTrace:
             "/t/x.rank2.csv"
 
     def test_a_zst_trace_needs_zstandard(self, tmp_path, monkeypatch):
-        monkeypatch.setattr(kv, "_installed", lambda name: name != "zstandard")
+        monkeypatch.setitem(sys.modules, "zstandard", None)                 # as if not installed
         with pytest.raises(kv.UsageError, match="--io-trace-log .*zstandard"):
             kv.BenchmarkConfig(model="tiny-1b", io_trace_log=str(tmp_path / "t.csv.zst")).validate()
         assert list(tmp_path.iterdir()) == []
@@ -7910,8 +7917,7 @@ class TestMPI:
         monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
         monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
         monkeypatch.setattr(kv, "parent_process_name", lambda: "prterun")   # a rank mpirun started
-        real_installed = kv._installed
-        monkeypatch.setattr(kv, "_installed", lambda name: False if name == "mpi4py" else real_installed(name))
+        monkeypatch.setitem(sys.modules, "mpi4py", None)                    # as if not installed
         run = run_in_process("--model", "tiny-1b", "--num-users", "4", "--duration", "1", "--gpu-mem-gb", "0",
                              "--cpu-mem-gb", "0", "--cache-dir", tmp_path / "cache", "--output", tmp_path / "r.json")
         status, err = run.status, run.stderr.strip().splitlines()

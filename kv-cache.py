@@ -6825,8 +6825,7 @@ def decode_context_key(user_index: int) -> str:
 
 
 # --- Filling the cache before the timer: --decode-only's contexts, --precondition's bytes (below) ---
-# Both are many entries written before the timer starts: one fill, so that a stop, a progress
-# line or a count is handled once.
+# One fill for both, so that a stop, a progress line or a count is handled once.
 def fill_before_the_timer(cache: "MultiTierCache", jobs: Iterator[Tuple[str, int, int]], threads: int, label: str,
                           what: str, total_bytes: int, should_stop: Callable[[], bool],
                           after_each: Callable[[int], None] = lambda nbytes: None) -> Dict[str, Any]:
@@ -6840,13 +6839,12 @@ def fill_before_the_timer(cache: "MultiTierCache", jobs: Iterator[Tuple[str, int
     lock, filled = threading.Lock(), {"entries": 0, "failed": 0, "bytes": 0}
     per_token, t0 = cache.model_config.kv_cache_size_per_token, time.perf_counter()
 
+    def take() -> Optional[Tuple[str, int, int]]:
+        with lock:                                      # an iterator is not safe to share unlocked
+            return None if should_stop() else next(jobs, None)
+
     def writer() -> None:
-        while not should_stop():
-            with lock:                                  # an iterator is not safe to share unlocked
-                job = next(jobs, None)
-            if job is None:
-                return
-            key, tokens, first_tier = job
+        for key, tokens, first_tier in iter(take, None):
             success = cache.write_entry(key, tokens, InferencePhase.PREFILL, first_tier).success
             with lock:
                 filled["entries" if success else "failed"] += 1
@@ -6862,7 +6860,8 @@ def fill_before_the_timer(cache: "MultiTierCache", jobs: Iterator[Tuple[str, int
                 next_line += FILL_PROGRESS_S
                 done = filled["bytes"]
                 left = (now - t0) * (total_bytes - done) / done if done else float("nan")
-                logger.info("%s: %.2f of %.2f GB written, about %.0f s left", label, done / GIB, total_bytes / GIB, left)
+                logger.info("%s: %.2f of %.2f GB written, about %.0f s left", label, done / GIB,
+                            total_bytes / GIB, left)
         for future in futures:
             future.result()                             # a writer's error is the fill's
     if should_stop():
@@ -6917,16 +6916,6 @@ PRECONDITION_SIZES_PER_USER = 8         # the entry sizes drawn from each user's
 PRECONDITION_SIZE_USERS = 1000          # ... of at most this many users
 
 
-def precondition_jobs(target: int, sizes: List[int], per_token: int, first_tier: int) -> Iterator[Tuple[str, int, int]]:
-    """fill_before_the_timer's jobs: `sizes` (tokens) in turn until `target` bytes, the last entry cut to end at it."""
-    claimed, n = 0, 0
-    while claimed < target:
-        tokens = min(sizes[n % len(sizes)], -(-(target - claimed) // per_token))
-        claimed += tokens * per_token
-        yield f"precondition_{n}", tokens, first_tier
-        n += 1
-
-
 def precondition_storage(cache: "MultiTierCache", plan: WorkloadPlan, config: BenchmarkConfig,
                          should_stop: Callable[[], bool]) -> Dict[str, Any]:
     """Write --precondition's bytes straight to the storage tier (fill_before_the_timer), the device's
@@ -6939,20 +6928,28 @@ def precondition_storage(cache: "MultiTierCache", plan: WorkloadPlan, config: Be
     monitor, marks = BlockDeviceMonitor(cache.run_dir), []      # (bytes, device write GiB/s) at 10 % and 90 %
     monitor.start()
 
+    def jobs() -> Iterator[Tuple[str, int, int]]:       # the sizes in turn until the target, the last cut to end at it
+        claimed, n = 0, 0
+        while claimed < target:
+            tokens = min(sizes[n % len(sizes)], -(-(target - claimed) // per_token))
+            claimed += tokens * per_token
+            yield f"precondition_{n}", tokens, storage
+            n += 1
+
     def mark(nbytes: int) -> None:                      # after each entry: the bytes written so far
         if len(marks) < 2 and nbytes >= (0.1, 0.9)[len(marks)] * target:
             marks.append((nbytes, monitor.interval().get("device_write_gib_per_sec")))
-    filled = fill_before_the_timer(cache, precondition_jobs(target, sizes, per_token, storage),
+    filled = fill_before_the_timer(cache, jobs(),
                                    config.precondition_threads or os.cpu_count() or 1, "--precondition",
                                    "the run's entry sizes to the storage tier", target, should_stop, mark)
     # The last tenth is the entries written after the 90 % mark: None when the entry that crossed
     # it also ended the preconditioning (too few entries to tell).
     last = monitor.interval() if len(marks) == 2 and filled["bytes"] > marks[1][0] else {}
     device = monitor.finish()
-    seen = device.get("available")
+    sampled = device if device.get("available") else {}
     return {"target_gb": target / GIB, "written_gb": filled["bytes"] / GIB, "entries": filled["entries"],
             "failed_writes": filled["failed"], "seconds": filled["seconds"],
-            "device_written_gb": device.get("write_gb") if seen else None, "device": device.get("device") if seen else None,
+            "device_written_gb": sampled.get("write_gb"), "device": sampled.get("device"),
             "device_write_gib_per_sec_first_tenth": marks[0][1] if marks else None,
             "device_write_gib_per_sec_last_tenth": last.get("device_write_gib_per_sec")}
 

@@ -48,7 +48,7 @@ Sections, in the order data flows through the program (each uses only those abov
     REQUEST RECORDS                   RequestRecord, RunRecorder
     MONITORING: TIMELINE AND PROGRESS the monitor's samples, the progress line
     AUTOSCALING                       QoS and capacity modes
-    NODE ROLES                        --prefill-only, --decode-only (its contexts before the timer)
+    NODE ROLES                        --prefill-only, --decode-only; fill_before_the_timer (contexts, --precondition)
     PRECONDITIONING                   --precondition: the drive aged before the timer
     TRACE REPLAY                      --replay-io-trace: a trace's storage rows issued open loop
     RUN MEASUREMENTS                  RequestIO, RunMeasurements: what a run hands the results
@@ -6780,7 +6780,7 @@ NODE_ROLE_NOTES = {
                     "reads it, one decode read per 32 generated tokens, and writes its generated tokens' KV"),
 }
 DECODE_CONTEXT_THREADS = 8              # --decode-only's set-up writes contexts on this many threads
-DECODE_CONTEXT_PROGRESS_S = 5.0         # a progress line this often during that set-up
+FILL_PROGRESS_S = 5.0                   # a progress line this often while filling before the timer
 
 
 def node_role(config: BenchmarkConfig) -> str:
@@ -6792,51 +6792,75 @@ def decode_context_key(user_index: int) -> str:
     return f"decode_context_user{user_index}"
 
 
-def reset_statistics(cache: "MultiTierCache") -> None:
-    """Forget what the cache and its storage tier counted so far: the measurement starts now."""
+# --- Filling the cache before the timer: --decode-only's contexts, --precondition's bytes (below) ---
+# One fill for both, so that a stop, a progress line or a count is handled once.
+def fill_before_the_timer(cache: "MultiTierCache", jobs: Iterator[Tuple[str, int, int]], threads: int, label: str,
+                          what: str, total_bytes: int, should_stop: Callable[[], bool],
+                          after_each: Callable[[int], None] = lambda nbytes: None) -> Dict[str, Any]:
+    """Write the `jobs`, (key, tokens, the fastest tier allowed: 0 the waterfall's top), on `threads` threads,
+    each taking the next job as it ends one (a lazy iterator is read only as far as it is written),
+    `after_each(bytes written so far)` after each entry, under the fill's lock; a progress line every
+    FILL_PROGRESS_S, time left reckoned against `total_bytes`. A stop aborts the writes in flight and
+    raises Interrupted; otherwise the cache's counts are reset (the measurement starts after the fill).
+    Returns {"entries": written, "failed": not written, "bytes": written, "seconds": taken}."""
+    from concurrent.futures import ThreadPoolExecutor, wait
+    lock, filled = threading.Lock(), {"entries": 0, "failed": 0, "bytes": 0}
+    per_token, t0 = cache.model_config.kv_cache_size_per_token, time.perf_counter()
+
+    def take() -> Optional[Tuple[str, int, int]]:
+        with lock:                                      # an iterator is not safe to share unlocked
+            return None if should_stop() else next(jobs, None)
+
+    def writer() -> None:
+        for key, tokens, first_tier in iter(take, None):
+            success = cache.write_entry(key, tokens, InferencePhase.PREFILL, first_tier).success
+            with lock:
+                filled["entries" if success else "failed"] += 1
+                filled["bytes"] += tokens * per_token if success else 0
+                after_each(filled["bytes"])
+    logger.info("%s: writing %s (%.2f GB) before the timer on %d threads...", label, what, total_bytes / GIB, threads)
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kv-fill") as pool:
+        futures, next_line = [pool.submit(writer) for _ in range(threads)], t0 + FILL_PROGRESS_S
+        while wait(futures, timeout=0.05).not_done:
+            if should_stop():
+                cache.abort_io()
+            elif (now := time.perf_counter()) >= next_line:
+                next_line += FILL_PROGRESS_S
+                done = filled["bytes"]
+                left = (now - t0) * (total_bytes - done) / done if done else float("nan")
+                logger.info("%s: %.2f of %.2f GB written, about %.0f s left", label, done / GIB,
+                            total_bytes / GIB, left)
+        for future in futures:
+            future.result()                             # a writer's error is the fill's
+    if should_stop():
+        cache.abort_io()                                # also when every writer saw the stop before writing
+        raise Interrupted()
+    filled["seconds"] = time.perf_counter() - t0
     cache.stats.reset()
     cache.backends["nvme"].reset_accounting()
+    logger.info("%s: %d entries (%.2f GB) written in %.1f s", label, filled["entries"], filled["bytes"] / GIB,
+                filled["seconds"])
+    return filled
 
 
 def write_decode_contexts(cache: "MultiTierCache", plan: WorkloadPlan, users: int,
                           should_stop: Callable[[], bool]) -> Dict[str, Any]:
-    """--decode-only's set-up, before the timer: user i's context, as many tokens as the seed gives
-    its first request, written as decode_context_key(i) through the waterfall (as KV arriving from
-    prefill nodes would be), on DECODE_CONTEXT_THREADS threads, with a progress line every few
-    seconds. A stop asked for meanwhile aborts the writes in flight and raises Interrupted. Then
-    the statistics are reset. Returns what was written and where it lies."""
-    from concurrent.futures import ThreadPoolExecutor, wait
+    """--decode-only's set-up (fill_before_the_timer): user i's context, as many tokens as the seed
+    gives its first request, written as decode_context_key(i) through the waterfall (as KV arriving
+    from prefill nodes would be). Returns what was written and where it lies."""
     tokens = [plan.plans[i].peek(1)[0].context_tokens for i in range(users)]
-    per_token, t0 = cache.model_config.kv_cache_size_per_token, time.perf_counter()
-    logger.info("--decode-only: writing %d users' contexts (%.2f GB) before the timer...", users,
-                sum(tokens) * per_token / GIB)
-    with ThreadPoolExecutor(max_workers=max(1, min(DECODE_CONTEXT_THREADS, users)), thread_name_prefix="kv-ctx") as pool:
-        pending = {pool.submit(cache.write_entry, decode_context_key(i), tokens[i]) for i in range(users)}
-        next_line = t0 + DECODE_CONTEXT_PROGRESS_S
-        while pending:
-            _, pending = wait(pending, timeout=0.1)
-            if should_stop():
-                cache.abort_io()
-                for future in pending:
-                    future.cancel()
-            elif time.perf_counter() >= next_line:
-                next_line += DECODE_CONTEXT_PROGRESS_S
-                logger.info("--decode-only: %d of %d contexts written", users - len(pending), users)
-    if should_stop():
-        raise Interrupted()
+    per_token = cache.model_config.kv_cache_size_per_token
+    filled = fill_before_the_timer(cache, ((decode_context_key(i), tokens[i], 0) for i in range(users)),
+                                   max(1, min(DECODE_CONTEXT_THREADS, users)), "--decode-only",
+                                   f"{users} users' contexts", sum(tokens) * per_token, should_stop)
     where = {tier: {"entries": 0, "gb": 0.0} for tier in TIER_NAMES}
-    for i in range(users):
+    for i in range(users):                              # where they lie now: the waterfall moves them
         tier = cache.entry_location(decode_context_key(i))
         if tier is not None:
             where[tier]["entries"] += 1
             where[tier]["gb"] += tokens[i] * per_token / GIB
-    reset_statistics(cache)
-    written = sum(w["entries"] for w in where.values())
-    summary = {"users": users, "contexts_written": written, "gb": sum(w["gb"] for w in where.values()),
-               "seconds": time.perf_counter() - t0, "by_tier": where}
-    logger.info("--decode-only: %d contexts (%.2f GB) written in %.1f s: %s", written, summary["gb"],
-                summary["seconds"], ", ".join(f"{t} {w['gb']:.2f} GB" for t, w in where.items()))
-    return summary
+    return {"users": users, "contexts_written": sum(w["entries"] for w in where.values()),
+            "gb": sum(w["gb"] for w in where.values()), "seconds": filled["seconds"], "by_tier": where}
 
 
 def merge_decode_contexts(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
@@ -6856,99 +6880,46 @@ def merge_decode_contexts(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional
 # the device's write rate over the first and the last tenth: steady state shows as the two
 # being alike. The timed run starts on the aged drive, the cache as the preconditioning left it.
 
-PRECONDITION_PROGRESS_S = 5.0           # a progress line this often
 PRECONDITION_SIZES_PER_USER = 8         # the entry sizes drawn from each user's first planned requests
 PRECONDITION_SIZE_USERS = 1000          # ... of at most this many users
 
 
 def precondition_storage(cache: "MultiTierCache", plan: WorkloadPlan, config: BenchmarkConfig,
                          should_stop: Callable[[], bool]) -> Dict[str, Any]:
-    """Write --precondition's bytes to the storage tier on --precondition-threads threads; a stop
-    asked for meanwhile aborts the writes in flight and raises Interrupted. The statistics are
-    reset afterwards. Returns what was written and the device's view of it."""
-    from concurrent.futures import ThreadPoolExecutor
+    """Write --precondition's bytes straight to the storage tier (fill_before_the_timer), the device's
+    write rate sampled when 10 % and 90 % of them are written and at the end. Returns what was
+    written and the device's view of it."""
     limit = cache.tier_limit("nvme")
     target = int(config.precondition_size_gb * GIB) if config.precondition_size_gb else int(2 * limit)
     sizes = [r.context_tokens for p in plan.plans[:PRECONDITION_SIZE_USERS] for r in p.peek(PRECONDITION_SIZES_PER_USER)]
     per_token, storage = cache.model_config.kv_cache_size_per_token, len(cache.tier_order()) - 1
-    monitor, progress = BlockDeviceMonitor(cache.run_dir), _PreconditionProgress(target, sizes, per_token)
+    monitor, marks = BlockDeviceMonitor(cache.run_dir), []      # (bytes, device write GiB/s) at 10 % and 90 %
     monitor.start()
 
-    def writer() -> None:
-        while not should_stop() and (claimed := progress.claim()) is not None:
-            n, tokens = claimed
-            result = cache.write_entry(f"precondition_{n}", tokens, InferencePhase.PREFILL, storage)
-            progress.done(result.success, tokens * per_token, monitor)
-    threads = config.precondition_threads or os.cpu_count() or 1
-    logger.info("--precondition: writing %.2f GB to the storage tier before the timer on %d threads...",
-                target / GIB, threads)
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kv-precondition") as pool:
-        futures = [pool.submit(writer) for _ in range(threads)]
-        while not all(f.done() for f in futures):
-            if should_stop():
-                cache.abort_io()
-            time.sleep(0.05)
-        for future in futures:
-            future.result()
-    if should_stop():
-        raise Interrupted()
-    summary = progress.summary(monitor)
-    reset_statistics(cache)
-    logger.info("--precondition: %.2f GB written in %.1f s", summary["written_gb"], summary["seconds"])
-    return summary
+    def jobs() -> Iterator[Tuple[str, int, int]]:       # the sizes in turn until the target, the last cut to end at it
+        claimed, n = 0, 0
+        while claimed < target:
+            tokens = min(sizes[n % len(sizes)], -(-(target - claimed) // per_token))
+            claimed += tokens * per_token
+            yield f"precondition_{n}", tokens, storage
+            n += 1
 
-
-class _PreconditionProgress:
-    """The entries the preconditioning threads claim and write, its progress lines, and the
-    device's write rate over the first and the last tenth (BlockDeviceMonitor intervals at 10 %,
-    90 % and the end of the bytes written)."""
-
-    def __init__(self, target: int, sizes: List[int], per_token: int):
-        self.target, self.t0 = target, time.perf_counter()
-        self._sizes, self._per_token = sizes, per_token
-        self._lock = threading.Lock()
-        self.claimed = self.written = self.entries = self.failed = self._count = self._since_mark = 0
-        self._next_line = self.t0 + PRECONDITION_PROGRESS_S
-        self._marks: List[Optional[float]] = []         # device write GiB/s up to 10 %, 10-90 %, 90-100 %
-
-    def claim(self) -> Optional[Tuple[int, int]]:
-        """(the next entry's number, its tokens), or None once the target is claimed."""
-        with self._lock:
-            if self.claimed >= self.target:
-                return None
-            n, self._count = self._count, self._count + 1
-            left = -(-(self.target - self.claimed) // self._per_token)      # the last entry ends at the target
-            tokens = min(self._sizes[n % len(self._sizes)], left)
-            self.claimed += tokens * self._per_token
-            return n, tokens
-
-    def done(self, success: bool, nbytes: int, monitor: "BlockDeviceMonitor") -> None:
-        with self._lock:
-            self.entries += success
-            self.failed += not success
-            self.written += nbytes if success else 0
-            now = time.perf_counter()
-            self._since_mark += success
-            if len(self._marks) < 2 and self.written >= (0.1, 0.9)[len(self._marks)] * self.target:
-                self._marks.append(monitor.interval().get("device_write_gib_per_sec"))
-                self._since_mark = 0
-            if now >= self._next_line:
-                self._next_line += PRECONDITION_PROGRESS_S
-                left = (now - self.t0) * (self.target - self.written) / self.written if self.written else float("nan")
-                logger.info("--precondition: %.2f of %.2f GB written, about %.0f s left", self.written / GIB,
-                            self.target / GIB, left)
-
-    def summary(self, monitor: "BlockDeviceMonitor") -> Dict[str, Any]:
-        """The last tenth is the entries written after the 90 % mark: None when the entry that
-        crossed it also ended the preconditioning (too few entries to tell)."""
-        last = monitor.interval().get("device_write_gib_per_sec") if len(self._marks) == 2 and self._since_mark else None
-        device = monitor.finish()
-        return {"target_gb": self.target / GIB, "written_gb": self.written / GIB, "entries": self.entries,
-                "failed_writes": self.failed, "seconds": time.perf_counter() - self.t0,
-                "device_written_gb": device.get("write_gb") if device.get("available") else None,
-                "device": device.get("device") if device.get("available") else None,
-                "device_write_gib_per_sec_first_tenth": self._marks[0] if self._marks else None,
-                "device_write_gib_per_sec_last_tenth": last}
+    def mark(nbytes: int) -> None:                      # after each entry: the bytes written so far
+        if len(marks) < 2 and nbytes >= (0.1, 0.9)[len(marks)] * target:
+            marks.append((nbytes, monitor.interval().get("device_write_gib_per_sec")))
+    filled = fill_before_the_timer(cache, jobs(),
+                                   config.precondition_threads or os.cpu_count() or 1, "--precondition",
+                                   "the run's entry sizes to the storage tier", target, should_stop, mark)
+    # The last tenth is the entries written after the 90 % mark: None when the entry that crossed
+    # it also ended the preconditioning (too few entries to tell).
+    last = monitor.interval() if len(marks) == 2 and filled["bytes"] > marks[1][0] else {}
+    device = monitor.finish()
+    sampled = device if device.get("available") else {}
+    return {"target_gb": target / GIB, "written_gb": filled["bytes"] / GIB, "entries": filled["entries"],
+            "failed_writes": filled["failed"], "seconds": filled["seconds"],
+            "device_written_gb": sampled.get("write_gb"), "device": sampled.get("device"),
+            "device_write_gib_per_sec_first_tenth": marks[0][1] if marks else None,
+            "device_write_gib_per_sec_last_tenth": last.get("device_write_gib_per_sec")}
 
 
 # MPI: each rank writes the whole size in its directory, so GiB and entries add up; the device's view is

@@ -6149,6 +6149,32 @@ class TestNodeRoles:
         assert kept == list(range(kept[0], kept[0] + len(kept))) and kept[0] > 0   # the oldest left first
         assert cache.stats.snapshot()[0].get("nvme_writes", 0) == 0      # the statistics start after it
 
+    def test_a_fill_writes_every_job_counts_its_bytes_and_resets_the_statistics(self, make_cache):
+        cache = make_cache(cpu_entries=10.01)
+        jobs = [*((f"fill_{i}", TOKENS, 0) for i in range(6)), ("nothing", 0, 0)]      # 0 tokens: a failed write
+        totals = []
+        filled = kv.fill_before_the_timer(cache, iter(jobs), 3, "--test", "6 entries", 6 * ENTRY, lambda: False,
+                                          totals.append)
+        assert (filled["entries"], filled["failed"], filled["bytes"]) == (6, 1, 6 * ENTRY)
+        assert len(totals) == 7 and totals == sorted(totals) and totals[-1] == 6 * ENTRY     # the bytes so far, each
+        assert sum(cache.tier_entry_counts().values()) == 6
+        assert cache.stats.snapshot()[0].get("prefill_writes", 0) == 0      # the measurement starts after it
+
+    def test_a_stop_part_way_through_a_fill_ends_it_there_and_is_interrupted(self, make_cache):
+        cache = make_cache(cpu_entries=10.01)
+        taken, totals = [], []
+
+        def jobs():                                      # lazy: a job is taken only when a thread is free
+            for i in range(10):
+                taken.append(i)
+                yield f"fill_{i}", TOKENS, 0
+        with pytest.raises(kv.Interrupted):
+            kv.fill_before_the_timer(cache, jobs(), 1, "--test", "10 entries", 10 * ENTRY,
+                                     lambda: len(totals) >= 4, totals.append)
+        assert totals == [k * ENTRY for k in range(1, 5)] and taken == [0, 1, 2, 3]
+        assert sum(cache.tier_entry_counts().values()) == 4
+        assert not cache.write_entry("after", 10).success              # the writes in flight were aborted
+
     def test_a_stop_during_the_decode_set_up_is_interrupted(self, make_cache):
         cache = make_cache(cpu_entries=10)
         plan = kv.WorkloadPlan("tiny-1b", 4, 42)

@@ -300,10 +300,9 @@ def shard_layout(model: ModelConfig, num_gpus: int = 1, tensor_parallel: int = 1
 
 
 def shard_objects(key: str, nbytes: int, shards: int) -> List[Tuple[str, int]]:
-    """The objects an entry of `nbytes` under `key` is stored as, (name, data bytes) each: `key`
-    whole, or with `shards` ranks one `<key>.tp<rank>` per rank holding the entry's rank-th
-    consecutive part: equal parts (an entry is whole tokens of whole shards), any remainder in
-    the last. Every storage tier names its objects so, files and trace rows alike."""
+    """(name, data bytes) of each object an entry of `nbytes` under `key` is stored as, files and
+    trace rows alike: `key` whole, or `<key>.tp<rank>` per rank holding the rank-th consecutive
+    part (equal parts: an entry is whole tokens of whole shards; any remainder in the last)."""
     if shards == 1:
         return [(key, nbytes)]
     part = nbytes // shards
@@ -2999,6 +2998,7 @@ class StorageTier(StorageBackend):
     the `busy` clocks and counted in `request_profile`. NVMeBackend keeps the objects as files;
     TracedTier (trace mode) writes a trace row for each instead."""
 
+    name = "nvme"                       # the last of TIER_NAMES
     io_mode: str                        # how it moves bytes, as the results say (storage_io_mode)
     busy: Dict[str, BusyClock]          # "read", "write": the device's time with a transfer in flight
     direct_io = False                   # its files bypass the page cache (O_DIRECT)
@@ -3015,9 +3015,8 @@ class StorageTier(StorageBackend):
         self.busy = {"read": BusyClock(), "write": BusyClock()}
 
     def request_profile(self) -> Dict[str, Any]:
-        """What the tier asked of the file system: request sizes, depth kept in flight, file sizes
-        and their distribution (what an fio job needs to replay the run; --tensor-parallel's
-        object sizes). Without files: no request and no file."""
+        """What the tier asked of the file system (--fio-job's request and file sizes, depth kept
+        in flight; --tensor-parallel's object sizes). Without files: no request and no file."""
         return {"read_sizes": {}, "write_sizes": {}, "files_written": 0, "shards_per_entry": self.shards,
                 "object_sizes": []}
 
@@ -3103,11 +3102,9 @@ def probe_direct_io(directory: Path) -> Tuple[bool, str]:
         os.unlink(probe)
 
 
-
 class NVMeBackend(StorageTier):
-    """Tier 3: one `<key>.npy` file per entry directly in `base_path`, or, with `shards` > 1
-    (--tensor-parallel), one `<key>.tp<rank>.npy` file per shard: shard r holds the entry's
-    r-th consecutive 1/shards of bytes.
+    """Tier 3: one `<object>.npy` file per object of an entry (shard_objects: the entry whole,
+    or one per --tensor-parallel shard), directly in `base_path`.
 
     Files are written with O_DIRECT when the file system allows it, else
     buffered; either way a write counts as done only after fdatasync, and the
@@ -3120,8 +3117,6 @@ class NVMeBackend(StorageTier):
     j + 1 of any), so that its shards are written and read at once, as TP
     ranks do, and the operation ends when its last shard's does.
     """
-
-    name = "nvme"
 
     def __init__(self, base_path: Optional[Any] = None, direct_io: Optional[bool] = None, shards: int = 1):
         self._owns_dir = base_path is None
@@ -3387,7 +3382,6 @@ class NVMeBackend(StorageTier):
             return key in self.metadata
 
 
-
 def _pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
     view = memoryview(buf)
     while view.nbytes:
@@ -3396,7 +3390,6 @@ def _pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
             raise OSError(errno.EIO, "pwrite wrote nothing")
         view = view[written:]
         offset += written
-
 
 
 # ============================================================================
@@ -4404,11 +4397,8 @@ class MemoryTiers:
     gpu: Optional[GPUMemoryBackend] = None
     cpu: Optional[CPUMemoryBackend] = None
     trace: Optional[Any] = None             # --io-trace-log: the trace log the tiers write to (I/O TRACE)
-    storage: Callable[[Path, int], StorageTier] = lambda directory, shards: NVMeBackend(directory, shards=shards)
-
-    def open_storage(self, directory: Path, shards: int) -> StorageTier:
-        """The storage tier beside these: files in `directory` (trace mode: none; `storage` says)."""
-        return self.storage(directory, shards)
+    # The storage tier beside these, of `shards` shards: files in `directory` (trace mode: none).
+    open_storage: Callable[[Path, int], StorageTier] = lambda directory, shards: NVMeBackend(directory, shards=shards)
 
     def close(self) -> None:
         if self.gpu is not None:
@@ -4642,7 +4632,7 @@ def open_traced_tiers(config: BenchmarkConfig) -> MemoryTiers:
     the trace they and the storage tier write to."""
     log = TraceLog(config.io_trace_log, LatencyModel.for_run(config))
     tiers = MemoryTiers({}, {}, cpu_memory="none (trace mode)", trace=log,
-                        storage=lambda directory, shards: TracedTier("nvme", log, shards))
+                        open_storage=lambda directory, shards: TracedTier("nvme", log, shards))
     for tier, gb in (("gpu", config.gpu_mem_gb * config.num_gpus), ("cpu", config.cpu_mem_gb)):
         if gb > 0:
             tiers.backends[tier], tiers.limits[tier] = TracedTier(tier, log), gb * GIB

@@ -23,7 +23,7 @@ no files written, and the heavy optional libraries (torch, cupy, pandas) are
 only probed for, never imported, until a feature needs them.
 
 Sections, in the order data flows through the program (each uses only those above it):
-    CONFIGURATION AND MODELS          constants, models, tensor-parallel shards (ShardLayout), QoS
+    CONFIGURATION AND MODELS          constants, models, tensor-parallel shards (ShardLayout, shard_objects), QoS
     CONFIGURATION FILE (--config)     the YAML schema and its values: Tunables, read_config_file
     TRACE FILES                       BurstGPT CSVs and I/O traces: columns, how one is read
     THE RUN'S CONFIGURATION           BenchmarkConfig (tunables included) and its checks
@@ -34,7 +34,7 @@ Sections, in the order data flows through the program (each uses only those abov
     KV DATA                           the incompressible, seeded byte generator
     TRANSFERS: ONE OPERATION ...      Transfer (stop, clock, staging, CRC, record), sources, sinks,
                                       StorageBackend: what every tier supplies, GPUDevice
-    STORAGE TIER: ONE FILE PER ENTRY  NVMeBackend: O_DIRECT .npy files (one per TP shard), chunks in flight
+    STORAGE TIER: ONE FILE PER ENTRY  StorageTier (its face); NVMeBackend: O_DIRECT .npy files, chunks in flight
     HOST MEMORY TIER                  HostArena, CPUMemoryBackend
     GPU DEVICES                       KV made on the device, pinning, the PyTorch and CuPy devices
     GPU TIER AND DELIVERY TO THE GPU  GPUDelivery (a sink), GPUMemoryBackend
@@ -298,6 +298,16 @@ def shard_layout(model: ModelConfig, num_gpus: int = 1, tensor_parallel: int = 1
         copies = tp * heads // model.kv_heads
     stored = dataclasses.replace(model, kv_copies=model.kv_copies * copies)
     return ShardLayout(num_gpus, tp, heads, stored.kv_cache_size_per_token // tp, stored)
+
+
+def shard_objects(key: str, nbytes: int, shards: int) -> List[Tuple[str, int]]:
+    """(name, data bytes) of each object an entry of `nbytes` under `key` is stored as, files and
+    trace rows alike: `key` whole, or `<key>.tp<rank>` per rank holding the rank-th consecutive
+    part (equal parts: an entry is whole tokens of whole shards; any remainder in the last)."""
+    if shards == 1:
+        return [(key, nbytes)]
+    part = nbytes // shards
+    return [(f"{key}.tp{rank}", part if rank < shards - 1 else nbytes - part * rank) for rank in range(shards)]
 
 
 class InferencePhase(Enum):
@@ -2972,6 +2982,41 @@ class StorageBackend:
 # STORAGE TIER: ONE FILE PER ENTRY
 # ============================================================================
 
+class StorageTier(StorageBackend):
+    """The last tier, as the cache, describe_tiers and reset_statistics use it: an entry is
+    `shards` objects (shard_objects: one per --tensor-parallel rank), its transfers are timed on
+    the `busy` clocks and counted in `request_profile`. NVMeBackend keeps the objects as files;
+    TracedTier (trace mode) writes a trace row for each instead."""
+
+    name = "nvme"                       # the last of TIER_NAMES
+    io_mode: str                        # how it moves bytes, as the results say (storage_io_mode)
+    busy: Dict[str, BusyClock]          # "read", "write": the device's time with a transfer in flight
+    direct_io = False                   # its files bypass the page cache (O_DIRECT)
+    trace_mode = False                  # it writes a trace and moves no bytes (--io-trace-log)
+
+    def __init__(self, shards: int = 1):
+        self.shards = max(1, int(shards))
+        self._lock = threading.Lock()               # guards what the tier holds and what it counted
+        self.reset_accounting()
+
+    def reset_accounting(self) -> None:
+        """Forget what the tier did so far (busy clocks, request and file sizes): the measurement
+        starts now (after --decode-only's set-up)."""
+        self.busy = {"read": BusyClock(), "write": BusyClock()}
+
+    def request_profile(self) -> Dict[str, Any]:
+        """What the tier asked of the file system (--fio-job's request and file sizes, depth kept
+        in flight; --tensor-parallel's object sizes). Without files: no request and no file."""
+        return {"read_sizes": {}, "write_sizes": {}, "files_written": 0, "shards_per_entry": self.shards,
+                "object_sizes": []}
+
+    def detach(self, key: str) -> List[Path]:
+        """Forget an entry but keep its files for later deletion, renamed out of the way so the
+        key can be written again at once: the files' new paths (without files: deleted now)."""
+        self.delete(key)
+        return []
+
+
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,159}$")
 
 
@@ -3047,11 +3092,9 @@ def probe_direct_io(directory: Path) -> Tuple[bool, str]:
         os.unlink(probe)
 
 
-
-class NVMeBackend(StorageBackend):
-    """Tier 3: one `<key>.npy` file per entry directly in `base_path`, or, with `shards` > 1
-    (--tensor-parallel), one `<key>.tp<rank>.npy` file per shard: shard r holds the entry's
-    r-th consecutive 1/shards of bytes.
+class NVMeBackend(StorageTier):
+    """Tier 3: one `<object>.npy` file per object of an entry (shard_objects: the entry whole,
+    or one per --tensor-parallel shard), directly in `base_path`.
 
     Files are written with O_DIRECT when the file system allows it, else
     buffered; either way a write counts as done only after fdatasync, and the
@@ -3065,45 +3108,27 @@ class NVMeBackend(StorageBackend):
     ranks do, and the operation ends when its last shard's does.
     """
 
-    name = "nvme"
-
     def __init__(self, base_path: Optional[Any] = None, direct_io: Optional[bool] = None, shards: int = 1):
         self._owns_dir = base_path is None
         self.base_path = Path(tempfile.mkdtemp(prefix="kvcache_")) if base_path is None else Path(base_path)
         self.base_path.mkdir(parents=True, exist_ok=True)
-        self.shards = max(1, int(shards))
         self.metadata: Dict[str, Dict[str, Any]] = {}
-        self._lock = threading.Lock()
         supported, reason = probe_direct_io(self.base_path)
         self.direct_io = supported if direct_io is None else (direct_io and supported)
         self.io_mode = "O_DIRECT" if self.direct_io else f"buffered + fdatasync + fadvise(DONTNEED): {reason}"
-        self.reset_accounting()
+        super().__init__(shards)
         self._trash_ids = itertools.count(1)
 
     def reset_accounting(self) -> None:
-        """Forget what the tier did so far (busy clocks, request and file sizes): the measurement
-        starts now (after --decode-only's set-up)."""
         with self._lock:
-            self.busy = {"read": BusyClock(), "write": BusyClock()}
+            super().reset_accounting()
             # Sizes of the read and write requests issued to the file system ({bytes: count}), for --fio-job.
             self.request_sizes: Dict[str, Dict[int, int]] = {"read": defaultdict(int), "write": defaultdict(int)}
             # Files written, by size: power of 2 -> [count, bytes]; and the smallest and largest.
             self._object_sizes: Dict[int, List[int]] = defaultdict(lambda: [0, 0])
             self._file_extremes: Optional[Tuple[int, int]] = None
 
-    # --- paths and buffers ---
-    def _paths(self, key: str) -> List[Path]:
-        stem = safe_file_stem(key)
-        if self.shards == 1:
-            return [self.base_path / f"{stem}.npy"]
-        return [self.base_path / f"{stem}.tp{rank}.npy" for rank in range(self.shards)]
-
-    def _shard_sizes(self, nbytes: int) -> List[int]:
-        """Data bytes of each shard: equal parts (an entry is whole tokens of whole shards), any
-        remainder in the last."""
-        part = nbytes // self.shards
-        return [part] * (self.shards - 1) + [nbytes - part * (self.shards - 1)]
-
+    # --- buffers ---
     def _chunk_buffers(self, staging: np.ndarray) -> List[np.ndarray]:
         """The staging area cut into IO_CHUNK_BYTES buffers, one per transfer in flight (at most
         IO_DEPTH; a staging area smaller than one chunk is one smaller buffer). More shards than
@@ -3138,24 +3163,24 @@ class NVMeBackend(StorageBackend):
 
     # --- writing ---
     def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
-        paths = self._paths(key)
+        objects = shard_objects(safe_file_stem(key), source.nbytes, self.shards)
+        paths = [self.base_path / f"{name}.npy" for name, _ in objects]
         self.delete(key)                                  # replacing an entry of ours
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         if self.direct_io:
             flags |= os.O_DIRECT
-        sizes, fds = self._shard_sizes(source.nbytes), []
+        sizes, fds = [nbytes for _, nbytes in objects], []
         try:
             for path in paths:
                 fds.append(os.open(path, flags, 0o644))   # O_EXCL: never overwrite a file we did not create
             self._write_chunks(fds, sizes, source, transfer)
         except BaseException:
-            for fd in fds:
-                os.close(fd)
             for path in paths[:len(fds)]:
                 path.unlink(missing_ok=True)
             raise
-        for fd in fds:
-            os.close(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
         with self._lock:
             self.metadata[key] = {"paths": paths, "size": source.nbytes, "shape": tuple(source.shape),
                                   "dtype": source.dtype, "shard_sizes": sizes}
@@ -3169,9 +3194,6 @@ class NVMeBackend(StorageBackend):
         bucket[0], bucket[1] = bucket[0] + 1, bucket[1] + nbytes
 
     def request_profile(self) -> Dict[str, Any]:
-        """What the tier asked of the file system: request sizes, depth kept in flight, file sizes
-        and their distribution (what an fio job needs to replay the run; --tensor-parallel's
-        object sizes)."""
         with self._lock:
             profile: Dict[str, Any] = {f"{op}_sizes": dict(sizes) for op, sizes in self.request_sizes.items()}
             objects = [{"max_bytes": top, "count": c, "bytes": b} for top, (c, b) in sorted(self._object_sizes.items())]
@@ -3305,8 +3327,6 @@ class NVMeBackend(StorageBackend):
         return True
 
     def detach(self, key: str) -> List[Path]:
-        """Forget an entry but keep its files for later deletion, renamed out of the way so
-        the key can be written again at once. Returns the files' new paths."""
         with self._lock:
             meta = self.metadata.pop(key, None)
         return [] if meta is None else [self._rename_aside(Path(path)) for path in meta["paths"]]
@@ -3352,7 +3372,6 @@ class NVMeBackend(StorageBackend):
             return key in self.metadata
 
 
-
 def _pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
     view = memoryview(buf)
     while view.nbytes:
@@ -3361,7 +3380,6 @@ def _pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
             raise OSError(errno.EIO, "pwrite wrote nothing")
         view = view[written:]
         offset += written
-
 
 
 # ============================================================================
@@ -4370,11 +4388,8 @@ class MemoryTiers:
     gpu: Optional[GPUMemoryBackend] = None
     cpu: Optional[CPUMemoryBackend] = None
     trace: Optional[Any] = None             # --io-trace-log: the trace log the tiers write to (I/O TRACE)
-    storage: Callable[[Path, int], StorageBackend] = lambda directory, shards: NVMeBackend(directory, shards=shards)
-
-    def open_storage(self, directory: Path, shards: int) -> StorageBackend:
-        """The storage tier beside these: files in `directory` (trace mode: none; `storage` says)."""
-        return self.storage(directory, shards)
+    # The storage tier beside these, of `shards` shards: files in `directory` (trace mode: none).
+    open_storage: Callable[[Path, int], StorageTier] = lambda directory, shards: NVMeBackend(directory, shards=shards)
 
     def close(self) -> None:
         if self.gpu is not None:
@@ -4525,45 +4540,29 @@ class TraceLog:
         logger.info("I/O trace: %d operations written to %s", self.rows, self.path)
 
 
-class TracedTier(StorageBackend):
+class TracedTier(StorageTier):
     """A tier in trace mode: it knows what it holds (key, size, shape) and holds no bytes. Each
     read or write takes the latency model's time (slept, so the run is paced as the model says,
     and timed as the operation's device time) and writes its rows: a demotion both halves (the
     source tier's Read and this tier's Write, phase Evict), a deletion a Delete row (Evict after
     a demotion, Cleanup at the end). A storage tier of --tensor-parallel TP writes a row per
-    shard, keyed `<key>.tp<rank>`, as the files would be."""
+    shard, named as the files would be (shard_objects)."""
+
+    trace_mode = True
 
     def __init__(self, name: str, log: TraceLog, shards: int = 1):
-        self.name, self.log, self.model, self.shards = name, log, log.model, max(1, shards)
+        self.name, self.log, self.model = name, log, log.model
         self._entries: Dict[str, StoredEntry] = {}
-        self._demoted: set = set()
-        self._lock = threading.Lock()
+        self._delete_phase: Dict[str, str] = {}      # a key's Delete row's phase, where not Delete
         self.io_mode = f"trace mode, no I/O (--io-trace-log {log.path}); latency model: {log.model.describe()}"
-        self.direct_io = False
-        self.reset_accounting()
-
-    # --- what a storage tier reports (describe_tiers) ---
-    def reset_accounting(self) -> None:
-        self.busy = {"read": BusyClock(), "write": BusyClock()}
-
-    def request_profile(self) -> Dict[str, Any]:
-        return {"read_sizes": {}, "write_sizes": {}, "files_written": 0, "shards_per_entry": self.shards,
-                "object_sizes": []}
-
-    # --- operations ---
-    def _objects(self, key: str, nbytes: int, tier: str) -> List[Tuple[str, int]]:
-        if tier != "nvme" or self.shards == 1:
-            return [(key, nbytes)]
-        part = nbytes // self.shards
-        sizes = [part] * (self.shards - 1) + [nbytes - part * (self.shards - 1)]
-        return [(f"{key}.tp{rank}", size) for rank, size in enumerate(sizes)]
+        super().__init__(shards)
 
     def _operate(self, transfer: Transfer, rows: List[Tuple[str, str]], key: str, nbytes: int) -> None:
         """rows: (operation, tier) each; they start together and end when the model says."""
         start, end = self.model.reserve([tier for _, tier in rows], nbytes)
         phase = TRACE_PHASES.get(transfer.reason, transfer.reason.capitalize())
-        for op, tier in rows:
-            for name, size in self._objects(key, nbytes, tier):
+        for op, tier in rows:                              # the other tier of a demotion holds it whole
+            for name, size in shard_objects(key, nbytes, self.shards if tier == self.name else 1):
                 self.log.row(start, op, size, tier, name, phase)
 
         def wait() -> None:
@@ -4586,7 +4585,7 @@ class TracedTier(StorageBackend):
     def source(self, key: str) -> EntrySource:
         info = self.entry_info(key)
         with self._lock:
-            self._demoted.add(key)
+            self._delete_phase[key] = "Evict"              # its deletion ends the demotion
 
         def no_bytes(offset: int, out: np.ndarray) -> None:
             raise RuntimeError("trace mode moves no bytes")
@@ -4596,27 +4595,23 @@ class TracedTier(StorageBackend):
         with self._lock:
             return self._entries[key]
 
-    def delete(self, key: str, phase: str = "") -> bool:
+    def delete(self, key: str) -> bool:
         with self._lock:
             info = self._entries.pop(key, None)
-            demoted = key in self._demoted
-            self._demoted.discard(key)
+            phase = self._delete_phase.pop(key, "Delete")
         if info is None:
             return False
         at = time.perf_counter()
-        for name, size in self._objects(key, info.nbytes, self.name):
-            self.log.row(at, "Delete", size, self.name, name, phase or ("Evict" if demoted else "Delete"))
+        for name, size in shard_objects(key, info.nbytes, self.shards):
+            self.log.row(at, "Delete", size, self.name, name, phase)
         return True
-
-    def detach(self, key: str) -> List[Path]:
-        self.delete(key)
-        return []                                          # no file to delete later
 
     def clear(self) -> None:
         with self._lock:
             keys = list(self._entries)
+            self._delete_phase.update(dict.fromkeys(keys, "Cleanup"))
         for key in keys:
-            self.delete(key, "Cleanup")
+            self.delete(key)
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
@@ -4628,7 +4623,7 @@ def open_traced_tiers(config: BenchmarkConfig) -> MemoryTiers:
     the trace they and the storage tier write to."""
     log = TraceLog(config.io_trace_log, LatencyModel.for_run(config))
     tiers = MemoryTiers({}, {}, cpu_memory="none (trace mode)", trace=log,
-                        storage=lambda directory, shards: TracedTier("nvme", log, shards))
+                        open_storage=lambda directory, shards: TracedTier("nvme", log, shards))
     for tier, gb in (("gpu", config.gpu_mem_gb * config.num_gpus), ("cpu", config.cpu_mem_gb)):
         if gb > 0:
             tiers.backends[tier], tiers.limits[tier] = TracedTier(tier, log), gb * GIB
@@ -5026,7 +5021,7 @@ class CacheEntry:
     checksum: Optional[int] = None    # CRC-32 of the entry's bytes, with --verify
 
 
-def describe_tiers(tiers: MemoryTiers, nvme: "NVMeBackend", run_dir: Path, order: List[str],
+def describe_tiers(tiers: MemoryTiers, storage: StorageTier, run_dir: Path, order: List[str],
                    capacity_source: str) -> Dict[str, Any]:
     """What the results say about a cache's tiers (effective budgets, library, delivery, I/O mode)."""
     limits, gpu = tiers.limits, tiers.gpu
@@ -5043,13 +5038,13 @@ def describe_tiers(tiers: MemoryTiers, nvme: "NVMeBackend", run_dir: Path, order
         "read_delivery": "gpu" if tiers.delivery is not None else "host",
         "cpu_tier_memory": tiers.cpu_memory if tiers.cpu else None,
         "cpu_arena_fallbacks": tiers.cpu.arena_fallbacks if tiers.cpu else 0,
-        "storage_io_mode": nvme.io_mode,
-        "trace_mode": isinstance(nvme, TracedTier),
-        "nvme_read_device_busy_s": nvme.busy["read"].busy_s(),
-        "nvme_write_device_busy_s": nvme.busy["write"].busy_s(),
-        "storage_direct_io": nvme.direct_io,
+        "storage_io_mode": storage.io_mode,
+        "trace_mode": storage.trace_mode,
+        "nvme_read_device_busy_s": storage.busy["read"].busy_s(),
+        "nvme_write_device_busy_s": storage.busy["write"].busy_s(),
+        "storage_direct_io": storage.direct_io,
         "storage_run_dir": str(run_dir),
-        "storage_requests": nvme.request_profile(),
+        "storage_requests": storage.request_profile(),
     }
 
 
@@ -5198,7 +5193,7 @@ class MultiTierCache:
         self._trash: List[Path] = []
         self._release = weakref.finalize(self, _release_run, self.stats, self.tiers, self.run_dir, self._trash)
         try:
-            self.backends["nvme"] = self.tiers.open_storage(self.run_dir, config.tensor_parallel)
+            self.backends["nvme"] = self.storage = self.tiers.open_storage(self.run_dir, config.tensor_parallel)
         except OSError:                                # e.g. a full file system: leave nothing behind
             self._release()
             raise
@@ -5395,7 +5390,7 @@ class MultiTierCache:
             self.backends[tier].delete(key)
             return []
         try:
-            return self.backends["nvme"].detach(key)
+            return self.storage.detach(key)
         except OSError as exc:                         # a dying file system: counted, the file stays
             self.stats.record_io_error("nvme", "delete", exc)
             return []
@@ -5506,7 +5501,7 @@ class MultiTierCache:
     def report(self) -> CacheReport:
         counters, samples = self.stats.snapshot()
         return CacheReport(counters, samples, self.tier_entry_counts(),
-                           describe_tiers(self.tiers, self.backends["nvme"], self.run_dir, self.tier_order(),
+                           describe_tiers(self.tiers, self.storage, self.run_dir, self.tier_order(),
                                           self.storage_capacity_source))
 
     def close(self) -> None:
@@ -6837,7 +6832,7 @@ def fill_before_the_timer(cache: "MultiTierCache", jobs: Iterator[Tuple[str, int
         raise Interrupted()
     filled["seconds"] = time.perf_counter() - t0
     cache.stats.reset()
-    cache.backends["nvme"].reset_accounting()
+    cache.storage.reset_accounting()
     logger.info("%s: %d entries (%.2f GB) written in %.1f s", label, filled["entries"], filled["bytes"] / GIB,
                 filled["seconds"])
     return filled

@@ -22,6 +22,7 @@ import errno
 import gc
 import hashlib
 import importlib.util
+import inspect
 import io
 import itertools
 import json
@@ -6451,6 +6452,45 @@ class TestIOTrace:
         with pytest.raises(kv.UsageError, match="--io-trace-log .*zstandard"):
             kv.BenchmarkConfig(model="tiny-1b", io_trace_log=str(tmp_path / "t.csv.zst")).validate()
         assert list(tmp_path.iterdir()) == []
+
+
+def open_storage_tiers(tmp_path, shards: int):
+    """Both storage tiers of `shards` shards: the files' (buffered, in tmp_path/files) and trace
+    mode's (its trace in tmp_path/trace.csv, with a latency model too fast to wait for)."""
+    log = kv.TraceLog(str(tmp_path / "trace.csv"), kv.LatencyModel({t: 1e6 for t in kv.TIER_NAMES},
+                                                                    {t: 0 for t in kv.TIER_NAMES}))
+    return kv.NVMeBackend(tmp_path / "files", direct_io=False, shards=shards), kv.TracedTier("nvme", log, shards), log
+
+
+class TestStorageTierFace:
+    """StorageTier: what the cache, describe_tiers and reset_statistics use of the storage tier."""
+
+    def test_both_storage_tiers_implement_every_method_of_the_face_with_its_signature(self, tmp_path):
+        face = {name: inspect.signature(fn) for name, fn in inspect.getmembers(kv.StorageTier, inspect.isfunction)
+                if name != "__init__"}
+        assert {"reset_accounting", "request_profile", "detach", "delete", "write_from", "read_into"} <= set(face)
+        nvme, traced, log = open_storage_tiers(tmp_path, 2)
+        for tier in (nvme, traced):
+            assert isinstance(tier, kv.StorageTier)
+            assert {name: inspect.signature(getattr(type(tier), name)) for name in face} == face
+            assert isinstance(tier.io_mode, str) and isinstance(tier.direct_io, bool) and tier.shards == 2
+            assert set(tier.busy) == {"read", "write"} and tier.request_profile()["shards_per_entry"] == 2
+        assert (nvme.trace_mode, traced.trace_mode) == (False, True)
+        log.close()
+
+    def test_a_sharded_storage_tier_and_a_traced_one_name_the_same_objects(self, tmp_path):
+        nvme, traced, log = open_storage_tiers(tmp_path, 4)
+        data = np.arange(1003, dtype=np.uint8)                      # 250 bytes a shard, the last 253
+        for tier in (nvme, traced):
+            tier.write("k", data)
+        log.close()
+        _, rows = read_trace(tmp_path / "trace.csv")
+        files = {f.name.removesuffix(".npy"): f.stat().st_size - kv.NPY_DATA_OFFSET
+                 for f in (tmp_path / "files").iterdir()}
+        assert files == {r["Key"]: int(r["Object_Size_Bytes"]) for r in rows}
+        assert files == dict(kv.shard_objects("k", 1003, 4)) == {"k.tp0": 250, "k.tp1": 250, "k.tp2": 250,
+                                                                 "k.tp3": 253}
+        assert kv.shard_objects("k", 1003, 1) == [("k", 1003)]
 
 
 class TestTensorParallel:

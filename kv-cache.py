@@ -1694,6 +1694,13 @@ class RAGDocument:
         return f"rag_{self.doc_id}_chunk_{index}"
 
 
+class EntryWriter(Protocol):
+    """What writing KV through a cache needs of it (a MultiTierCache is one)."""
+    model_config: ModelConfig
+
+    def write_entry(self, key: str, num_tokens: int, phase: InferencePhase = ...) -> Any: ...
+
+
 class RAGDocumentManager:
     """A corpus of documents whose chunks' KV is precomputed into the cache (ingestion, a
     write burst), and a simulated vector search that picks the top-k chunks a query reads."""
@@ -1728,7 +1735,7 @@ class RAGDocumentManager:
         self.queries = 0
         self.read_latencies_s: List[float] = []     # chunk reads (hits and misses; their counts are the cache's)
 
-    def ingest_all(self, cache: Any, should_stop: Callable[[], bool] = lambda: False) -> Dict[str, Any]:
+    def ingest_all(self, cache: EntryWriter, should_stop: Callable[[], bool] = lambda: False) -> Dict[str, Any]:
         """Write every chunk's KV through the cache, before any query may read it."""
         t0 = time.perf_counter()
         for doc in self.documents:
@@ -6789,7 +6796,7 @@ def decode_context_key(user_index: int) -> str:
 
 # --- Filling the cache before the timer: --decode-only's contexts, --precondition's bytes (below) ---
 # One fill for both, so that a stop, a progress line or a count is handled once.
-def fill_before_the_timer(cache: "MultiTierCache", jobs: Iterator[Tuple[str, int, int]], threads: int, label: str,
+def fill_before_the_timer(cache: MultiTierCache, jobs: Iterator[Tuple[str, int, int]], threads: int, label: str,
                           what: str, total_bytes: int, should_stop: Callable[[], bool],
                           after_each: Callable[[int], None] = lambda nbytes: None) -> Dict[str, Any]:
     """Write the `jobs`, (key, tokens, the fastest tier allowed: 0 the waterfall's top), on `threads` threads,
@@ -6838,7 +6845,7 @@ def fill_before_the_timer(cache: "MultiTierCache", jobs: Iterator[Tuple[str, int
     return filled
 
 
-def write_decode_contexts(cache: "MultiTierCache", plan: WorkloadPlan, users: int,
+def write_decode_contexts(cache: MultiTierCache, plan: WorkloadPlan, users: int,
                           should_stop: Callable[[], bool]) -> Dict[str, Any]:
     """--decode-only's set-up (fill_before_the_timer): user i's context, as many tokens as the seed
     gives its first request, written as decode_context_key(i) through the waterfall (as KV arriving
@@ -6879,7 +6886,7 @@ PRECONDITION_SIZES_PER_USER = 8         # the entry sizes drawn from each user's
 PRECONDITION_SIZE_USERS = 1000          # ... of at most this many users
 
 
-def precondition_storage(cache: "MultiTierCache", plan: WorkloadPlan, config: BenchmarkConfig,
+def precondition_storage(cache: MultiTierCache, plan: WorkloadPlan, config: BenchmarkConfig,
                          should_stop: Callable[[], bool]) -> Dict[str, Any]:
     """Write --precondition's bytes straight to the storage tier (fill_before_the_timer), the device's
     write rate sampled when 10 % and 90 % of them are written and at the end. Returns what was
@@ -7101,7 +7108,35 @@ def format_replay_report(r: Dict[str, Any]) -> str:
 # ARRIVALS: WHEN REQUESTS COME (closed-loop users, BurstGPT rows)
 # ============================================================================
 
-class ArrivalScheduler:
+class Arrivals:
+    """Where the engine's requests come from: it seeds the source with the run's start, runs
+    `run` in a thread of its own (which queues requests until the stop), tells it of each
+    completion (`release`) and, with the autoscaler, of a new user count."""
+    admitted: int                                # requests queued so far
+
+    @property
+    def active_users(self) -> int:
+        raise NotImplementedError
+
+    def seed(self, t0: float) -> None:
+        raise NotImplementedError
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def release(self, user_index: int) -> None:
+        raise NotImplementedError
+
+    def set_active_users(self, count: int, now: Optional[float] = None) -> None:
+        """The autoscaler's new user count (UsageError where the source sets the load itself)."""
+        raise NotImplementedError
+
+    def trace_stats(self) -> Optional[Dict[str, Any]]:
+        """The source's own figures for the results (summary.burst_trace); None: it has none."""
+        return None
+
+
+class ArrivalScheduler(Arrivals):
     """Releases each user's next request `think_time` after its previous one completed.
 
     One thread and a heap replace the original's thread per user, so 100,000
@@ -7167,9 +7202,6 @@ class ArrivalScheduler:
             self._push(time.perf_counter() + planned.think_time_s, user_index, planned)
             self._cond.notify()
 
-    def trace_stats(self) -> None:
-        return None                             # synthetic or dataset users, no trace
-
     def _push(self, due: float, user_index: int, planned: PlannedRequest) -> None:
         self._in_system.add(user_index)
         heapq.heappush(self._heap, (due, next(self._ticket), user_index, planned))
@@ -7199,13 +7231,13 @@ class ArrivalScheduler:
             self._queue.put((-request.priority, next(self._queue_seq), request))
 
 
-class BurstArrivals:
+class BurstArrivals(Arrivals):
     """--use-burst-trace: each trace row admitted at its timestamp / --trace-speedup, counted from
     the first row (open loop: the trace sets the pace, not the completions), as a lone request
     (no conversation, no shared prefix: as the original) of user n % users for the n-th admitted.
     Pass after pass until --replay-cycles passes (0: until the run stops), each pass starting one
     mean gap after the last row of the one before; once the last pass is admitted and its
-    requests completed, `on_done`. Same interface as ArrivalScheduler."""
+    requests completed, `on_done`."""
 
     def __init__(self, trace: BurstTrace, plan: WorkloadPlan,
                  build_request: Callable[[int, PlannedRequest], InferenceRequest], request_queue: "queue.PriorityQueue",
@@ -7226,9 +7258,6 @@ class BurstArrivals:
 
     def seed(self, t0: float) -> None:
         self._t0 = t0
-
-    def set_active_users(self, count: int, now: Optional[float] = None) -> None:
-        raise UsageError("--use-burst-trace sets the load itself: the user count cannot change")
 
     def release(self, user_index: int) -> None:
         with self._lock:
@@ -7272,6 +7301,9 @@ class BurstArrivals:
             self.admitted += 1
         self._queue.put((-request.priority, next(self._queue_seq), request))
         return True
+
+    def set_active_users(self, count: int, now: Optional[float] = None) -> None:
+        raise UsageError("--use-burst-trace sets the load itself: the user count cannot change")
 
     def trace_stats(self) -> Dict[str, Any]:
         return {**self.trace.stats(), "trace_speedup": self._speedup, "replay_cycles": self._passes,
@@ -7462,10 +7494,11 @@ class IntegratedBenchmark:
         self.shutdown_tail_s = 0.0
         self.stop_counters: Optional[Dict[str, int]] = None
         self.latency_samples: Dict[str, List[float]] = {}     # per tier and operation, seconds (for --plot)
-        self.scheduler = (ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop,
-                                           config.max_requests, config.request_rate) if self.trace is None else
-                          BurstArrivals(self.trace, self.plan, self._build_request, self.request_queue, self._stop,
-                                        config, lambda: self.request_stop("burst_trace_replayed")))
+        self.scheduler: Arrivals = (
+            ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop, config.max_requests,
+                             config.request_rate) if self.trace is None else
+            BurstArrivals(self.trace, self.plan, self._build_request, self.request_queue, self._stop, config,
+                          lambda: self.request_stop("burst_trace_replayed")))
         self.device_monitor = BlockDeviceMonitor(self.cache.run_dir)
         self.device_stats: Optional[Dict[str, Any]] = None
         self.monitor = StorageMonitor(self.cache, self.recorder, self.request_queue, lambda: self.scheduler.active_users,

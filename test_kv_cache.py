@@ -8232,3 +8232,12 @@ class TestTheHouse:
                                     storage_capacity_gb=None)
         results = kv.IntegratedBenchmark(config).run()
         assert results["summary"]["total_requests"] == 2 and files_under(tmp_path) == []
+
+    def test_both_sources_of_requests_are_arrivals(self):
+        """The engine takes its requests from an Arrivals; each source supplies all of it."""
+        face = [m for m in vars(kv.Arrivals) if not m.startswith("_")]
+        assert {"active_users", "seed", "run", "release", "set_active_users", "trace_stats"} <= set(face)
+        for source in (kv.ArrivalScheduler, kv.BurstArrivals):
+            assert issubclass(source, kv.Arrivals)
+            assert [m for m in ("active_users", "seed", "run", "release") if getattr(source, m) is getattr(kv.Arrivals, m)] == []
+        assert kv.ArrivalScheduler.trace_stats is kv.Arrivals.trace_stats        # no trace: no figures of one

@@ -5557,12 +5557,9 @@ class MountEntry:
 
 
 def parse_block_stat(text: str) -> Dict[str, int]:
-    """The counters of one /sys/block/<dev>/stat line, named by BLOCK_STAT_FIELDS.
-
-    Older kernels print 11 fields, newer 15 or 17: only the fields present are
-    returned, so callers treat a missing discard or flush counter as "not counted".
-    Raises ValueError on fewer than 11 fields or a non-integer field.
-    """
+    """The counters of one /sys/block/<dev>/stat line, named by BLOCK_STAT_FIELDS: only the fields
+    this kernel prints, so callers treat a missing discard or flush counter as "not counted".
+    Raises ValueError on fewer than 11 fields or a non-integer field."""
     values = text.split()
     if len(values) < BLOCK_STAT_MIN_FIELDS:
         raise ValueError(f"block stat has {len(values)} fields, expected at least {BLOCK_STAT_MIN_FIELDS}")
@@ -5599,13 +5596,8 @@ def mount_of(path: Union[str, os.PathLike], mountinfo_path: Path = MOUNTINFO_PAT
     except OSError:
         return None
     real = os.path.realpath(path)
-    best: Optional[MountEntry] = None
-    for mount in mounts:
-        point = mount.mount_point
-        if point == "/" or real == point or real.startswith(point.rstrip("/") + "/"):
-            if best is None or len(point) >= len(best.mount_point):
-                best = mount
-    return best
+    above = [m for m in mounts if m.mount_point in ("/", real) or real.startswith(m.mount_point.rstrip("/") + "/")]
+    return max(reversed(above), key=lambda m: len(m.mount_point), default=None)     # of equals, the last mounted
 
 
 def _read_int(path: Path) -> Optional[int]:
@@ -5693,9 +5685,7 @@ def _counter_delta(start: Dict[str, int], end: Dict[str, int], name: str) -> Opt
 
 def _per(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
     """numerator / denominator, None when either is missing or there is nothing to divide by."""
-    if numerator is None or not denominator or denominator <= 0:
-        return None
-    return numerator / denominator
+    return numerator / denominator if numerator is not None and denominator and denominator > 0 else None
 
 
 def device_window_stats(start: Dict[str, int], end: Dict[str, int], wall_s: float) -> Dict[str, Any]:
@@ -5797,10 +5787,6 @@ class BlockDeviceMonitor:
                 **device_window_stats(first, sample[1], wall_s)}
 
 
-def _difference(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return a - b if a is not None and b is not None else None
-
-
 def compare_app_with_device(app: Dict[str, Any], device: Dict[str, Any]) -> Dict[str, Any]:
     """The storage tier's figures next to the drive's, over the same window (pure).
 
@@ -5820,7 +5806,7 @@ def compare_app_with_device(app: Dict[str, Any], device: Dict[str, Any]) -> Dict
         device_ms = device.get(f"{op}_await_ms") if available else None
         out[f"{op}_app_mean_ms"] = app_ms
         out[f"{op}_device_await_ms"] = device_ms
-        out[f"{op}_software_ms"] = _difference(app_ms, device_ms)
+        out[f"{op}_software_ms"] = app_ms - device_ms if app_ms is not None and device_ms is not None else None
     app_bytes = (app.get("bytes_read") or 0) + (app.get("bytes_written") or 0)
     device_parts = (device.get("bytes_read"), device.get("bytes_written"))
     device_bytes = sum(device_parts) if available and None not in device_parts else None
@@ -6275,15 +6261,6 @@ def fio_comparison(cs: Dict[str, Any], fio: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _json_object_in(text: str) -> Dict[str, Any]:
-    """The first JSON object in fio's output: fio may print warnings ("fio: ...") before it."""
-    start = text.find("{")
-    if start < 0:
-        raise ValueError("no JSON object in fio's output")
-    obj, _ = json.JSONDecoder().raw_decode(text[start:])
-    return obj
-
-
 def _fio_direction(jobs: List[Dict[str, Any]], op: str) -> Dict[str, Optional[float]]:
     """One direction summed over fio's jobs: bandwidth and I/O add up, the mean latency is
     weighted by requests, P95 is the largest job's P95 (an upper bound of the pooled P95;
@@ -6316,7 +6293,10 @@ def parse_fio_json(text: str) -> Dict[str, Any]:
     job recorded it, else clat_ns. Raises ValueError when there is no JSON or no jobs, when
     it is not of fio's shape, or when a figure is not a finite number >= 0.
     """
-    result = _json_object_in(text)
+    start = text.find("{")                          # fio may print warnings ("fio: ...") before its JSON
+    if start < 0:
+        raise ValueError("no JSON object in fio's output")
+    result, _ = json.JSONDecoder().raw_decode(text[start:])
     jobs = result.get("jobs") or []
     if not jobs:
         raise ValueError("fio's JSON output has no jobs")
@@ -6383,24 +6363,20 @@ def run_fio(job_path: Path, runtime_s: float, timeout_s: float,
 def _wait_for_fio(proc: Any, deadline: float, should_stop: Callable[[], bool]) -> str:
     """Wait for fio: 'done', or 'stopped' / 'timeout' once its group is ended."""
     import subprocess
-    while True:
+    why = None
+    while why is None:
         try:
             proc.wait(timeout=0.1)
             return "done"
         except subprocess.TimeoutExpired:
-            pass
-        why = "stopped" if should_stop() else "timeout" if time.monotonic() >= deadline else None
-        if why is None:
-            continue
-        for sig, grace in ((signal.SIGTERM, FIO_STOP_GRACE_S), (signal.SIGKILL, None)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, sig)
-            try:
-                proc.wait(timeout=grace)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        return why
+            why = "stopped" if should_stop() else "timeout" if time.monotonic() >= deadline else None
+    for sig, grace in ((signal.SIGTERM, FIO_STOP_GRACE_S), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+            break                                   # ended within the grace: no SIGKILL
+    return why
 
 
 def _read_capped(f: Any, limit: int, tail: bool = False) -> Optional[str]:

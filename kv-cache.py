@@ -1137,9 +1137,7 @@ def _check_cache_dir(cache_dir: Optional[str]) -> None:
                              f"give a directory on the storage under test")
     if path.exists() and not path.is_dir():
         raise UsageError(f"--cache-dir {cache_dir} exists and is not a directory")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
+    existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"--cache-dir {cache_dir} is not writable (needs write access to {existing})")
 
@@ -1192,9 +1190,8 @@ TEMPORARY_NAME_EXTRA_BYTES = len(".") + len(".") + 8 + len(".tmp")   # _write_fi
 
 def _name_max(directory: Path) -> int:
     """The longest file name (bytes) the file system under `directory` takes (255 where unknown)."""
-    existing = directory.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    path = directory.absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
     try:
         return os.pathconf(existing, "PC_NAME_MAX")
     except (OSError, ValueError):
@@ -1224,9 +1221,7 @@ def _check_plot_dir(plot: Optional[str]) -> None:
     if plot is None:
         return
     path = Path(plot).expanduser().absolute()
-    existing = path
-    while not os.path.lexists(existing):
-        existing = existing.parent
+    existing = next(p for p in (path, *path.parents) if os.path.lexists(p))
     if not existing.is_dir():
         where = "exists and is not a directory" if existing == path else f"is under {existing}, which is not a directory"
         raise UsageError(f"--plot {plot} {where}")
@@ -1272,13 +1267,10 @@ def write_json(results: Dict[str, Any], path: str) -> str:
 
 def _umask() -> int:
     """The process umask, read without changing it where the kernel tells (Linux 4.7+)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -1323,11 +1315,9 @@ def default_output_path(directory: str = ".") -> str:
     stem = f"benchmark_results_{time.strftime('%Y%m%d_%H%M%S')}"
     for n in itertools.count(1):
         name = Path(directory) / (f"{stem}.json" if n == 1 else f"{stem}_{n}.json")
-        try:
+        with contextlib.suppress(FileExistsError):
             os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             return str(name)
-        except FileExistsError:
-            continue
     raise AssertionError("unreachable")
 
 
@@ -5945,8 +5935,7 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
     work = Path(tempfile.mkdtemp(prefix="kvcache_baseline_", dir=directory))
     backend = NVMeBackend(work)
     writers = min(threads, BASELINE_WRITE_STREAMS)
-    sizes = [0] * writers
-    read_bytes = [0] * max(threads, writers)
+    sizes, read_bytes = [0] * writers, [0] * threads
     try:
         write_s = _run_streams(lambda i: _baseline_write_stream(work / f"stream_{i}.bin", generator.layout(
             f"__baseline_{i}"), generator, backend.direct_io, phase_s, max_file_bytes, should_stop, sizes, i), writers)
@@ -5961,19 +5950,11 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
             path.unlink()
         backend.clear()
         work.rmdir()
-    return {
-        "directory": str(directory),
-        "io_mode": backend.io_mode,
-        "threads": threads,
-        "write_threads": writers,
-        "chunk_bytes": IO_CHUNK_BYTES,
-        "write_gib_per_sec": total / GIB / write_s if write_s > 0 else 0.0,
-        "read_gib_per_sec": total_read / GIB / read_s if read_s > 0 else 0.0,
-        "bytes_written": total,
-        "bytes_read": total_read,
-        "write_s": write_s,
-        "read_s": read_s,
-    }
+    return {"directory": str(directory), "io_mode": backend.io_mode, "threads": threads, "write_threads": writers,
+            "chunk_bytes": IO_CHUNK_BYTES,
+            "write_gib_per_sec": total / GIB / write_s if write_s > 0 else 0.0,
+            "read_gib_per_sec": total_read / GIB / read_s if read_s > 0 else 0.0,
+            "bytes_written": total, "bytes_read": total_read, "write_s": write_s, "read_s": read_s}
 
 
 def merge_io_baseline(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
@@ -6045,7 +6026,6 @@ def _run_streams(target: Callable[[int], None], threads: int) -> float:
     if errors:
         raise errors[0]
     return time.perf_counter() - t0
-
 
 
 # ============================================================================
@@ -6463,12 +6443,8 @@ class StorageMonitor:
     def __init__(self, cache: MultiTierCache, recorder: "RunRecorder", request_queue: "queue.Queue",
                  active_users: Callable[[], int], device: Optional[BlockDeviceMonitor] = None,
                  limits: SaturationTunables = BUILT_IN_TUNABLES.saturation_detection):
-        self._cache = cache
-        self._limits = limits
-        self._device = device
-        self._recorder = recorder
-        self._queue = request_queue
-        self._active_users = active_users
+        self._cache, self._recorder, self._queue = cache, recorder, request_queue
+        self._active_users, self._device, self._limits = active_users, device, limits
         self.last_elapsed_s = 0.0                        # where the last window ended
         self._last_counters: Dict[str, int] = {}
         self._sample_marks: Dict[Tuple[str, str], int] = {}
@@ -6482,8 +6458,7 @@ class StorageMonitor:
         self._record_mark += len(records)
         span = max(elapsed_s - self.last_elapsed_s, 1e-9)
         delta = {k: counters.get(k, 0) - self._last_counters.get(k, 0) for k in counters}
-        read_p95 = latency_summary_ms(window.get(("nvme", "read"), []))["p95"]
-        write_p95 = latency_summary_ms(window.get(("nvme", "write"), []))["p95"]
+        read_p95, write_p95 = (latency_summary_ms(window.get(("nvme", op), []))["p95"] for op in ("read", "write"))
         queue_ms = latency_summary_ms([r.queue_wait_s for r in records])["mean"]
         service_ms = latency_summary_ms([r.end_to_end_s - r.queue_wait_s - r.generation_s for r in records])["mean"]
         io_tokens = sum(delta.get(f"{t}_tokens_{d}", 0) for t in TIER_NAMES for d in ("read", "written"))
@@ -6527,9 +6502,7 @@ class ProgressReporter:
 
     def __init__(self, monitor: StorageMonitor, duration_s: Optional[float], max_requests: int,
                  stream: Any = None, tty: Optional[bool] = None):
-        self._monitor = monitor
-        self._duration_s = duration_s
-        self._max_requests = max_requests
+        self._monitor, self._duration_s, self._max_requests = monitor, duration_s, max_requests
         self._stream = stream if stream is not None else sys.stderr      # None: stderr closed (2>&-)
         self._tty = bool(self._stream is not None and self._stream.isatty()) if tty is None else tty
         self.lines_written = 0
@@ -6686,11 +6659,8 @@ class WorkloadAutoscaler:
         self.history.append({
             "elapsed_s": point["elapsed_s"], "users_before": users, "users_after": decision.users_after,
             "action": decision.action, "reason": decision.reason, "saturation": point["saturation"],
-            "throughput_tokens_per_sec": point["throughput_tokens_per_sec"],
-            "io_tokens_per_sec": point["io_tokens_per_sec"],
-            "storage_read_p95_ms": point["storage_read_p95_ms"],
-            "storage_write_p95_ms": point["storage_write_p95_ms"],
-            "queue_wait_mean_ms": point["queue_wait_mean_ms"],
+            **{key: point[key] for key in ("throughput_tokens_per_sec", "io_tokens_per_sec", "storage_read_p95_ms",
+                                           "storage_write_p95_ms", "queue_wait_mean_ms")},
             "window_requests": point.get("window_requests"),
             **({"peak_throughput": self.capacity.best_throughput, "peak_users": self.capacity.best_users}
                if self.mode == "capacity" else {}),
@@ -9039,7 +9009,6 @@ class _ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     p = _ArgumentParser(
         prog="kv-cache.py",
@@ -9249,14 +9218,9 @@ def _make_cache_dir(cache_dir: Optional[str]) -> List[Path]:
     """Create a missing --cache-dir; returns the directories created, outermost first."""
     if not cache_dir:
         return []
-    created = []
     path = Path(cache_dir)
-    while not path.exists():
-        created.append(path)
-        path = path.parent
-    created.reverse()
     made = []
-    for directory in created:
+    for directory in reversed(list(itertools.takewhile(lambda p: not p.exists(), (path, *path.parents)))):
         try:
             directory.mkdir()
             made.append(directory)
@@ -9313,10 +9277,8 @@ def print_report(text: str) -> None:
     try:
         print(text, flush=True)
     except (BrokenPipeError, ValueError):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
         logger.warning("stdout was closed: the report was not printed (the results file has it)")
 
 
@@ -9378,13 +9340,11 @@ def _exit_status(bench: IntegratedBenchmark, results: Dict[str, Any], outputs_wr
         return EXIT_SIGNAL[bench.stop_reason]
     summary = results["summary"]
     missing = headline_not_measured(results)
-    if missing:
-        logger.error("%s; exit status 1", missing)
+    off_device = summary["cache_stats"].get("storage_reads_not_on_device")
+    for problem in filter(None, (missing, off_device)):
+        logger.error("%s; exit status 1", problem)
     baseline_failed = bool(summary["io_baseline"] and "error" in summary["io_baseline"])
     fio_failed = "error" in (summary.get("fio_comparison") or {}) or "fio_job_error" in summary
-    off_device = summary["cache_stats"].get("storage_reads_not_on_device")
-    if off_device:
-        logger.error("%s; exit status 1", off_device)
     degraded = (summary["io_errors"] or summary["thread_errors"] or summary["verify_mismatches"]
                 or baseline_failed or fio_failed or missing or off_device or not outputs_written)
     return EXIT_DEGRADED if degraded else EXIT_OK
@@ -9455,11 +9415,9 @@ MALLOC_ARENAS = 4                       # glibc makes up to 8 per core; hundreds
 def _limit_malloc_arenas() -> None:
     """Cap glibc's per-thread malloc arenas (500 worker threads otherwise keep freed memory in
     many of them: measured 0.2 GiB of RSS at 1,000 users). The CLI's choice, never the module's."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):              # not glibc: nothing to do
         import ctypes
         ctypes.CDLL("libc.so.6").mallopt(-8, MALLOC_ARENAS)        # M_ARENA_MAX
-    except (OSError, AttributeError):                               # not glibc: nothing to do
-        pass
 
 
 CUDA_WORK_QUEUES = "32"                 # CUDA_DEVICE_MAX_CONNECTIONS: the hardware's most (the driver's default is 8)
@@ -9499,11 +9457,9 @@ def replay_main(args: argparse.Namespace, stop: "StopRequest", launch: Optional[
         stop.install()
         created = _make_cache_dir(config.cache_dir)
         replay = TraceReplay(config, stop.event)
-    except UsageError as exc:
-        print(f"kv-cache.py: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        print(f"kv-cache.py: error: --cache-dir {config.cache_dir}: {exc.strerror}", file=sys.stderr)
+    except (UsageError, OSError) as exc:
+        why = exc if isinstance(exc, UsageError) else f"--cache-dir {config.cache_dir}: {exc.strerror}"
+        print(f"kv-cache.py: error: {why}", file=sys.stderr)
         return EXIT_USAGE
     logger.info("Replaying the storage rows of %s in %s at %gx", config.replay_io_trace, replay.run_dir,
                 config.trace_speedup)

@@ -5615,8 +5615,7 @@ def _source_device_numbers(mount: Optional[MountEntry]) -> Optional[Tuple[int, i
     return os.major(rdev), os.minor(rdev)
 
 
-def _device_from_sysfs(major: int, minor: int, fstype: str,
-                       sys_root: Path) -> Tuple[Optional[BlockDevice], str]:
+def _device_from_sysfs(major: int, minor: int, fstype: str, sys_root: Path) -> Tuple[Optional[BlockDevice], str]:
     """Follows /sys/dev/block/MAJ:MIN into /sys/devices and checks that its stat file reads."""
     by_number = sys_root / "dev" / "block"
     entry = by_number / f"{major}:{minor}"
@@ -5772,8 +5771,7 @@ class BlockDeviceMonitor:
         wall_s = sample[0] - t0
         assert self.device is not None
         return {"available": True, "device": self.device.name, "disk": self.device.disk, "reason": None,
-                "host": platform.node(),
-                "logical_block_bytes": self.device.logical_block_bytes, "window_s": wall_s,
+                "host": platform.node(), "logical_block_bytes": self.device.logical_block_bytes, "window_s": wall_s,
                 **device_window_stats(first, sample[1], wall_s)}
 
 
@@ -5801,8 +5799,7 @@ def compare_app_with_device(app: Dict[str, Any], device: Dict[str, Any]) -> Dict
     device_parts = (device.get("bytes_read"), device.get("bytes_written"))
     device_bytes = sum(device_parts) if available and None not in device_parts else None
     share = _per(device_bytes * 100.0 if device_bytes is not None else None, app_bytes)
-    out.update(app_bytes=app_bytes, device_bytes=device_bytes, share_reached_pct=share,
-               share_note=_share_note(share))
+    out.update(app_bytes=app_bytes, device_bytes=device_bytes, share_reached_pct=share, share_note=_share_note(share))
     return out
 
 
@@ -6069,11 +6066,10 @@ def _align_up(n_bytes: int) -> int:
 def _aligned_size_counts(sizes: Dict[Any, int]) -> Dict[int, int]:
     """Request sizes rounded up to BLOCK_BYTES (direct I/O needs it; JSON keys may be
     strings), at most FIO_BSSPLIT_MAX of them: a rarer size is counted as its nearest kept one."""
-    counts: Dict[int, int] = {}
+    counts: Dict[int, int] = collections.Counter()
     for size, count in sizes.items():
         if int(count) > 0:
-            aligned = _align_up(int(size))
-            counts[aligned] = counts.get(aligned, 0) + int(count)
+            counts[_align_up(int(size))] += int(count)
     kept = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:FIO_BSSPLIT_MAX])
     for size, count in counts.items():
         if size not in kept:
@@ -6636,10 +6632,7 @@ class WorkloadAutoscaler:
 
     def __init__(self, mode: str, target_saturation: float, initial_users: int,
                  scaling: AutoscalerTunables = BUILT_IN_TUNABLES.autoscaler):
-        self.mode = mode
-        self.target = target_saturation
-        self.initial_users = initial_users
-        self.scaling = scaling
+        self.mode, self.target, self.initial_users, self.scaling = mode, target_saturation, initial_users, scaling
         self.cooldown_left = 0
         self.capacity = CapacitySearch(scaling)
         self.history: List[Dict[str, Any]] = []
@@ -9050,8 +9043,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--monitor-interval", type=float, dest="monitor_interval_s",
                    help="seconds between monitor samples (default: %(default)s)")
 
-    _add_source_flags(p)
-    _add_trace_flags(p)
+    _add_source_and_trace_flags(p)
     _add_output_flags(p)
     p.set_defaults(**_flag_defaults(p))
     return p
@@ -9068,8 +9060,7 @@ def _flag_defaults(p: argparse.ArgumentParser) -> Dict[str, Any]:
 
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("memory tiers")
-    m.add_argument("--gpu-mem-gb", type=float,
-                   help="GPU tier budget per GPU in GiB, 0 disables (default: %(default)s)")
+    m.add_argument("--gpu-mem-gb", type=float, help="GPU tier budget per GPU in GiB, 0 disables (default: %(default)s)")
     m.add_argument("--num-gpus", type=int,
                    help="GPUs in the node: the GPU tier is num-gpus x --gpu-mem-gb (default: %(default)s)")
     m.add_argument("--tensor-parallel", type=int,
@@ -9087,23 +9078,21 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--io-baseline", action="store_true",
                    help="first measure the cache directory's raw direct-I/O bandwidth (a few seconds) "
                         "and report the workload's storage efficiency against it")
-    m.add_argument("--verify", action="store_true",
-                   help="checksum every entry written and check every read against it")
+    m.add_argument("--verify", action="store_true", help="checksum every entry written and check every read against it")
     m.add_argument("--precondition", action="store_true",
                    help="before the timer, age the drive: write incompressible entries of the run's sizes straight "
                         "to the storage tier (the oldest evicted when it is full)")
     m.add_argument("--precondition-size-gb", type=float,
                    help="GiB --precondition writes (0: twice the storage tier's capacity)")
-    m.add_argument("--precondition-threads", type=int,
-                   help="threads --precondition writes on (0: one per core)")
+    m.add_argument("--precondition-threads", type=int, help="threads --precondition writes on (0: one per core)")
 
 
-def _add_source_flags(p: argparse.ArgumentParser) -> None:
+def _add_source_and_trace_flags(p: argparse.ArgumentParser) -> None:
+    """The requests' sources, and the I/O traces (--replay-io-trace is a source too, paced by --trace-speedup)."""
     d = p.add_argument_group("where requests come from: dataset, BurstGPT trace, RAG")
     d.add_argument("--dataset-path", help="ShareGPT JSON file to replay")
     d.add_argument("--max-conversations", type=int, help="conversations to sample from the dataset (default: %(default)s)")
-    d.add_argument("--request-rate", type=float,
-                   help="cap on admissions per second, evenly spaced (0: no pacing)")
+    d.add_argument("--request-rate", type=float, help="cap on admissions per second, evenly spaced (0: no pacing)")
     d.add_argument("--use-burst-trace", action="store_true",
                    help="admit requests as BurstGPT trace rows say: each row at its timestamp, with its request "
                         "and response tokens (open loop)")
@@ -9117,9 +9106,6 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
                    help="passes over the trace before the run ends (0: until --duration or --max-requests)")
     d.add_argument("--enable-rag", action="store_true", help="simulate RAG document ingestion and retrieval")
     d.add_argument("--rag-num-docs", type=int, help="RAG documents to ingest (default: %(default)s)")
-
-
-def _add_trace_flags(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("I/O traces")
     t.add_argument("--io-trace-log", metavar="FILE",
                    help="trace mode: run the whole simulation without I/O and write every operation to FILE "
@@ -9467,17 +9453,15 @@ def replay_main(args: argparse.Namespace, stop: "StopRequest", launch: Optional[
         results = replay.run(lambda: stop.signal_name)
     finally:
         _remove_created_dirs(created)
+    degraded = bool(results["io_errors"] or results["failure_count"])
     output = config.output or default_output_path()
     try:
         logger.info("Results written to %s", write_json(results, output))
-        written = True
     except (OSError, ValueError) as exc:
         logger.error("could not write the results to %s: %s", output, exc)
-        written = False
+        degraded = True
     print_report(format_replay_report(results))
-    if stop.signal_name:
-        return EXIT_SIGNAL[stop.signal_name]
-    return EXIT_OK if written and not (results["io_errors"] or results["failure_count"]) else EXIT_DEGRADED
+    return EXIT_SIGNAL[stop.signal_name] if stop.signal_name else EXIT_DEGRADED if degraded else EXIT_OK
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1137,9 +1137,7 @@ def _check_cache_dir(cache_dir: Optional[str]) -> None:
                              f"give a directory on the storage under test")
     if path.exists() and not path.is_dir():
         raise UsageError(f"--cache-dir {cache_dir} exists and is not a directory")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
+    existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"--cache-dir {cache_dir} is not writable (needs write access to {existing})")
 
@@ -1192,9 +1190,8 @@ TEMPORARY_NAME_EXTRA_BYTES = len(".") + len(".") + 8 + len(".tmp")   # _write_fi
 
 def _name_max(directory: Path) -> int:
     """The longest file name (bytes) the file system under `directory` takes (255 where unknown)."""
-    existing = directory.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    path = directory.absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
     try:
         return os.pathconf(existing, "PC_NAME_MAX")
     except (OSError, ValueError):
@@ -1224,9 +1221,7 @@ def _check_plot_dir(plot: Optional[str]) -> None:
     if plot is None:
         return
     path = Path(plot).expanduser().absolute()
-    existing = path
-    while not os.path.lexists(existing):
-        existing = existing.parent
+    existing = next(p for p in (path, *path.parents) if os.path.lexists(p))
     if not existing.is_dir():
         where = "exists and is not a directory" if existing == path else f"is under {existing}, which is not a directory"
         raise UsageError(f"--plot {plot} {where}")
@@ -1272,13 +1267,10 @@ def write_json(results: Dict[str, Any], path: str) -> str:
 
 def _umask() -> int:
     """The process umask, read without changing it where the kernel tells (Linux 4.7+)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -1323,11 +1315,9 @@ def default_output_path(directory: str = ".") -> str:
     stem = f"benchmark_results_{time.strftime('%Y%m%d_%H%M%S')}"
     for n in itertools.count(1):
         name = Path(directory) / (f"{stem}.json" if n == 1 else f"{stem}_{n}.json")
-        try:
+        with contextlib.suppress(FileExistsError):
             os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             return str(name)
-        except FileExistsError:
-            continue
     raise AssertionError("unreachable")
 
 
@@ -5564,12 +5554,9 @@ class MountEntry:
 
 
 def parse_block_stat(text: str) -> Dict[str, int]:
-    """The counters of one /sys/block/<dev>/stat line, named by BLOCK_STAT_FIELDS.
-
-    Older kernels print 11 fields, newer 15 or 17: only the fields present are
-    returned, so callers treat a missing discard or flush counter as "not counted".
-    Raises ValueError on fewer than 11 fields or a non-integer field.
-    """
+    """The counters of one /sys/block/<dev>/stat line, named by BLOCK_STAT_FIELDS: only the fields
+    this kernel prints, so callers treat a missing discard or flush counter as "not counted".
+    Raises ValueError on fewer than 11 fields or a non-integer field."""
     values = text.split()
     if len(values) < BLOCK_STAT_MIN_FIELDS:
         raise ValueError(f"block stat has {len(values)} fields, expected at least {BLOCK_STAT_MIN_FIELDS}")
@@ -5606,13 +5593,8 @@ def mount_of(path: Union[str, os.PathLike], mountinfo_path: Path = MOUNTINFO_PAT
     except OSError:
         return None
     real = os.path.realpath(path)
-    best: Optional[MountEntry] = None
-    for mount in mounts:
-        point = mount.mount_point
-        if point == "/" or real == point or real.startswith(point.rstrip("/") + "/"):
-            if best is None or len(point) >= len(best.mount_point):
-                best = mount
-    return best
+    above = [m for m in mounts if m.mount_point in ("/", real) or real.startswith(m.mount_point.rstrip("/") + "/")]
+    return max(reversed(above), key=lambda m: len(m.mount_point), default=None)     # of equals, the last mounted
 
 
 def _read_int(path: Path) -> Optional[int]:
@@ -5640,8 +5622,7 @@ def _source_device_numbers(mount: Optional[MountEntry]) -> Optional[Tuple[int, i
     return os.major(rdev), os.minor(rdev)
 
 
-def _device_from_sysfs(major: int, minor: int, fstype: str,
-                       sys_root: Path) -> Tuple[Optional[BlockDevice], str]:
+def _device_from_sysfs(major: int, minor: int, fstype: str, sys_root: Path) -> Tuple[Optional[BlockDevice], str]:
     """Follows /sys/dev/block/MAJ:MIN into /sys/devices and checks that its stat file reads."""
     by_number = sys_root / "dev" / "block"
     entry = by_number / f"{major}:{minor}"
@@ -5700,9 +5681,7 @@ def _counter_delta(start: Dict[str, int], end: Dict[str, int], name: str) -> Opt
 
 def _per(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
     """numerator / denominator, None when either is missing or there is nothing to divide by."""
-    if numerator is None or not denominator or denominator <= 0:
-        return None
-    return numerator / denominator
+    return numerator / denominator if numerator is not None and denominator and denominator > 0 else None
 
 
 def device_window_stats(start: Dict[str, int], end: Dict[str, int], wall_s: float) -> Dict[str, Any]:
@@ -5799,13 +5778,8 @@ class BlockDeviceMonitor:
         wall_s = sample[0] - t0
         assert self.device is not None
         return {"available": True, "device": self.device.name, "disk": self.device.disk, "reason": None,
-                "host": platform.node(),
-                "logical_block_bytes": self.device.logical_block_bytes, "window_s": wall_s,
+                "host": platform.node(), "logical_block_bytes": self.device.logical_block_bytes, "window_s": wall_s,
                 **device_window_stats(first, sample[1], wall_s)}
-
-
-def _difference(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return a - b if a is not None and b is not None else None
 
 
 def compare_app_with_device(app: Dict[str, Any], device: Dict[str, Any]) -> Dict[str, Any]:
@@ -5827,13 +5801,12 @@ def compare_app_with_device(app: Dict[str, Any], device: Dict[str, Any]) -> Dict
         device_ms = device.get(f"{op}_await_ms") if available else None
         out[f"{op}_app_mean_ms"] = app_ms
         out[f"{op}_device_await_ms"] = device_ms
-        out[f"{op}_software_ms"] = _difference(app_ms, device_ms)
+        out[f"{op}_software_ms"] = app_ms - device_ms if app_ms is not None and device_ms is not None else None
     app_bytes = (app.get("bytes_read") or 0) + (app.get("bytes_written") or 0)
     device_parts = (device.get("bytes_read"), device.get("bytes_written"))
     device_bytes = sum(device_parts) if available and None not in device_parts else None
     share = _per(device_bytes * 100.0 if device_bytes is not None else None, app_bytes)
-    out.update(app_bytes=app_bytes, device_bytes=device_bytes, share_reached_pct=share,
-               share_note=_share_note(share))
+    out.update(app_bytes=app_bytes, device_bytes=device_bytes, share_reached_pct=share, share_note=_share_note(share))
     return out
 
 
@@ -5966,8 +5939,7 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
     work = Path(tempfile.mkdtemp(prefix="kvcache_baseline_", dir=directory))
     backend = NVMeBackend(work)
     writers = min(threads, BASELINE_WRITE_STREAMS)
-    sizes = [0] * writers
-    read_bytes = [0] * max(threads, writers)
+    sizes, read_bytes = [0] * writers, [0] * threads
     try:
         write_s = _run_streams(lambda i: _baseline_write_stream(work / f"stream_{i}.bin", generator.layout(
             f"__baseline_{i}"), generator, backend.direct_io, phase_s, max_file_bytes, should_stop, sizes, i), writers)
@@ -5982,19 +5954,11 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
             path.unlink()
         backend.clear()
         work.rmdir()
-    return {
-        "directory": str(directory),
-        "io_mode": backend.io_mode,
-        "threads": threads,
-        "write_threads": writers,
-        "chunk_bytes": IO_CHUNK_BYTES,
-        "write_gib_per_sec": total / GIB / write_s if write_s > 0 else 0.0,
-        "read_gib_per_sec": total_read / GIB / read_s if read_s > 0 else 0.0,
-        "bytes_written": total,
-        "bytes_read": total_read,
-        "write_s": write_s,
-        "read_s": read_s,
-    }
+    return {"directory": str(directory), "io_mode": backend.io_mode, "threads": threads, "write_threads": writers,
+            "chunk_bytes": IO_CHUNK_BYTES,
+            "write_gib_per_sec": total / GIB / write_s if write_s > 0 else 0.0,
+            "read_gib_per_sec": total_read / GIB / read_s if read_s > 0 else 0.0,
+            "bytes_written": total, "bytes_read": total_read, "write_s": write_s, "read_s": read_s}
 
 
 def merge_io_baseline(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
@@ -6068,7 +6032,6 @@ def _run_streams(target: Callable[[int], None], threads: int) -> float:
     return time.perf_counter() - t0
 
 
-
 # ============================================================================
 # FIO: THE STORAGE TIER'S I/O REPLAYED (--fio-job, --fio-compare)
 # ============================================================================
@@ -6110,11 +6073,10 @@ def _align_up(n_bytes: int) -> int:
 def _aligned_size_counts(sizes: Dict[Any, int]) -> Dict[int, int]:
     """Request sizes rounded up to BLOCK_BYTES (direct I/O needs it; JSON keys may be
     strings), at most FIO_BSSPLIT_MAX of them: a rarer size is counted as its nearest kept one."""
-    counts: Dict[int, int] = {}
+    counts: Dict[int, int] = collections.Counter()
     for size, count in sizes.items():
         if int(count) > 0:
-            aligned = _align_up(int(size))
-            counts[aligned] = counts.get(aligned, 0) + int(count)
+            counts[_align_up(int(size))] += int(count)
     kept = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:FIO_BSSPLIT_MAX])
     for size, count in counts.items():
         if size not in kept:
@@ -6282,15 +6244,6 @@ def fio_comparison(cs: Dict[str, Any], fio: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _json_object_in(text: str) -> Dict[str, Any]:
-    """The first JSON object in fio's output: fio may print warnings ("fio: ...") before it."""
-    start = text.find("{")
-    if start < 0:
-        raise ValueError("no JSON object in fio's output")
-    obj, _ = json.JSONDecoder().raw_decode(text[start:])
-    return obj
-
-
 def _fio_direction(jobs: List[Dict[str, Any]], op: str) -> Dict[str, Optional[float]]:
     """One direction summed over fio's jobs: bandwidth and I/O add up, the mean latency is
     weighted by requests, P95 is the largest job's P95 (an upper bound of the pooled P95;
@@ -6323,7 +6276,10 @@ def parse_fio_json(text: str) -> Dict[str, Any]:
     job recorded it, else clat_ns. Raises ValueError when there is no JSON or no jobs, when
     it is not of fio's shape, or when a figure is not a finite number >= 0.
     """
-    result = _json_object_in(text)
+    start = text.find("{")                          # fio may print warnings ("fio: ...") before its JSON
+    if start < 0:
+        raise ValueError("no JSON object in fio's output")
+    result, _ = json.JSONDecoder().raw_decode(text[start:])
     jobs = result.get("jobs") or []
     if not jobs:
         raise ValueError("fio's JSON output has no jobs")
@@ -6390,24 +6346,20 @@ def run_fio(job_path: Path, runtime_s: float, timeout_s: float,
 def _wait_for_fio(proc: Any, deadline: float, should_stop: Callable[[], bool]) -> str:
     """Wait for fio: 'done', or 'stopped' / 'timeout' once its group is ended."""
     import subprocess
-    while True:
+    why = None
+    while why is None:
         try:
             proc.wait(timeout=0.1)
             return "done"
         except subprocess.TimeoutExpired:
-            pass
-        why = "stopped" if should_stop() else "timeout" if time.monotonic() >= deadline else None
-        if why is None:
-            continue
-        for sig, grace in ((signal.SIGTERM, FIO_STOP_GRACE_S), (signal.SIGKILL, None)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, sig)
-            try:
-                proc.wait(timeout=grace)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        return why
+            why = "stopped" if should_stop() else "timeout" if time.monotonic() >= deadline else None
+    for sig, grace in ((signal.SIGTERM, FIO_STOP_GRACE_S), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+            break                                   # ended within the grace: no SIGKILL
+    return why
 
 
 def _read_capped(f: Any, limit: int, tail: bool = False) -> Optional[str]:
@@ -6494,12 +6446,8 @@ class StorageMonitor:
     def __init__(self, cache: MultiTierCache, recorder: "RunRecorder", request_queue: "queue.Queue",
                  active_users: Callable[[], int], device: Optional[BlockDeviceMonitor] = None,
                  limits: SaturationTunables = BUILT_IN_TUNABLES.saturation_detection):
-        self._cache = cache
-        self._limits = limits
-        self._device = device
-        self._recorder = recorder
-        self._queue = request_queue
-        self._active_users = active_users
+        self._cache, self._recorder, self._queue = cache, recorder, request_queue
+        self._active_users, self._device, self._limits = active_users, device, limits
         self.last_elapsed_s = 0.0                        # where the last window ended
         self._last_counters: Dict[str, int] = {}
         self._sample_marks: Dict[Tuple[str, str], int] = {}
@@ -6513,8 +6461,7 @@ class StorageMonitor:
         self._record_mark += len(records)
         span = max(elapsed_s - self.last_elapsed_s, 1e-9)
         delta = {k: counters.get(k, 0) - self._last_counters.get(k, 0) for k in counters}
-        read_p95 = latency_summary_ms(window.get(("nvme", "read"), []))["p95"]
-        write_p95 = latency_summary_ms(window.get(("nvme", "write"), []))["p95"]
+        read_p95, write_p95 = (latency_summary_ms(window.get(("nvme", op), []))["p95"] for op in ("read", "write"))
         queue_ms = latency_summary_ms([r.queue_wait_s for r in records])["mean"]
         service_ms = latency_summary_ms([r.end_to_end_s - r.queue_wait_s - r.generation_s for r in records])["mean"]
         io_tokens = sum(delta.get(f"{t}_tokens_{d}", 0) for t in TIER_NAMES for d in ("read", "written"))
@@ -6558,9 +6505,7 @@ class ProgressReporter:
 
     def __init__(self, monitor: StorageMonitor, duration_s: Optional[float], max_requests: int,
                  stream: Any = None, tty: Optional[bool] = None):
-        self._monitor = monitor
-        self._duration_s = duration_s
-        self._max_requests = max_requests
+        self._monitor, self._duration_s, self._max_requests = monitor, duration_s, max_requests
         self._stream = stream if stream is not None else sys.stderr      # None: stderr closed (2>&-)
         self._tty = bool(self._stream is not None and self._stream.isatty()) if tty is None else tty
         self.lines_written = 0
@@ -6694,10 +6639,7 @@ class WorkloadAutoscaler:
 
     def __init__(self, mode: str, target_saturation: float, initial_users: int,
                  scaling: AutoscalerTunables = BUILT_IN_TUNABLES.autoscaler):
-        self.mode = mode
-        self.target = target_saturation
-        self.initial_users = initial_users
-        self.scaling = scaling
+        self.mode, self.target, self.initial_users, self.scaling = mode, target_saturation, initial_users, scaling
         self.cooldown_left = 0
         self.capacity = CapacitySearch(scaling)
         self.history: List[Dict[str, Any]] = []
@@ -6717,11 +6659,8 @@ class WorkloadAutoscaler:
         self.history.append({
             "elapsed_s": point["elapsed_s"], "users_before": users, "users_after": decision.users_after,
             "action": decision.action, "reason": decision.reason, "saturation": point["saturation"],
-            "throughput_tokens_per_sec": point["throughput_tokens_per_sec"],
-            "io_tokens_per_sec": point["io_tokens_per_sec"],
-            "storage_read_p95_ms": point["storage_read_p95_ms"],
-            "storage_write_p95_ms": point["storage_write_p95_ms"],
-            "queue_wait_mean_ms": point["queue_wait_mean_ms"],
+            **{key: point[key] for key in ("throughput_tokens_per_sec", "io_tokens_per_sec", "storage_read_p95_ms",
+                                           "storage_write_p95_ms", "queue_wait_mean_ms")},
             "window_requests": point.get("window_requests"),
             **({"peak_throughput": self.capacity.best_throughput, "peak_users": self.capacity.best_users}
                if self.mode == "capacity" else {}),
@@ -9096,7 +9035,6 @@ class _ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     p = _ArgumentParser(
         prog="kv-cache.py",
@@ -9138,8 +9076,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--monitor-interval", type=float, dest="monitor_interval_s",
                    help="seconds between monitor samples (default: %(default)s)")
 
-    _add_source_flags(p)
-    _add_trace_flags(p)
+    _add_source_and_trace_flags(p)
     _add_output_flags(p)
     p.set_defaults(**_flag_defaults(p))
     return p
@@ -9156,8 +9093,7 @@ def _flag_defaults(p: argparse.ArgumentParser) -> Dict[str, Any]:
 
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("memory tiers")
-    m.add_argument("--gpu-mem-gb", type=float,
-                   help="GPU tier budget per GPU in GiB, 0 disables (default: %(default)s)")
+    m.add_argument("--gpu-mem-gb", type=float, help="GPU tier budget per GPU in GiB, 0 disables (default: %(default)s)")
     m.add_argument("--num-gpus", type=int,
                    help="GPUs in the node: the GPU tier is num-gpus x --gpu-mem-gb (default: %(default)s)")
     m.add_argument("--tensor-parallel", type=int,
@@ -9175,23 +9111,21 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--io-baseline", action="store_true",
                    help="first measure the cache directory's raw direct-I/O bandwidth (a few seconds) "
                         "and report the workload's storage efficiency against it")
-    m.add_argument("--verify", action="store_true",
-                   help="checksum every entry written and check every read against it")
+    m.add_argument("--verify", action="store_true", help="checksum every entry written and check every read against it")
     m.add_argument("--precondition", action="store_true",
                    help="before the timer, age the drive: write incompressible entries of the run's sizes straight "
                         "to the storage tier (the oldest evicted when it is full)")
     m.add_argument("--precondition-size-gb", type=float,
                    help="GiB --precondition writes (0: twice the storage tier's capacity)")
-    m.add_argument("--precondition-threads", type=int,
-                   help="threads --precondition writes on (0: one per core)")
+    m.add_argument("--precondition-threads", type=int, help="threads --precondition writes on (0: one per core)")
 
 
-def _add_source_flags(p: argparse.ArgumentParser) -> None:
+def _add_source_and_trace_flags(p: argparse.ArgumentParser) -> None:
+    """The requests' sources, and the I/O traces (--replay-io-trace is a source too, paced by --trace-speedup)."""
     d = p.add_argument_group("where requests come from: dataset, BurstGPT trace, RAG")
     d.add_argument("--dataset-path", help="ShareGPT JSON file to replay")
     d.add_argument("--max-conversations", type=int, help="conversations to sample from the dataset (default: %(default)s)")
-    d.add_argument("--request-rate", type=float,
-                   help="cap on admissions per second, evenly spaced (0: no pacing)")
+    d.add_argument("--request-rate", type=float, help="cap on admissions per second, evenly spaced (0: no pacing)")
     d.add_argument("--use-burst-trace", action="store_true",
                    help="admit requests as BurstGPT trace rows say: each row at its timestamp, with its request "
                         "and response tokens (open loop)")
@@ -9205,9 +9139,6 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
                    help="passes over the trace before the run ends (0: until --duration or --max-requests)")
     d.add_argument("--enable-rag", action="store_true", help="simulate RAG document ingestion and retrieval")
     d.add_argument("--rag-num-docs", type=int, help="RAG documents to ingest (default: %(default)s)")
-
-
-def _add_trace_flags(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("I/O traces")
     t.add_argument("--io-trace-log", metavar="FILE",
                    help="trace mode: run the whole simulation without I/O and write every operation to FILE "
@@ -9306,14 +9237,9 @@ def _make_cache_dir(cache_dir: Optional[str]) -> List[Path]:
     """Create a missing --cache-dir; returns the directories created, outermost first."""
     if not cache_dir:
         return []
-    created = []
     path = Path(cache_dir)
-    while not path.exists():
-        created.append(path)
-        path = path.parent
-    created.reverse()
     made = []
-    for directory in created:
+    for directory in reversed(list(itertools.takewhile(lambda p: not p.exists(), (path, *path.parents)))):
         try:
             directory.mkdir()
             made.append(directory)
@@ -9370,10 +9296,8 @@ def print_report(text: str) -> None:
     try:
         print(text, flush=True)
     except (BrokenPipeError, ValueError):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
         logger.warning("stdout was closed: the report was not printed (the results file has it)")
 
 
@@ -9435,13 +9359,11 @@ def _exit_status(bench: IntegratedBenchmark, results: Dict[str, Any], outputs_wr
         return EXIT_SIGNAL[bench.stop_reason]
     summary = results["summary"]
     missing = headline_not_measured(results)
-    if missing:
-        logger.error("%s; exit status 1", missing)
+    off_device = summary["cache_stats"].get("storage_reads_not_on_device")
+    for problem in filter(None, (missing, off_device)):
+        logger.error("%s; exit status 1", problem)
     baseline_failed = bool(summary["io_baseline"] and "error" in summary["io_baseline"])
     fio_failed = "error" in (summary.get("fio_comparison") or {}) or "fio_job_error" in summary
-    off_device = summary["cache_stats"].get("storage_reads_not_on_device")
-    if off_device:
-        logger.error("%s; exit status 1", off_device)
     degraded = (summary["io_errors"] or summary["thread_errors"] or summary["verify_mismatches"]
                 or baseline_failed or fio_failed or missing or off_device or not outputs_written)
     return EXIT_DEGRADED if degraded else EXIT_OK
@@ -9512,11 +9434,9 @@ MALLOC_ARENAS = 4                       # glibc makes up to 8 per core; hundreds
 def _limit_malloc_arenas() -> None:
     """Cap glibc's per-thread malloc arenas (500 worker threads otherwise keep freed memory in
     many of them: measured 0.2 GiB of RSS at 1,000 users). The CLI's choice, never the module's."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):              # not glibc: nothing to do
         import ctypes
         ctypes.CDLL("libc.so.6").mallopt(-8, MALLOC_ARENAS)        # M_ARENA_MAX
-    except (OSError, AttributeError):                               # not glibc: nothing to do
-        pass
 
 
 CUDA_WORK_QUEUES = "32"                 # CUDA_DEVICE_MAX_CONNECTIONS: the hardware's most (the driver's default is 8)
@@ -9556,11 +9476,9 @@ def replay_main(args: argparse.Namespace, stop: "StopRequest", launch: Optional[
         stop.install()
         created = _make_cache_dir(config.cache_dir)
         replay = TraceReplay(config, stop.event)
-    except UsageError as exc:
-        print(f"kv-cache.py: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        print(f"kv-cache.py: error: --cache-dir {config.cache_dir}: {exc.strerror}", file=sys.stderr)
+    except (UsageError, OSError) as exc:
+        why = exc if isinstance(exc, UsageError) else f"--cache-dir {config.cache_dir}: {exc.strerror}"
+        print(f"kv-cache.py: error: {why}", file=sys.stderr)
         return EXIT_USAGE
     logger.info("Replaying the storage rows of %s in %s at %gx", config.replay_io_trace, replay.run_dir,
                 config.trace_speedup)
@@ -9568,17 +9486,15 @@ def replay_main(args: argparse.Namespace, stop: "StopRequest", launch: Optional[
         results = replay.run(lambda: stop.signal_name)
     finally:
         _remove_created_dirs(created)
+    degraded = bool(results["io_errors"] or results["failure_count"])
     output = config.output or default_output_path()
     try:
         logger.info("Results written to %s", write_json(results, output))
-        written = True
     except (OSError, ValueError) as exc:
         logger.error("could not write the results to %s: %s", output, exc)
-        written = False
+        degraded = True
     print_report(format_replay_report(results))
-    if stop.signal_name:
-        return EXIT_SIGNAL[stop.signal_name]
-    return EXIT_OK if written and not (results["io_errors"] or results["failure_count"]) else EXIT_DEGRADED
+    return EXIT_SIGNAL[stop.signal_name] if stop.signal_name else EXIT_DEGRADED if degraded else EXIT_OK
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1137,9 +1137,10 @@ def _check_cache_dir(cache_dir: Optional[str]) -> None:
                              f"give a directory on the storage under test")
     if path.exists() and not path.is_dir():
         raise UsageError(f"--cache-dir {cache_dir} exists and is not a directory")
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--cache-dir {cache_dir} is not writable (needs write access to {existing})")
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)     # None: the working directory is gone
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        where = existing or path.parent
+        raise UsageError(f"--cache-dir {cache_dir} is not writable (needs write access to {where})")
 
 
 def _check_zstd(flag: str, path: str) -> None:

@@ -3034,9 +3034,8 @@ def npy_header(shape: Sequence[int], dtype: str) -> bytes:
     """A version-1.0 .npy header padded to NPY_DATA_OFFSET bytes, so the data is block-aligned."""
     meta = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
             "shape": tuple(int(s) for s in shape)}
-    body = repr(meta)
     prefix_len = 10                                   # magic (6) + version (2) + header length (2)
-    body = body.ljust(NPY_DATA_OFFSET - prefix_len - 1) + "\n"
+    body = repr(meta).ljust(NPY_DATA_OFFSET - prefix_len - 1) + "\n"
     return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode("latin1")
 
 
@@ -3053,8 +3052,7 @@ def preallocate(fd: int, nbytes: int) -> bool:
     if _FALLOCATE is None:
         try:
             import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.fallocate
+            fn = ctypes.CDLL(None, use_errno=True).fallocate
             fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
             fn.restype = ctypes.c_int
             _FALLOCATE = fn
@@ -3155,32 +3153,53 @@ class NVMeBackend(StorageTier):
             meta = self.metadata[key]
         return StoredEntry(meta["size"], meta["shape"], meta["dtype"])
 
-    @staticmethod
-    def _in_turn(per_shard: List[List[Tuple[int, ...]]]) -> Iterator[Tuple[int, ...]]:
-        """Each shard's transfers, (shard, ...) tuples, taken from the shards in turn."""
-        for step in itertools.zip_longest(*per_shard):
-            yield from (piece for piece in step if piece is not None)
+    @contextlib.contextmanager
+    def _opened(self, paths: List[Path], flags: int,
+                undo: Callable[[Path], Any] = lambda path: None) -> Iterator[List[int]]:
+        """Each of `paths` opened with `flags` (O_DIRECT where the tier uses it), all closed at
+        the end; on an error, `undo` of each one that was opened."""
+        flags |= getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.direct_io else 0)
+        fds: List[int] = []
+        try:
+            for path in paths:
+                fds.append(os.open(path, flags, 0o644))
+            yield fds
+        except BaseException:
+            for path in paths[:len(fds)]:
+                undo(path)
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _pipelined(self, op: str, transfer: Transfer, lengths: List[int],
+                   submit: Callable[[ChunkPipeline, np.ndarray, int, int, int], None]) -> None:
+        """Move each shard's `lengths[shard]` bytes in pieces of one chunk buffer, the shards in
+        turn (chunk j of every shard before chunk j + 1 of any), as many in flight as there are
+        buffers: `submit(pipe, buffer, shard, offset, nbytes)` fills a free buffer and submits
+        its transfer. Returns when every transfer has completed."""
+        buffers = self._chunk_buffers(transfer.staging)
+        pipe = ChunkPipeline(transfer, self.busy[op], len(buffers))
+        step = buffers[0].size
+        per_shard = [[(shard, off, min(step, n - off)) for off in range(0, n, step)] for shard, n in enumerate(lengths)]
+
+        def issue() -> None:
+            pieces = (piece for turn in itertools.zip_longest(*per_shard) for piece in turn if piece is not None)
+            for i, (shard, off, n) in enumerate(pieces):
+                transfer.check_stop()
+                pipe.make_room()                          # buffer i % depth is free again
+                submit(pipe, buffers[i % len(buffers)], shard, off, n)
+        pipe.complete_all(issue)
 
     # --- writing ---
     def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
         objects = shard_objects(safe_file_stem(key), source.nbytes, self.shards)
         paths = [self.base_path / f"{name}.npy" for name, _ in objects]
         self.delete(key)                                  # replacing an entry of ours
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        if self.direct_io:
-            flags |= os.O_DIRECT
-        sizes, fds = [nbytes for _, nbytes in objects], []
-        try:
-            for path in paths:
-                fds.append(os.open(path, flags, 0o644))   # O_EXCL: never overwrite a file we did not create
+        sizes, flags = [nbytes for _, nbytes in objects], os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        # O_EXCL: never overwrite a file we did not create; a failed write removes those it created.
+        with self._opened(paths, flags, lambda path: path.unlink(missing_ok=True)) as fds:
             self._write_chunks(fds, sizes, source, transfer)
-        except BaseException:
-            for path in paths[:len(fds)]:
-                path.unlink(missing_ok=True)
-            raise
-        finally:
-            for fd in fds:
-                os.close(fd)
         with self._lock:
             self.metadata[key] = {"paths": paths, "size": source.nbytes, "shape": tuple(source.shape),
                                   "dtype": source.dtype, "shard_sizes": sizes}
@@ -3208,40 +3227,24 @@ class NVMeBackend(StorageTier):
                        shards_per_entry=self.shards, object_sizes=objects)
         return profile
 
-    def _write_pieces(self, sizes: List[int], step: int) -> Iterator[Tuple[int, int, int, int, int]]:
-        """(shard, file offset, bytes, header bytes, entry offset of the data) of each write: a
-        shard's file is its .npy header and data, in `step`-byte writes, the first carrying the header."""
-        per_shard, entry_off = [], 0
-        for shard, data in enumerate(sizes):
-            total = NPY_DATA_OFFSET + data
-            per_shard.append([(shard, off, min(step, total - off), NPY_DATA_OFFSET if off == 0 else 0,
-                               entry_off + max(0, off - NPY_DATA_OFFSET)) for off in range(0, total, step)])
-            entry_off += data
-        return self._in_turn(per_shard)
-
     def _write_chunks(self, fds: List[int], sizes: List[int], source: EntrySource, transfer: Transfer) -> None:
-        headers = [npy_header(*self._shard_shape(n, source)) for n in sizes]
-        buffers = self._chunk_buffers(transfer.staging)
-        pipe = ChunkPipeline(transfer, self.busy["write"], len(buffers))
+        """Each shard's file is its .npy header and data, written in chunk-buffer-sized pieces,
+        the first carrying the header."""
+        headers = [np.frombuffer(npy_header(*self._shard_shape(n, source)), dtype=np.uint8) for n in sizes]
+        starts, busy = [0, *itertools.accumulate(sizes)], self.busy["write"]
         for fd, data in zip(fds, sizes):
-            pipe.timed(preallocate, fd, self._io_len(NPY_DATA_OFFSET + data))
+            transfer.timed(preallocate, fd, self._io_len(NPY_DATA_OFFSET + data), busy=busy)
 
-        def completed(data_bytes: int) -> Callable[[Any], None]:
-            return lambda _: transfer.advance(data_bytes)
-
-        def issue() -> None:
-            for i, (shard, file_off, n, head, data_off) in enumerate(self._write_pieces(sizes, buffers[0].size)):
-                transfer.check_stop()
-                pipe.make_room()                          # buffer i % depth is free again
-                buf = buffers[i % len(buffers)]
-                if head:
-                    buf[:head] = np.frombuffer(headers[shard], dtype=np.uint8)
-                if n > head:
-                    source.fill(data_off, buf[head:n])
-                    transfer.observe(buf[head:n], shard)
-                pipe.submit(completed(n - head), _pwrite_all, fds[shard],
-                            buf[:self._request("write", self._io_len(n))], file_off)
-        pipe.complete_all(issue)
+        def submit(pipe: ChunkPipeline, buf: np.ndarray, shard: int, file_off: int, n: int) -> None:
+            head = NPY_DATA_OFFSET if file_off == 0 else 0
+            if head:
+                buf[:head] = headers[shard]
+            if n > head:
+                source.fill(starts[shard] + max(0, file_off - NPY_DATA_OFFSET), buf[head:n])
+                transfer.observe(buf[head:n], shard)
+            pipe.submit(lambda _: transfer.advance(n - head), _pwrite_all, fds[shard],
+                        buf[:self._request("write", self._io_len(n))], file_off)
+        self._pipelined("write", transfer, [NPY_DATA_OFFSET + data for data in sizes], submit)
 
         def finish() -> None:
             for fd, data in zip(fds, sizes):
@@ -3250,7 +3253,7 @@ class NVMeBackend(StorageTier):
                 os.fdatasync(fd)                          # durable before we call it written
                 if not self.direct_io:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        pipe.timed(finish)
+        transfer.timed(finish, busy=busy)
 
     def _shard_shape(self, nbytes: int, source: EntrySource) -> Tuple[Tuple[int, ...], str]:
         """A shard file's array: the whole entry's shape, or a sharded entry's values in a row."""
@@ -3260,61 +3263,33 @@ class NVMeBackend(StorageTier):
         return ((nbytes // itemsize,), source.dtype) if nbytes % itemsize == 0 else ((nbytes,), "|u1")
 
     # --- reading ---
-    def _open_for_read(self, key: str) -> Tuple[List[int], Dict[str, Any]]:
+    def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
         with self._lock:
             meta = self.metadata[key]                     # KeyError for a missing or deleted key
-        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.direct_io else 0)
-        fds: List[int] = []
         try:
-            for path in meta["paths"]:
-                fds.append(os.open(path, flags))
-        except FileNotFoundError:
-            for fd in fds:
-                os.close(fd)
-            raise KeyError(key) from None                 # deleted while we looked
-        return fds, meta
-
-    def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
-        fds, meta = self._open_for_read(key)
-        try:
-            with sink.chunks(transfer) as deliver:
+            with self._opened(meta["paths"], os.O_RDONLY) as fds, sink.chunks(transfer) as deliver:
                 self._read_chunks(fds, meta["shard_sizes"], transfer, deliver)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        except FileNotFoundError:                         # only open() can meet one
+            raise KeyError(key) from None                 # deleted while we looked
 
     def _read_chunks(self, fds: List[int], sizes: List[int], transfer: Transfer, deliver: ChunkConsumer) -> None:
-        """Read the entry's data in IO_CHUNK_BYTES transfers into the staging area's chunk
-        buffers, as many in flight as there are buffers; each is checked, observed and handed
-        to `deliver` (at its offset in the entry) in the order issued."""
-        buffers = self._chunk_buffers(transfer.staging)
-        pipe = ChunkPipeline(transfer, self.busy["read"], len(buffers))
-        step = min(buffers[0].size, IO_CHUNK_BYTES)
+        """Read the entry's data in chunk-buffer-sized transfers; each is checked, observed and
+        handed to `deliver` (at its offset in the entry) in the order issued."""
+        starts = [0, *itertools.accumulate(sizes)]
 
-        def completed(buf: np.ndarray, shard: int, offset: int, want: int) -> Callable[[int], None]:
+        def submit(pipe: ChunkPipeline, buf: np.ndarray, shard: int, off: int, want: int) -> None:
             def check(got: int) -> None:
                 if got < want:
                     raise OSError(errno.EIO, f"short read: {got} of {want} bytes")
                 transfer.observe(buf[:want], shard)
-                deliver(offset, buf[:want])
+                deliver(starts[shard] + off, buf[:want])
                 transfer.advance(want)
-            return check
-
-        starts = [sum(sizes[:shard]) for shard in range(len(sizes))]
-        per_shard = [[(shard, off, min(step, data - off)) for off in range(0, data, step)]
-                     for shard, data in enumerate(sizes)]
-
-        def issue() -> None:
-            for i, (shard, off, want) in enumerate(self._in_turn(per_shard)):
-                transfer.check_stop()
-                pipe.make_room()
-                buf = buffers[i % len(buffers)]
-                pipe.submit(completed(buf, shard, starts[shard] + off, want), os.preadv, fds[shard],
-                            [buf[:self._request("read", self._io_len(want))]], NPY_DATA_OFFSET + off)
-        pipe.complete_all(issue)
+            pipe.submit(check, os.preadv, fds[shard], [buf[:self._request("read", self._io_len(want))]],
+                        NPY_DATA_OFFSET + off)
+        self._pipelined("read", transfer, sizes, submit)
         if not self.direct_io:
             for fd in fds:                                # the next read must reach the device too
-                pipe.timed(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                transfer.timed(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_DONTNEED, busy=self.busy["read"])
 
     # --- removal ---
     def delete(self, key: str) -> bool:

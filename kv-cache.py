@@ -2791,21 +2791,18 @@ class ChunkPipeline:
         try:
             issue()
             self.drain()
-        except IOAborted:
+        except BaseException as exc:
             self.abandon()
-            raise IOAborted(self.transfer.moved) from None
-        except BaseException:
-            self.abandon()
+            if isinstance(exc, IOAborted):
+                raise IOAborted(self.transfer.moved) from None
             raise
 
     def abandon(self) -> None:
         """After an error or an abort: wait for the transfers still in flight (they use our buffers
         and fd); those that succeeded still complete, so their bytes are counted."""
         while self._pending:
-            try:
+            with contextlib.suppress(BaseException):
                 self._complete_oldest()
-            except BaseException:
-                pass
 
 
 @dataclass
@@ -2892,11 +2889,6 @@ class HostSink(ReadSink):
     def _room(self, transfer: Transfer) -> np.ndarray:
         return self._buffer if self._buffer is not None else transfer.staging
 
-    def _slot(self, room: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
-        """Where bytes [offset, offset + nbytes) land: in place in a whole-entry buffer, else at
-        the staging area's start (reused step after step)."""
-        return room[offset:offset + nbytes] if self._buffer is not None else room[:nbytes]
-
     def from_host(self, entry: np.ndarray, transfer: Transfer) -> None:
         flat, room = entry.reshape(-1).view(np.uint8), self._room(transfer)
         if flat.size == 0:
@@ -2905,7 +2897,8 @@ class HostSink(ReadSink):
         for start in range(0, flat.size, step):
             transfer.check_stop()                          # in steps, so that a stop is obeyed mid-entry
             part = flat[start:start + step]
-            dst = self._slot(room, start, part.size)
+            # In place in a whole-entry buffer, else at the staging area's start (reused step after step).
+            dst = room[start:start + part.size] if self._buffer is not None else room[:part.size]
             transfer.timed(np.copyto, dst, part)
             transfer.observe(dst)
             transfer.advance(part.size)
@@ -3337,10 +3330,8 @@ class NVMeBackend(StorageTier):
         if failed:
             raise failed[0]
         if self._owns_dir:
-            try:
+            with contextlib.suppress(OSError):
                 self.base_path.rmdir()
-            except OSError:
-                pass
 
     def __contains__(self, key: str) -> bool:
         with self._lock:

@@ -3446,7 +3446,6 @@ class HostArena:
             return max(self._free.values(), default=0)
 
 
-
 class CPUMemoryBackend(StorageBackend):
     """Tier 2: entries in process memory. A write or read costs one memory copy.
 
@@ -4063,7 +4062,6 @@ def gpu_errors_as_io_errors() -> Iterator[None]:
         raise OSError(errno.ENOMEM if oom else errno.EIO, f"GPU: {type(exc).__name__}: {exc}") from exc
 
 
-
 # ============================================================================
 # GPU TIER AND DELIVERY TO THE GPU
 # ============================================================================
@@ -4268,18 +4266,12 @@ def available_memory_bytes() -> Optional[int]:
 def _host_memory_bytes() -> Optional[int]:
     """MemAvailable, or the memory cgroup's headroom where smaller; None where neither is known."""
     available = None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError):
-        pass
-    headroom = cgroup_memory_headroom()
-    if headroom is None or (available is not None and available <= headroom):
-        return available
-    return headroom
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    return min((known for known in (available, cgroup_memory_headroom()) if known is not None), default=None)
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -4299,7 +4291,7 @@ def cgroup_memory_headroom(proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CG
         lines = proc_cgroup.read_text(encoding="ascii").splitlines()
     except (OSError, UnicodeDecodeError):
         return None
-    least: Optional[int] = None
+    rooms: List[Optional[int]] = []
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
@@ -4307,16 +4299,10 @@ def cgroup_memory_headroom(proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CG
         kind = _CGROUP_V2 if parts[1] == "" else _CGROUP_V1 if "memory" in parts[1].split(",") else None
         if kind is None:
             continue
-        base = root / kind[0]
-        level = base / parts[2].lstrip("/")
-        while level == base or base in level.parents:
-            room = _cgroup_level_headroom(level, *kind[1:])
-            if room is not None:
-                least = room if least is None else min(least, room)
-            if level == base:
-                break
-            level = level.parent
-    return least
+        base, below = root / kind[0], Path(parts[2].lstrip("/")).parts
+        for depth in range(len(below), -1, -1):           # its own cgroup, then each one above it
+            rooms.append(_cgroup_level_headroom(base.joinpath(*below[:depth]), *kind[1:]))
+    return min((room for room in rooms if room is not None), default=None)
 
 
 def _cgroup_level_headroom(level: Path, limit_file: str, usage_file: str, cache_key: str) -> Optional[int]:
@@ -4328,15 +4314,12 @@ def _cgroup_level_headroom(level: Path, limit_file: str, usage_file: str, cache_
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     cache = 0
-    try:
+    with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):   # no breakdown: count all of it as used
         for line in (level / "memory.stat").read_text(encoding="ascii").splitlines():
             key, _, value = line.partition(" ")
             if key == cache_key:
                 cache = int(value)
-    except (OSError, ValueError, UnicodeDecodeError):
-        pass                                              # no breakdown: count all of it as used
     return max(0, int(limit_text) - max(0, used - cache))
-
 
 
 ARENA_MAX_SHARE_OF_AVAILABLE = 0.8      # never page-lock more than this share of the free RAM
@@ -4414,7 +4397,6 @@ def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
         tiers.backends["cpu"] = tiers.cpu = CPUMemoryBackend(arena)
         tiers.limits["cpu"] = cpu_memory_gb * GIB if size == wanted else arena.capacity_bytes
     return tiers
-
 
 
 STORAGE_FREE_SHARE = 0.95               # --storage-capacity-gb 0: the share of the free space the tier may fill

@@ -3662,6 +3662,10 @@ class GPUDeviceBase:
         self._ops: Any = None                            # _fill_ops(), made with the pool
 
     @staticmethod
+    def nbytes(buf: Any) -> int:
+        return int(buf.nbytes)
+
+    @staticmethod
     def view(buf: Any, start: int, stop: int) -> Any:
         return buf[start:stop]
 
@@ -3783,10 +3787,6 @@ class _TorchDevice(GPUDeviceBase):
         with self._torch.cuda.stream(self._alloc_stream):
             return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
 
-    @staticmethod
-    def nbytes(buf: Any) -> int:
-        return buf.nbytes
-
     def pinned_empty(self, nbytes: int) -> np.ndarray:
         # Not torch.empty(pin_memory=True): its caching host allocator rounds the size up to
         # a power of two (a 40 GiB arena would pin 64 GiB). PyTorch exposes no cudaHostAlloc,
@@ -3844,21 +3844,16 @@ class _TorchDevice(GPUDeviceBase):
             return self._torch.from_numpy(flat)
 
     def h2d(self, dst_dev: Any, src_host: np.ndarray) -> None:
-        src = self._host_tensor(src_host)
-        _same_nbytes(self.nbytes(dst_dev), src.numel())
-        self.stream()
-        dst_dev.copy_(src, non_blocking=True)         # cudaMemcpyAsync on our stream
+        self.d2d(dst_dev, self._host_tensor(src_host))
 
     def d2h(self, dst_host: np.ndarray, src_dev: Any) -> None:
-        dst = self._host_tensor(dst_host)
-        _same_nbytes(dst.numel(), self.nbytes(src_dev))
-        self.stream()
-        dst.copy_(src_dev, non_blocking=True)
+        self.d2d(self._host_tensor(dst_host), src_dev)
 
     def d2d(self, dst_dev: Any, src_dev: Any) -> None:
+        """Any copy between two tensors (h2d and d2h pass host memory as one)."""
         _same_nbytes(self.nbytes(dst_dev), self.nbytes(src_dev))
         self.stream()
-        dst_dev.copy_(src_dev, non_blocking=True)
+        dst_dev.copy_(src_dev, non_blocking=True)     # cudaMemcpyAsync on our stream
 
     def _on_stream(self) -> Any:
         self.stream()                                 # current from its creation on: nothing to enter
@@ -3919,10 +3914,6 @@ class _CupyDevice(GPUDeviceBase):
         # CuPy's pool keeps freed blocks per stream: one shared tag (see _TorchDevice.empty).
         with self._device, self._alloc_stream:
             return self._cp.empty(nbytes, dtype=self._cp.uint8)
-
-    @staticmethod
-    def nbytes(buf: Any) -> int:
-        return int(buf.nbytes)
 
     def pinned_empty(self, nbytes: int) -> np.ndarray:
         # PinnedMemory is cudaHostAlloc itself, freed with its owner; not the pinned pool,
@@ -4017,23 +4008,19 @@ class _CupyDevice(GPUDeviceBase):
 
     def _unpin(self, pointers: List[int]) -> None:
         with self._device:
-            for ptr in pointers:
-                try:
+            for ptr in pointers:          # shutting down: an unpin that fails leaves nothing to undo
+                with contextlib.suppress(self._rt.CUDARuntimeError):
                     self._rt.hostUnregister(ptr)
-                except self._rt.CUDARuntimeError:
-                    pass                  # shutting down: an unpin that fails leaves nothing to undo
 
 
-def open_gpu_device(device_index: int = 0, library: str = "auto"):
+def open_gpu_device(device_index: int = 0, library: str = "auto") -> GPUDevice:
     """The first usable GPU library ('auto': PyTorch, then CuPy; 'torch' or 'cupy' forces
     one); RuntimeError with every reason when none works."""
     if library not in ("auto", "torch", "cupy"):
         raise ValueError(f"unknown GPU library {library!r} (auto, torch or cupy)")
-    candidates = []
-    if library in ("auto", "torch") and TORCH_AVAILABLE:
-        candidates.append(_TorchDevice)
-    if library in ("auto", "cupy") and CUPY_AVAILABLE:
-        candidates.append(_CupyDevice)
+    candidates = [make for name, make, installed in (("torch", _TorchDevice, TORCH_AVAILABLE),
+                                                      ("cupy", _CupyDevice, CUPY_AVAILABLE))
+                  if installed and library in ("auto", name)]
     if not candidates:
         wanted = {"auto": "neither PyTorch nor CuPy is", "torch": "PyTorch is not", "cupy": "CuPy is not"}
         raise RuntimeError(f"{wanted[library]} installed (see requirements-gpu.txt)")

@@ -2714,11 +2714,9 @@ class Transfer:
             self._stats.record_io(self.tier, self.op, self.nbytes, tokens, self.timing(), self.reason)
 
     def _record_failure(self, exc: BaseException) -> None:
-        if self._stats is None:
-            return
-        if isinstance(exc, IOAborted):
+        if self._stats is not None and isinstance(exc, IOAborted):
             self._stats.record_partial(self.tier, self.op, self.moved)
-        else:
+        elif self._stats is not None:
             self._stats.record_io_error(self.tier, self.op, exc)
 
 
@@ -2750,10 +2748,6 @@ class ChunkPipeline:
         self.depth = max(1, depth)
         self._pending: "collections.deque[Tuple[Any, Optional[Callable[[Any], None]]]]" = collections.deque()
 
-    def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one step here, timed as device time (also used for fdatasync)."""
-        return self.transfer.timed(fn, *args, busy=self.busy)
-
     def make_room(self) -> None:
         """Wait until fewer than `depth` transfers are in flight (the oldest one's buffer is free)."""
         while len(self._pending) >= self.depth:
@@ -2762,7 +2756,7 @@ class ChunkPipeline:
     def _timed_request(self, fn: Callable[..., Any], *args: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return self.timed(fn, *args)
+            return self.transfer.timed(fn, *args, busy=self.busy)
         finally:
             self.busy.record_request(time.perf_counter() - t0)
 
@@ -3215,9 +3209,8 @@ class NVMeBackend(StorageTier):
             profile[f"{op}_mean_inflight"] = clock.mean_inflight()
             profile[f"{op}_peak_inflight"] = clock.peak_inflight
             profile[f"{op}_request_mean_ms"] = clock.request_s / clock.requests * 1000 if clock.requests else None
-        profile.update(files_written=count, file_bytes_mean=total / count if count else None,
-                       file_bytes_min=smallest, file_bytes_max=largest,
-                       shards_per_entry=self.shards, object_sizes=objects)
+        profile.update(files_written=count, file_bytes_mean=total / count if count else None, file_bytes_min=smallest,
+                       file_bytes_max=largest, shards_per_entry=self.shards, object_sizes=objects)
         return profile
 
     def _write_chunks(self, fds: List[int], sizes: List[int], source: EntrySource, transfer: Transfer) -> None:
@@ -3384,7 +3377,6 @@ class HostArena:
         return max(1, -(-nbytes // self._align)) * self._align  # a 0-byte entry still owns a slot
 
     def can_fit(self, nbytes: int) -> bool:
-        """Whether alloc(nbytes) would succeed now."""
         size = self._rounded(nbytes)
         with self._lock:
             return any(length >= size for length in self._free.values())
@@ -3471,12 +3463,10 @@ class CPUMemoryBackend(StorageBackend):
     def _destination(self, nbytes: int) -> np.ndarray:
         """Memory for a new entry of `nbytes` (uint8): from the arena when there is one."""
         view = self.arena.alloc(nbytes) if self.arena is not None else None
-        if view is None:
-            if self.arena is not None:
-                with self._lock:
-                    self.arena_fallbacks += 1
-            return np.empty(nbytes, dtype=np.uint8)
-        return view
+        if view is None and self.arena is not None:      # no room in the arena: ordinary memory, counted
+            with self._lock:
+                self.arena_fallbacks += 1
+        return np.empty(nbytes, dtype=np.uint8) if view is None else view
 
     def _adopt(self, key: str, data: np.ndarray, shape: Tuple[int, ...], dtype: str) -> None:
         """Keep `data` (from `_destination`) as the entry `key`."""
@@ -3703,7 +3693,6 @@ class GPUDeviceBase:
         raise NotImplementedError
 
     def stream(self) -> Any:
-        """The calling thread's own stream, made on its first use."""
         stream = getattr(self._local, "stream", None)
         if stream is None:
             stream = self._local.stream = self._new_stream()
@@ -3746,7 +3735,6 @@ class GPUDeviceBase:
         return True
 
     def _take_registered(self) -> List[int]:
-        """The pointers to unpin at close (forgotten here)."""
         with self._lock:
             pointers = list(self._registered)
             self._registered.clear()
@@ -3760,10 +3748,9 @@ class _TorchDevice(GPUDeviceBase):
         import torch                      # heavy: imported only when the GPU tier starts
         if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
             raise RuntimeError("PyTorch is installed but no CUDA device is usable")
-        device_index %= torch.cuda.device_count()        # the ranks on a node spread over its GPUs
         self._torch = torch
-        self.device_index = device_index
-        self.device = torch.device("cuda", device_index)
+        self.device_index = device_index % torch.cuda.device_count()    # the ranks on a node spread over its GPUs
+        self.device = torch.device("cuda", self.device_index)
         self.library = f"torch {torch.__version__}"
         self.name = torch.cuda.get_device_name(self.device)
         super().__init__()
@@ -3831,9 +3818,7 @@ class _TorchDevice(GPUDeviceBase):
                 err = int(torch.cuda.cudart().cudaStreamCreate(ctypes.addressof(handle)))
         except (AttributeError, RuntimeError):            # not in this PyTorch's cudart bindings
             return None
-        if err or not handle.value:
-            return None
-        return torch.cuda.ExternalStream(handle.value, device=self.device)
+        return None if err or not handle.value else torch.cuda.ExternalStream(handle.value, device=self.device)
 
     def _host_tensor(self, host: np.ndarray) -> Any:
         flat = _host_bytes(host)
@@ -3887,13 +3872,12 @@ class _CupyDevice(GPUDeviceBase):
         count = cupy.cuda.runtime.getDeviceCount()
         if count < 1:
             raise RuntimeError("CuPy is installed but sees no CUDA device")
-        device_index %= count                            # the ranks on a node spread over its GPUs
         self._cp = cupy
         self._rt = cupy.cuda.runtime
-        self.device_index = device_index
-        self._device = cupy.cuda.Device(device_index)
+        self.device_index = device_index % count                         # the ranks on a node spread over its GPUs
+        self._device = cupy.cuda.Device(self.device_index)
         self.library = f"cupy {cupy.__version__}"
-        name = self._rt.getDeviceProperties(device_index)["name"]
+        name = self._rt.getDeviceProperties(self.device_index)["name"]
         self.name = name.decode() if isinstance(name, bytes) else str(name)
         super().__init__()
         self._pinned: List[Any] = []                   # PinnedMemory owners, kept alive
@@ -4428,8 +4412,7 @@ class LatencyModel:
         with self._lock:
             start = max([time.perf_counter()] + [self._free[t] for t in tiers])
             busy = nbytes / (min(self.bandwidth_gbps[t] for t in tiers) * 1e9)
-            for t in tiers:
-                self._free[t] = start + busy
+            self._free.update(dict.fromkeys(tiers, start + busy))
         return start, start + busy + max(self.latency_us[t] for t in tiers) / 1e6
 
     def describe(self) -> str:

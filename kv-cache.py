@@ -2712,11 +2712,9 @@ class Transfer:
             self._stats.record_io(self.tier, self.op, self.nbytes, tokens, self.timing(), self.reason)
 
     def _record_failure(self, exc: BaseException) -> None:
-        if self._stats is None:
-            return
-        if isinstance(exc, IOAborted):
+        if self._stats is not None and isinstance(exc, IOAborted):
             self._stats.record_partial(self.tier, self.op, self.moved)
-        else:
+        elif self._stats is not None:
             self._stats.record_io_error(self.tier, self.op, exc)
 
 
@@ -2748,10 +2746,6 @@ class ChunkPipeline:
         self.depth = max(1, depth)
         self._pending: "collections.deque[Tuple[Any, Optional[Callable[[Any], None]]]]" = collections.deque()
 
-    def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one step here, timed as device time (also used for fdatasync)."""
-        return self.transfer.timed(fn, *args, busy=self.busy)
-
     def make_room(self) -> None:
         """Wait until fewer than `depth` transfers are in flight (the oldest one's buffer is free)."""
         while len(self._pending) >= self.depth:
@@ -2760,7 +2754,7 @@ class ChunkPipeline:
     def _timed_request(self, fn: Callable[..., Any], *args: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return self.timed(fn, *args)
+            return self.transfer.timed(fn, *args, busy=self.busy)
         finally:
             self.busy.record_request(time.perf_counter() - t0)
 
@@ -2789,21 +2783,18 @@ class ChunkPipeline:
         try:
             issue()
             self.drain()
-        except IOAborted:
+        except BaseException as exc:
             self.abandon()
-            raise IOAborted(self.transfer.moved) from None
-        except BaseException:
-            self.abandon()
+            if isinstance(exc, IOAborted):
+                raise IOAborted(self.transfer.moved) from None
             raise
 
     def abandon(self) -> None:
         """After an error or an abort: wait for the transfers still in flight (they use our buffers
         and fd); those that succeeded still complete, so their bytes are counted."""
         while self._pending:
-            try:
+            with contextlib.suppress(BaseException):
                 self._complete_oldest()
-            except BaseException:
-                pass
 
 
 @dataclass
@@ -2890,11 +2881,6 @@ class HostSink(ReadSink):
     def _room(self, transfer: Transfer) -> np.ndarray:
         return self._buffer if self._buffer is not None else transfer.staging
 
-    def _slot(self, room: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
-        """Where bytes [offset, offset + nbytes) land: in place in a whole-entry buffer, else at
-        the staging area's start (reused step after step)."""
-        return room[offset:offset + nbytes] if self._buffer is not None else room[:nbytes]
-
     def from_host(self, entry: np.ndarray, transfer: Transfer) -> None:
         flat, room = entry.reshape(-1).view(np.uint8), self._room(transfer)
         if flat.size == 0:
@@ -2903,7 +2889,8 @@ class HostSink(ReadSink):
         for start in range(0, flat.size, step):
             transfer.check_stop()                          # in steps, so that a stop is obeyed mid-entry
             part = flat[start:start + step]
-            dst = self._slot(room, start, part.size)
+            # In place in a whole-entry buffer, else at the staging area's start (reused step after step).
+            dst = room[start:start + part.size] if self._buffer is not None else room[:part.size]
             transfer.timed(np.copyto, dst, part)
             transfer.observe(dst)
             transfer.advance(part.size)
@@ -3032,9 +3019,8 @@ def npy_header(shape: Sequence[int], dtype: str) -> bytes:
     """A version-1.0 .npy header padded to NPY_DATA_OFFSET bytes, so the data is block-aligned."""
     meta = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
             "shape": tuple(int(s) for s in shape)}
-    body = repr(meta)
     prefix_len = 10                                   # magic (6) + version (2) + header length (2)
-    body = body.ljust(NPY_DATA_OFFSET - prefix_len - 1) + "\n"
+    body = repr(meta).ljust(NPY_DATA_OFFSET - prefix_len - 1) + "\n"
     return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode("latin1")
 
 
@@ -3051,8 +3037,7 @@ def preallocate(fd: int, nbytes: int) -> bool:
     if _FALLOCATE is None:
         try:
             import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.fallocate
+            fn = ctypes.CDLL(None, use_errno=True).fallocate
             fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
             fn.restype = ctypes.c_int
             _FALLOCATE = fn
@@ -3153,32 +3138,53 @@ class NVMeBackend(StorageTier):
             meta = self.metadata[key]
         return StoredEntry(meta["size"], meta["shape"], meta["dtype"])
 
-    @staticmethod
-    def _in_turn(per_shard: List[List[Tuple[int, ...]]]) -> Iterator[Tuple[int, ...]]:
-        """Each shard's transfers, (shard, ...) tuples, taken from the shards in turn."""
-        for step in itertools.zip_longest(*per_shard):
-            yield from (piece for piece in step if piece is not None)
+    @contextlib.contextmanager
+    def _opened(self, paths: List[Path], flags: int,
+                undo: Callable[[Path], Any] = lambda path: None) -> Iterator[List[int]]:
+        """Each of `paths` opened with `flags` (O_DIRECT where the tier uses it), all closed at
+        the end; on an error, `undo` of each one that was opened."""
+        flags |= getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.direct_io else 0)
+        fds: List[int] = []
+        try:
+            for path in paths:
+                fds.append(os.open(path, flags, 0o644))
+            yield fds
+        except BaseException:
+            for path in paths[:len(fds)]:
+                undo(path)
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _pipelined(self, op: str, transfer: Transfer, lengths: List[int],
+                   submit: Callable[[ChunkPipeline, np.ndarray, int, int, int], None]) -> None:
+        """Move each shard's `lengths[shard]` bytes in pieces of one chunk buffer, the shards in
+        turn (chunk j of every shard before chunk j + 1 of any), as many in flight as there are
+        buffers: `submit(pipe, buffer, shard, offset, nbytes)` fills a free buffer and submits
+        its transfer. Returns when every transfer has completed."""
+        buffers = self._chunk_buffers(transfer.staging)
+        pipe = ChunkPipeline(transfer, self.busy[op], len(buffers))
+        step = buffers[0].size
+        per_shard = [[(shard, off, min(step, n - off)) for off in range(0, n, step)] for shard, n in enumerate(lengths)]
+
+        def issue() -> None:
+            pieces = (piece for turn in itertools.zip_longest(*per_shard) for piece in turn if piece is not None)
+            for i, (shard, off, n) in enumerate(pieces):
+                transfer.check_stop()
+                pipe.make_room()                          # buffer i % depth is free again
+                submit(pipe, buffers[i % len(buffers)], shard, off, n)
+        pipe.complete_all(issue)
 
     # --- writing ---
     def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
         objects = shard_objects(safe_file_stem(key), source.nbytes, self.shards)
         paths = [self.base_path / f"{name}.npy" for name, _ in objects]
         self.delete(key)                                  # replacing an entry of ours
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        if self.direct_io:
-            flags |= os.O_DIRECT
-        sizes, fds = [nbytes for _, nbytes in objects], []
-        try:
-            for path in paths:
-                fds.append(os.open(path, flags, 0o644))   # O_EXCL: never overwrite a file we did not create
+        sizes, flags = [nbytes for _, nbytes in objects], os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        # O_EXCL: never overwrite a file we did not create; a failed write removes those it created.
+        with self._opened(paths, flags, lambda path: path.unlink(missing_ok=True)) as fds:
             self._write_chunks(fds, sizes, source, transfer)
-        except BaseException:
-            for path in paths[:len(fds)]:
-                path.unlink(missing_ok=True)
-            raise
-        finally:
-            for fd in fds:
-                os.close(fd)
         with self._lock:
             self.metadata[key] = {"paths": paths, "size": source.nbytes, "shape": tuple(source.shape),
                                   "dtype": source.dtype, "shard_sizes": sizes}
@@ -3201,45 +3207,28 @@ class NVMeBackend(StorageTier):
             profile[f"{op}_mean_inflight"] = clock.mean_inflight()
             profile[f"{op}_peak_inflight"] = clock.peak_inflight
             profile[f"{op}_request_mean_ms"] = clock.request_s / clock.requests * 1000 if clock.requests else None
-        profile.update(files_written=count, file_bytes_mean=total / count if count else None,
-                       file_bytes_min=smallest, file_bytes_max=largest,
-                       shards_per_entry=self.shards, object_sizes=objects)
+        profile.update(files_written=count, file_bytes_mean=total / count if count else None, file_bytes_min=smallest,
+                       file_bytes_max=largest, shards_per_entry=self.shards, object_sizes=objects)
         return profile
 
-    def _write_pieces(self, sizes: List[int], step: int) -> Iterator[Tuple[int, int, int, int, int]]:
-        """(shard, file offset, bytes, header bytes, entry offset of the data) of each write: a
-        shard's file is its .npy header and data, in `step`-byte writes, the first carrying the header."""
-        per_shard, entry_off = [], 0
-        for shard, data in enumerate(sizes):
-            total = NPY_DATA_OFFSET + data
-            per_shard.append([(shard, off, min(step, total - off), NPY_DATA_OFFSET if off == 0 else 0,
-                               entry_off + max(0, off - NPY_DATA_OFFSET)) for off in range(0, total, step)])
-            entry_off += data
-        return self._in_turn(per_shard)
-
     def _write_chunks(self, fds: List[int], sizes: List[int], source: EntrySource, transfer: Transfer) -> None:
-        headers = [npy_header(*self._shard_shape(n, source)) for n in sizes]
-        buffers = self._chunk_buffers(transfer.staging)
-        pipe = ChunkPipeline(transfer, self.busy["write"], len(buffers))
+        """Each shard's file is its .npy header and data, written in chunk-buffer-sized pieces,
+        the first carrying the header."""
+        headers = [np.frombuffer(npy_header(*self._shard_shape(n, source)), dtype=np.uint8) for n in sizes]
+        starts, busy = [0, *itertools.accumulate(sizes)], self.busy["write"]
         for fd, data in zip(fds, sizes):
-            pipe.timed(preallocate, fd, self._io_len(NPY_DATA_OFFSET + data))
+            transfer.timed(preallocate, fd, self._io_len(NPY_DATA_OFFSET + data), busy=busy)
 
-        def completed(data_bytes: int) -> Callable[[Any], None]:
-            return lambda _: transfer.advance(data_bytes)
-
-        def issue() -> None:
-            for i, (shard, file_off, n, head, data_off) in enumerate(self._write_pieces(sizes, buffers[0].size)):
-                transfer.check_stop()
-                pipe.make_room()                          # buffer i % depth is free again
-                buf = buffers[i % len(buffers)]
-                if head:
-                    buf[:head] = np.frombuffer(headers[shard], dtype=np.uint8)
-                if n > head:
-                    source.fill(data_off, buf[head:n])
-                    transfer.observe(buf[head:n], shard)
-                pipe.submit(completed(n - head), _pwrite_all, fds[shard],
-                            buf[:self._request("write", self._io_len(n))], file_off)
-        pipe.complete_all(issue)
+        def submit(pipe: ChunkPipeline, buf: np.ndarray, shard: int, file_off: int, n: int) -> None:
+            head = NPY_DATA_OFFSET if file_off == 0 else 0
+            if head:
+                buf[:head] = headers[shard]
+            if n > head:
+                source.fill(starts[shard] + max(0, file_off - NPY_DATA_OFFSET), buf[head:n])
+                transfer.observe(buf[head:n], shard)
+            pipe.submit(lambda _: transfer.advance(n - head), _pwrite_all, fds[shard],
+                        buf[:self._request("write", self._io_len(n))], file_off)
+        self._pipelined("write", transfer, [NPY_DATA_OFFSET + data for data in sizes], submit)
 
         def finish() -> None:
             for fd, data in zip(fds, sizes):
@@ -3248,7 +3237,7 @@ class NVMeBackend(StorageTier):
                 os.fdatasync(fd)                          # durable before we call it written
                 if not self.direct_io:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        pipe.timed(finish)
+        transfer.timed(finish, busy=busy)
 
     def _shard_shape(self, nbytes: int, source: EntrySource) -> Tuple[Tuple[int, ...], str]:
         """A shard file's array: the whole entry's shape, or a sharded entry's values in a row."""
@@ -3258,61 +3247,33 @@ class NVMeBackend(StorageTier):
         return ((nbytes // itemsize,), source.dtype) if nbytes % itemsize == 0 else ((nbytes,), "|u1")
 
     # --- reading ---
-    def _open_for_read(self, key: str) -> Tuple[List[int], Dict[str, Any]]:
+    def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
         with self._lock:
             meta = self.metadata[key]                     # KeyError for a missing or deleted key
-        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.direct_io else 0)
-        fds: List[int] = []
         try:
-            for path in meta["paths"]:
-                fds.append(os.open(path, flags))
-        except FileNotFoundError:
-            for fd in fds:
-                os.close(fd)
-            raise KeyError(key) from None                 # deleted while we looked
-        return fds, meta
-
-    def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
-        fds, meta = self._open_for_read(key)
-        try:
-            with sink.chunks(transfer) as deliver:
+            with self._opened(meta["paths"], os.O_RDONLY) as fds, sink.chunks(transfer) as deliver:
                 self._read_chunks(fds, meta["shard_sizes"], transfer, deliver)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        except FileNotFoundError:                         # only open() can meet one
+            raise KeyError(key) from None                 # deleted while we looked
 
     def _read_chunks(self, fds: List[int], sizes: List[int], transfer: Transfer, deliver: ChunkConsumer) -> None:
-        """Read the entry's data in IO_CHUNK_BYTES transfers into the staging area's chunk
-        buffers, as many in flight as there are buffers; each is checked, observed and handed
-        to `deliver` (at its offset in the entry) in the order issued."""
-        buffers = self._chunk_buffers(transfer.staging)
-        pipe = ChunkPipeline(transfer, self.busy["read"], len(buffers))
-        step = min(buffers[0].size, IO_CHUNK_BYTES)
+        """Read the entry's data in chunk-buffer-sized transfers; each is checked, observed and
+        handed to `deliver` (at its offset in the entry) in the order issued."""
+        starts = [0, *itertools.accumulate(sizes)]
 
-        def completed(buf: np.ndarray, shard: int, offset: int, want: int) -> Callable[[int], None]:
+        def submit(pipe: ChunkPipeline, buf: np.ndarray, shard: int, off: int, want: int) -> None:
             def check(got: int) -> None:
                 if got < want:
                     raise OSError(errno.EIO, f"short read: {got} of {want} bytes")
                 transfer.observe(buf[:want], shard)
-                deliver(offset, buf[:want])
+                deliver(starts[shard] + off, buf[:want])
                 transfer.advance(want)
-            return check
-
-        starts = [sum(sizes[:shard]) for shard in range(len(sizes))]
-        per_shard = [[(shard, off, min(step, data - off)) for off in range(0, data, step)]
-                     for shard, data in enumerate(sizes)]
-
-        def issue() -> None:
-            for i, (shard, off, want) in enumerate(self._in_turn(per_shard)):
-                transfer.check_stop()
-                pipe.make_room()
-                buf = buffers[i % len(buffers)]
-                pipe.submit(completed(buf, shard, starts[shard] + off, want), os.preadv, fds[shard],
-                            [buf[:self._request("read", self._io_len(want))]], NPY_DATA_OFFSET + off)
-        pipe.complete_all(issue)
+            pipe.submit(check, os.preadv, fds[shard], [buf[:self._request("read", self._io_len(want))]],
+                        NPY_DATA_OFFSET + off)
+        self._pipelined("read", transfer, sizes, submit)
         if not self.direct_io:
             for fd in fds:                                # the next read must reach the device too
-                pipe.timed(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                transfer.timed(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_DONTNEED, busy=self.busy["read"])
 
     # --- removal ---
     def delete(self, key: str) -> bool:
@@ -3360,10 +3321,8 @@ class NVMeBackend(StorageTier):
         if failed:
             raise failed[0]
         if self._owns_dir:
-            try:
+            with contextlib.suppress(OSError):
                 self.base_path.rmdir()
-            except OSError:
-                pass
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
@@ -3416,7 +3375,6 @@ class HostArena:
         return max(1, -(-nbytes // self._align)) * self._align  # a 0-byte entry still owns a slot
 
     def can_fit(self, nbytes: int) -> bool:
-        """Whether alloc(nbytes) would succeed now."""
         size = self._rounded(nbytes)
         with self._lock:
             return any(length >= size for length in self._free.values())
@@ -3478,7 +3436,6 @@ class HostArena:
             return max(self._free.values(), default=0)
 
 
-
 class CPUMemoryBackend(StorageBackend):
     """Tier 2: entries in process memory. A write or read costs one memory copy.
 
@@ -3504,12 +3461,10 @@ class CPUMemoryBackend(StorageBackend):
     def _destination(self, nbytes: int) -> np.ndarray:
         """Memory for a new entry of `nbytes` (uint8): from the arena when there is one."""
         view = self.arena.alloc(nbytes) if self.arena is not None else None
-        if view is None:
-            if self.arena is not None:
-                with self._lock:
-                    self.arena_fallbacks += 1
-            return np.empty(nbytes, dtype=np.uint8)
-        return view
+        if view is None and self.arena is not None:      # no room in the arena: ordinary memory, counted
+            with self._lock:
+                self.arena_fallbacks += 1
+        return np.empty(nbytes, dtype=np.uint8) if view is None else view
 
     def _adopt(self, key: str, data: np.ndarray, shape: Tuple[int, ...], dtype: str) -> None:
         """Keep `data` (from `_destination`) as the entry `key`."""
@@ -3695,6 +3650,10 @@ class GPUDeviceBase:
         self._ops: Any = None                            # _fill_ops(), made with the pool
 
     @staticmethod
+    def nbytes(buf: Any) -> int:
+        return int(buf.nbytes)
+
+    @staticmethod
     def view(buf: Any, start: int, stop: int) -> Any:
         return buf[start:stop]
 
@@ -3732,7 +3691,6 @@ class GPUDeviceBase:
         raise NotImplementedError
 
     def stream(self) -> Any:
-        """The calling thread's own stream, made on its first use."""
         stream = getattr(self._local, "stream", None)
         if stream is None:
             stream = self._local.stream = self._new_stream()
@@ -3775,7 +3733,6 @@ class GPUDeviceBase:
         return True
 
     def _take_registered(self) -> List[int]:
-        """The pointers to unpin at close (forgotten here)."""
         with self._lock:
             pointers = list(self._registered)
             self._registered.clear()
@@ -3789,10 +3746,9 @@ class _TorchDevice(GPUDeviceBase):
         import torch                      # heavy: imported only when the GPU tier starts
         if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
             raise RuntimeError("PyTorch is installed but no CUDA device is usable")
-        device_index %= torch.cuda.device_count()        # the ranks on a node spread over its GPUs
         self._torch = torch
-        self.device_index = device_index
-        self.device = torch.device("cuda", device_index)
+        self.device_index = device_index % torch.cuda.device_count()    # the ranks on a node spread over its GPUs
+        self.device = torch.device("cuda", self.device_index)
         self.library = f"torch {torch.__version__}"
         self.name = torch.cuda.get_device_name(self.device)
         super().__init__()
@@ -3815,10 +3771,6 @@ class _TorchDevice(GPUDeviceBase):
         # Safe because every operation completes before its buffers are let go (wait_for()).
         with self._torch.cuda.stream(self._alloc_stream):
             return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
-
-    @staticmethod
-    def nbytes(buf: Any) -> int:
-        return buf.nbytes
 
     def pinned_empty(self, nbytes: int) -> np.ndarray:
         # Not torch.empty(pin_memory=True): its caching host allocator rounds the size up to
@@ -3864,9 +3816,7 @@ class _TorchDevice(GPUDeviceBase):
                 err = int(torch.cuda.cudart().cudaStreamCreate(ctypes.addressof(handle)))
         except (AttributeError, RuntimeError):            # not in this PyTorch's cudart bindings
             return None
-        if err or not handle.value:
-            return None
-        return torch.cuda.ExternalStream(handle.value, device=self.device)
+        return None if err or not handle.value else torch.cuda.ExternalStream(handle.value, device=self.device)
 
     def _host_tensor(self, host: np.ndarray) -> Any:
         flat = _host_bytes(host)
@@ -3877,21 +3827,16 @@ class _TorchDevice(GPUDeviceBase):
             return self._torch.from_numpy(flat)
 
     def h2d(self, dst_dev: Any, src_host: np.ndarray) -> None:
-        src = self._host_tensor(src_host)
-        _same_nbytes(self.nbytes(dst_dev), src.numel())
-        self.stream()
-        dst_dev.copy_(src, non_blocking=True)         # cudaMemcpyAsync on our stream
+        self.d2d(dst_dev, self._host_tensor(src_host))
 
     def d2h(self, dst_host: np.ndarray, src_dev: Any) -> None:
-        dst = self._host_tensor(dst_host)
-        _same_nbytes(dst.numel(), self.nbytes(src_dev))
-        self.stream()
-        dst.copy_(src_dev, non_blocking=True)
+        self.d2d(self._host_tensor(dst_host), src_dev)
 
     def d2d(self, dst_dev: Any, src_dev: Any) -> None:
+        """Any copy between two tensors (h2d and d2h pass host memory as one)."""
         _same_nbytes(self.nbytes(dst_dev), self.nbytes(src_dev))
         self.stream()
-        dst_dev.copy_(src_dev, non_blocking=True)
+        dst_dev.copy_(src_dev, non_blocking=True)     # cudaMemcpyAsync on our stream
 
     def _on_stream(self) -> Any:
         self.stream()                                 # current from its creation on: nothing to enter
@@ -3925,13 +3870,12 @@ class _CupyDevice(GPUDeviceBase):
         count = cupy.cuda.runtime.getDeviceCount()
         if count < 1:
             raise RuntimeError("CuPy is installed but sees no CUDA device")
-        device_index %= count                            # the ranks on a node spread over its GPUs
         self._cp = cupy
         self._rt = cupy.cuda.runtime
-        self.device_index = device_index
-        self._device = cupy.cuda.Device(device_index)
+        self.device_index = device_index % count                         # the ranks on a node spread over its GPUs
+        self._device = cupy.cuda.Device(self.device_index)
         self.library = f"cupy {cupy.__version__}"
-        name = self._rt.getDeviceProperties(device_index)["name"]
+        name = self._rt.getDeviceProperties(self.device_index)["name"]
         self.name = name.decode() if isinstance(name, bytes) else str(name)
         super().__init__()
         self._pinned: List[Any] = []                   # PinnedMemory owners, kept alive
@@ -3952,10 +3896,6 @@ class _CupyDevice(GPUDeviceBase):
         # CuPy's pool keeps freed blocks per stream: one shared tag (see _TorchDevice.empty).
         with self._device, self._alloc_stream:
             return self._cp.empty(nbytes, dtype=self._cp.uint8)
-
-    @staticmethod
-    def nbytes(buf: Any) -> int:
-        return int(buf.nbytes)
 
     def pinned_empty(self, nbytes: int) -> np.ndarray:
         # PinnedMemory is cudaHostAlloc itself, freed with its owner; not the pinned pool,
@@ -4050,23 +3990,19 @@ class _CupyDevice(GPUDeviceBase):
 
     def _unpin(self, pointers: List[int]) -> None:
         with self._device:
-            for ptr in pointers:
-                try:
+            for ptr in pointers:          # shutting down: an unpin that fails leaves nothing to undo
+                with contextlib.suppress(self._rt.CUDARuntimeError):
                     self._rt.hostUnregister(ptr)
-                except self._rt.CUDARuntimeError:
-                    pass                  # shutting down: an unpin that fails leaves nothing to undo
 
 
-def open_gpu_device(device_index: int = 0, library: str = "auto"):
+def open_gpu_device(device_index: int = 0, library: str = "auto") -> GPUDevice:
     """The first usable GPU library ('auto': PyTorch, then CuPy; 'torch' or 'cupy' forces
     one); RuntimeError with every reason when none works."""
     if library not in ("auto", "torch", "cupy"):
         raise ValueError(f"unknown GPU library {library!r} (auto, torch or cupy)")
-    candidates = []
-    if library in ("auto", "torch") and TORCH_AVAILABLE:
-        candidates.append(_TorchDevice)
-    if library in ("auto", "cupy") and CUPY_AVAILABLE:
-        candidates.append(_CupyDevice)
+    candidates = [make for name, make, installed in (("torch", _TorchDevice, TORCH_AVAILABLE),
+                                                      ("cupy", _CupyDevice, CUPY_AVAILABLE))
+                  if installed and library in ("auto", name)]
     if not candidates:
         wanted = {"auto": "neither PyTorch nor CuPy is", "torch": "PyTorch is not", "cupy": "CuPy is not"}
         raise RuntimeError(f"{wanted[library]} installed (see requirements-gpu.txt)")
@@ -4093,7 +4029,6 @@ def gpu_errors_as_io_errors() -> Iterator[None]:
         # Out of memory: CuPy's OutOfMemoryError is a MemoryError, torch's a RuntimeError.
         oom = isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
         raise OSError(errno.ENOMEM if oom else errno.EIO, f"GPU: {type(exc).__name__}: {exc}") from exc
-
 
 
 # ============================================================================
@@ -4300,18 +4235,12 @@ def available_memory_bytes() -> Optional[int]:
 def _host_memory_bytes() -> Optional[int]:
     """MemAvailable, or the memory cgroup's headroom where smaller; None where neither is known."""
     available = None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError):
-        pass
-    headroom = cgroup_memory_headroom()
-    if headroom is None or (available is not None and available <= headroom):
-        return available
-    return headroom
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    return min((known for known in (available, cgroup_memory_headroom()) if known is not None), default=None)
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -4331,7 +4260,7 @@ def cgroup_memory_headroom(proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CG
         lines = proc_cgroup.read_text(encoding="ascii").splitlines()
     except (OSError, UnicodeDecodeError):
         return None
-    least: Optional[int] = None
+    rooms: List[Optional[int]] = []
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
@@ -4339,16 +4268,10 @@ def cgroup_memory_headroom(proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CG
         kind = _CGROUP_V2 if parts[1] == "" else _CGROUP_V1 if "memory" in parts[1].split(",") else None
         if kind is None:
             continue
-        base = root / kind[0]
-        level = base / parts[2].lstrip("/")
-        while level == base or base in level.parents:
-            room = _cgroup_level_headroom(level, *kind[1:])
-            if room is not None:
-                least = room if least is None else min(least, room)
-            if level == base:
-                break
-            level = level.parent
-    return least
+        base, below = root / kind[0], Path(parts[2].lstrip("/")).parts
+        for depth in range(len(below), -1, -1):           # its own cgroup, then each one above it
+            rooms.append(_cgroup_level_headroom(base.joinpath(*below[:depth]), *kind[1:]))
+    return min((room for room in rooms if room is not None), default=None)
 
 
 def _cgroup_level_headroom(level: Path, limit_file: str, usage_file: str, cache_key: str) -> Optional[int]:
@@ -4360,15 +4283,12 @@ def _cgroup_level_headroom(level: Path, limit_file: str, usage_file: str, cache_
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     cache = 0
-    try:
+    with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):   # no breakdown: count all of it as used
         for line in (level / "memory.stat").read_text(encoding="ascii").splitlines():
             key, _, value = line.partition(" ")
             if key == cache_key:
                 cache = int(value)
-    except (OSError, ValueError, UnicodeDecodeError):
-        pass                                              # no breakdown: count all of it as used
     return max(0, int(limit_text) - max(0, used - cache))
-
 
 
 ARENA_MAX_SHARE_OF_AVAILABLE = 0.8      # never page-lock more than this share of the free RAM
@@ -4448,7 +4368,6 @@ def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
     return tiers
 
 
-
 STORAGE_FREE_SHARE = 0.95               # --storage-capacity-gb 0: the share of the free space the tier may fill
 
 
@@ -4491,8 +4410,7 @@ class LatencyModel:
         with self._lock:
             start = max([time.perf_counter()] + [self._free[t] for t in tiers])
             busy = nbytes / (min(self.bandwidth_gbps[t] for t in tiers) * 1e9)
-            for t in tiers:
-                self._free[t] = start + busy
+            self._free.update(dict.fromkeys(tiers, start + busy))
         return start, start + busy + max(self.latency_us[t] for t in tiers) / 1e6
 
     def describe(self) -> str:

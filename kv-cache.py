@@ -7796,16 +7796,11 @@ def storage_efficiency(cache_stats: Dict[str, Any], baseline: Optional[Dict[str,
     """The workload's storage-tier bandwidth as a fraction of the device's raw bandwidth."""
     if not baseline or "error" in baseline or baseline["read_gib_per_sec"] <= 0 or baseline["write_gib_per_sec"] <= 0:
         return None
-    raw_r, raw_w = baseline["read_gib_per_sec"], baseline["write_gib_per_sec"]
-    return {
-        "read_efficiency_busy_basis": cache_stats["nvme_read_gib_per_sec_busy"] / raw_r,
-        "write_efficiency_busy_basis": cache_stats["nvme_write_gib_per_sec_busy"] / raw_w,
-        "read_efficiency_wall_basis": cache_stats["nvme_read_gib_per_sec_wall"] / raw_r,
-        "write_efficiency_wall_basis": cache_stats["nvme_write_gib_per_sec_wall"] / raw_w,
-        # Fraction of the measured window the device would need at its raw speed for what was moved in it.
-        "device_utilisation": (cache_stats["nvme_read_gib_per_sec_wall"] / raw_r
-                               + cache_stats["nvme_write_gib_per_sec_wall"] / raw_w),
-    }
+    out = {f"{op}_efficiency_{basis}_basis": cache_stats[f"nvme_{op}_gib_per_sec_{basis}"] / baseline[f"{op}_gib_per_sec"]
+           for basis in ("busy", "wall") for op in ("read", "write")}
+    # Fraction of the measured window the device would need at its raw speed for what was moved in it.
+    out["device_utilisation"] = out["read_efficiency_wall_basis"] + out["write_efficiency_wall_basis"]
+    return out
 
 
 def diagnose_bottlenecks(e2e: Dict[str, Any], queue_wait: Dict[str, Any], storage: Dict[str, Any],
@@ -7823,12 +7818,10 @@ def diagnose_bottlenecks(e2e: Dict[str, Any], queue_wait: Dict[str, Any], storag
     for name, mean_ms, meaning in shares:
         if mean_ms is not None and mean_ms > 0.5 * mean_e2e:
             notes.append(f"{name} dominates (~{_fmt_ms(mean_ms)} mean of {_fmt_ms(mean_e2e)} end-to-end): {meaning}.")
-    read_p95 = cache_stats.get("nvme_read_p95_ms")
-    if read_p95 is not None and read_p95 > LATENCY_CRITERIA_MS["nvme_read_p95"]:
-        notes.append(f"Storage-tier read P95 is {_fmt_ms(read_p95)} (target < 200 ms).")
-    write_p95 = cache_stats.get("nvme_write_p95_ms")
-    if write_p95 is not None and write_p95 > LATENCY_CRITERIA_MS["nvme_write_p95"]:
-        notes.append(f"Storage-tier write P95 is {_fmt_ms(write_p95)} (target < 500 ms).")
+    for op in ("read", "write"):
+        p95, target = cache_stats.get(f"nvme_{op}_p95_ms"), LATENCY_CRITERIA_MS[f"nvme_{op}_p95"]
+        if p95 is not None and p95 > target:
+            notes.append(f"Storage-tier {op} P95 is {_fmt_ms(p95)} (target < {target:.0f} ms).")
     if cache_stats["io_errors"]:
         notes.append(f"{cache_stats['io_errors']} storage I/O errors: see cache_stats.io_errors_by_kind.")
     if not notes:
@@ -7848,18 +7841,14 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
     """The one place the results dict (and so the JSON) is put together, once every contributor
     (the workload, the clean-up, the MPI ranks, fio) has reported into `m`."""
     records, cache_stats = m.records, cache_figures(m)
-    e2e, storage = [r.end_to_end_s for r in records], [r.storage_s for r in records]
-    generation, queue_wait = [r.generation_s for r in records], [r.queue_wait_s for r in records]
-    summaries = {name: latency_summary_ms(values) for name, values in
-                 (("e2e", e2e), ("storage", storage), ("generation", generation), ("queue", queue_wait))}
+    latencies = {key: latency_summary_ms([getattr(r, field) for r in records]) for key, field in
+                 (("end_to_end_latency_ms", "end_to_end_s"), ("storage_io_latency_ms", "storage_s"),
+                  ("generation_latency_ms", "generation_s"), ("queue_wait_latency_ms", "queue_wait_s"))}
     multi_hits, multi_misses = cache_stats["multi_turn_hits"], cache_stats["multi_turn_misses"]
     summary = {
-        **_request_figures(m, summaries),
+        **_request_figures(m),
         "nvme_throughput": cache_stats["nvme_throughput"],
-        "end_to_end_latency_ms": summaries["e2e"],
-        "storage_io_latency_ms": summaries["storage"],
-        "generation_latency_ms": summaries["generation"],
-        "queue_wait_latency_ms": summaries["queue"],
+        **latencies,
         "cache_stats": cache_stats,
         "qos_metrics": qos_metrics(records, m.config.tunables.qos_profiles),
         "prefix_cache_stats": prefix_cache_stats(cache_stats),
@@ -7871,8 +7860,9 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "multi_turn_stats": {"cache_hits": multi_hits, "cache_misses": multi_misses,
                              "hit_rate": _ratio(multi_hits, multi_hits + multi_misses),
                              "resumes": cache_stats["multi_turn_resumes"]},
-        "bottlenecks": diagnose_bottlenecks(summaries["e2e"], summaries["queue"], summaries["storage"],
-                                            summaries["generation"], cache_stats),
+        "bottlenecks": diagnose_bottlenecks(latencies["end_to_end_latency_ms"], latencies["queue_wait_latency_ms"],
+                                            latencies["storage_io_latency_ms"], latencies["generation_latency_ms"],
+                                            cache_stats),
         "workload_digest": m.workload_digest,
         "requests_admitted": m.admitted, "requests_abandoned": m.abandoned,
         "peak_in_flight": m.peak_in_flight,
@@ -7924,7 +7914,7 @@ def _request_lists(records: Sequence[RequestRecord]) -> Dict[str, Any]:
     }
 
 
-def _request_figures(m: RunMeasurements, summaries: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+def _request_figures(m: RunMeasurements) -> Dict[str, Any]:
     """Counts and rates of the completed requests over the measured window (under MPI: each
     rank's over its own window, summed)."""
     parts = m.ranks or [m]

@@ -7990,6 +7990,11 @@ def dataset_summary(d: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 # CONSOLE REPORT
 # ============================================================================
 
+def _heading(add: Callable[[str], None], title: str) -> None:
+    add("")
+    add(f"### {title} ###")
+
+
 def _fmt_latency(name: str, s: Dict[str, Any]) -> str:
     return (f"  {name}: mean {_fmt_ms(s['mean'])}, P50 {_fmt_ms(s['p50'])}, "
             f"P95 {_fmt_ms(s['p95'])}, P99 {_fmt_ms(s['p99'])}")
@@ -8018,11 +8023,8 @@ def format_report(results: Dict[str, Any]) -> str:
     """The console report, as one string (no printing here)."""
     s, given = results["summary"], results["config"]
     cs = s["cache_stats"]
-    lines: List[str] = []
+    lines: List[str] = ["=" * 80, "KV CACHE BENCHMARK RESULTS", "=" * 80]
     add = lines.append
-    add("=" * 80)
-    add("KV CACHE BENCHMARK RESULTS")
-    add("=" * 80)
     shown_name = f" \"{given['model_display_name']}\"" if given.get("model_display_name") else ""
     add(f"Model: {given['model']}{shown_name} ({given['kv_bytes_per_token']:,} bytes/token) | Users: {given['num_users']} | "
         f"Generation: {given['generation_mode']} | Seed: {results['seed']}"
@@ -8054,9 +8056,7 @@ def format_report(results: Dict[str, Any]) -> str:
     _report_overall(add, s, cs)
     _report_latency(add, s)
     _report_tiers(add, cs, given)
-    add("")
-    for line in format_device_section(s.get("device_stats") or {}, s.get("device_comparison")):
-        add(line)
+    lines += ["", *format_device_section(s.get("device_stats") or {}, s.get("device_comparison"))]
     if s.get("fio_comparison"):
         _report_fio(add, s["fio_comparison"])
     _report_cache_types(add, s, cs)
@@ -8067,10 +8067,8 @@ def format_report(results: Dict[str, Any]) -> str:
     if s.get("autoscaling_summary"):
         _report_autoscaling(add, s["autoscaling_summary"], s["autoscaling_stats"])
     if s["thread_errors"]:
-        add("")
-        add("### THREAD FAILURES ###")
-        for error in s["thread_errors"]:
-            add(f"  - {error}")
+        _heading(add, "THREAD FAILURES")
+        lines.extend(f"  - {error}" for error in s["thread_errors"])
     add("=" * 80)
     return "\n".join(lines)
 
@@ -8102,32 +8100,26 @@ def _report_precondition(add: Callable[[str], None], p: Dict[str, Any]) -> None:
         f"entries, {p['seconds']:.1f} s{device}")
 
 
+_CRITERION_UNITS: Dict[str, Callable[[Any], str]] = {"ms": _fmt_ms, "%": "{:.1f}%".format,
+                                                     "tok/s": "{:,.2f} tok/s".format}
+
+
 def _report_assessment(add: Callable[[str], None], health: Dict[str, Any]) -> None:
-    add("")
-    add(f"### STORAGE PERFORMANCE ASSESSMENT: {health['overall_status']} ###")
+    _heading(add, f"STORAGE PERFORMANCE ASSESSMENT: {health['overall_status']}")
     add(f"  Profile: {health['profile']}")
     # The original's "Criteria Passed: k/4": N/A criteria stay in the denominator, named beside it.
     na = len(health["not_applicable"])
     add(f"  Criteria Passed: {health['passed_count']}/{health['total_count'] + na}"
         + (f" ({na} N/A)" if na else ""))
     for c in health["criteria"]:
-        actual = c["actual"]
-        if c["unit"] == "ms":
-            shown = _fmt_ms(actual)
-        elif c["unit"] == "%":
-            shown = f"{actual:.1f}%"
-        elif c["unit"] == "tok/s":
-            shown = f"{actual:,.2f} tok/s"
-        else:
-            shown = f"{actual}"
+        shown = _CRITERION_UNITS.get(c["unit"], str)(c["actual"])
         add(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['name']}: {shown}")
     for name in health["not_applicable"]:
         add(f"  [N/A ] {name}: {health.get('not_applicable_reasons', {}).get(name, 'tier not used in this run')}")
 
 
 def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str, Any]) -> None:
-    add("")
-    add("### OVERALL PERFORMANCE ###")
+    _heading(add, "OVERALL PERFORMANCE")
     add(f"  Total Requests: {s['total_requests']:,} (admitted {s['requests_admitted']:,}, "
         f"abandoned at stop {s['requests_abandoned']:,})")
     add(f"  Total Tokens Generated: {s['total_tokens']:,}")
@@ -8149,27 +8141,23 @@ def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str,
         add(f"  --io-baseline failed: {s['io_baseline']['error']}")
     elif s["io_baseline"]:
         b, e = s["io_baseline"], s["storage_efficiency"]
-        add("")
-        add("### STORAGE EFFICIENCY (vs the device's raw bandwidth, measured before the run) ###")
+        _heading(add, "STORAGE EFFICIENCY (vs the device's raw bandwidth, measured before the run)")
         add(f"  Raw device ({b['io_mode']}, {b['chunk_bytes'] // MIB} MiB I/O, {b.get('write_threads', b['threads'])} write "
             f"and {b['threads']} read streams): "
             f"write {b['write_gib_per_sec']:.3f} GB/s, read {b['read_gib_per_sec']:.3f} GB/s")
         if e:
-            add(f"  Read efficiency: {e['read_efficiency_busy_basis'] * 100:.1f}% (device-busy basis), "
-                f"{e['read_efficiency_wall_basis'] * 100:.1f}% (wall)")
-            add(f"  Write efficiency: {e['write_efficiency_busy_basis'] * 100:.1f}% (device-busy basis), "
-                f"{e['write_efficiency_wall_basis'] * 100:.1f}% (wall)")
+            for op in ("read", "write"):
+                add(f"  {op.capitalize()} efficiency: {e[f'{op}_efficiency_busy_basis'] * 100:.1f}% (device-busy basis), "
+                    f"{e[f'{op}_efficiency_wall_basis'] * 100:.1f}% (wall)")
             add(f"  Device utilisation: {e['device_utilisation'] * 100:.1f}% "
                 f"(time the moved bytes need at raw speed / elapsed)")
 
 
 def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
-    add("")
-    add("### LATENCY BREAKDOWN ###")
-    add(_fmt_latency("End-to-End", s["end_to_end_latency_ms"]))
-    add(_fmt_latency("Queue Wait (measured)", s["queue_wait_latency_ms"]))
-    add(_fmt_latency("Storage I/O", s["storage_io_latency_ms"]))
-    add(_fmt_latency("Generation (simulated)", s["generation_latency_ms"]))
+    _heading(add, "LATENCY BREAKDOWN")
+    for label, key in (("End-to-End", "end_to_end"), ("Queue Wait (measured)", "queue_wait"),
+                       ("Storage I/O", "storage_io"), ("Generation (simulated)", "generation")):
+        add(_fmt_latency(label, s[f"{key}_latency_ms"]))
     # Seed 000's summary lines, labels kept for existing parsers; values in seconds as there.
     e2e, sio = s["end_to_end_latency_ms"], s["storage_io_latency_ms"]
     add(f"  End-to-end latency: mean {_fmt_s(e2e['mean'])}, P50 {_fmt_s(e2e['p50'])}, P95 {_fmt_s(e2e['p95'])}, "
@@ -8184,8 +8172,7 @@ def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
 
 def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any], given: Dict[str, Any]) -> None:
     _report_objects(add, cs.get("storage_requests") or {}, given.get("shards"))
-    add("")
-    add("### TIER DISTRIBUTION (entries at the end of the workload) ###")
+    _heading(add, "TIER DISTRIBUTION (entries at the end of the workload)")
     add(f"  GPU: {cs['gpu_entries']:,} | CPU: {cs['cpu_entries']:,} | Storage: {cs['nvme_entries']:,}")
     add(f"  Demotions: to CPU {cs['offloads_cpu']:,}, to storage {cs['offloads_nvme']:,} | "
         f"evicted from the cache: {cs['evictions']:,} | I/O errors: {cs['io_errors']:,} | "
@@ -8195,14 +8182,12 @@ def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any], given: Dict[st
         add(f"  I/O errors by tier, operation and kind: {kinds}")
     if cs["verify_checked"] or cs["verify_mismatches"]:
         add(f"  --verify: {cs['verify_checked']:,} reads checked, {cs['verify_mismatches']:,} mismatches")
-    add("")
-    add("### PHASE METRICS ###")
+    _heading(add, "PHASE METRICS")
     add(f"  Prefill writes: {cs['prefill_writes']:,} ({cs['prefill_bytes_written_gb']:.3f} GB)")
     add(f"  Decode reads: {cs['decode_reads']:,} ({cs['decode_bytes_read_gb']:.3f} GB)")
     add(f"  All tiers: read {cs['total_read_gb']:.3f} GB, written {cs['total_write_gb']:.3f} GB, "
         f"read/write ratio {cs['read_write_ratio']:.2f}")
-    add("")
-    add("### TIER-SPECIFIC LATENCIES ###")
+    _heading(add, "TIER-SPECIFIC LATENCIES")
     add("  (each operation's total time; the device and host shares of it in brackets)")
     for tier in TIER_NAMES:
         for op in ("read", "write"):
@@ -8226,8 +8211,7 @@ def _byte_size(n: float) -> str:
 
 def _report_objects(add: Callable[[str], None], req: Dict[str, Any], shards: Optional[Dict[str, Any]]) -> None:
     """The storage tier's objects: how the node shards entries, and the objects' sizes."""
-    add("")
-    add("### STORAGE OBJECTS ###")
+    _heading(add, "STORAGE OBJECTS")
     if shards and (shards["num_gpus"] > 1 or shards["tensor_parallel"] > 1):
         heads = shards["kv_heads_per_shard"]
         add(f"  {shards['num_gpus']} GPUs, tensor parallel {shards['tensor_parallel']} "
@@ -8246,8 +8230,7 @@ def _report_objects(add: Callable[[str], None], req: Dict[str, Any], shards: Opt
 
 
 def _report_fio(add: Callable[[str], None], c: Dict[str, Any]) -> None:
-    add("")
-    add("### FIO COMPARISON (the same I/O replayed by fio, right after the run; ratio = ours / fio) ###")
+    _heading(add, "FIO COMPARISON (the same I/O replayed by fio, right after the run; ratio = ours / fio)")
     if "error" in c:
         add(f"  fio failed: {c['error']}")
         return
@@ -8263,16 +8246,14 @@ def _report_fio(add: Callable[[str], None], c: Dict[str, Any]) -> None:
 
 
 def _report_cache_types(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str, Any]) -> None:
-    add("")
-    add("### CACHE TYPE BREAKDOWN ###")
+    _heading(add, "CACHE TYPE BREAKDOWN")
     add(f"  Overall hit rate: {cs['cache_hit_rate'] * 100:.1f}% ({cs['cache_hits']:,} hits, "
         f"{cs['cache_misses']:,} misses)")
     for label, cache_type in (("System prompt", "system"), ("Common phrase", "common"),
                               ("Multi-turn", "multi_turn"), ("User (decode)", "user")):
         add(f"  {label}: {cs[_HIT_COUNTER[cache_type]]:,} hits, {cs[_MISS_COUNTER[cache_type]]:,} misses")
     p = s["prefix_cache_stats"]
-    add("")
-    add("### PREFIX CACHING ###")
+    _heading(add, "PREFIX CACHING")
     add(f"  System prompt reuse (requests carrying one): {p['system_prompt_reuse']:,}; "
         f"found in cache: {cs['system_prompt_hits']:,}")
     add(f"  Common phrase reuse: {p['common_phrase_reuse']:,}; found in cache: {cs['common_phrase_hits']:,}")
@@ -8283,8 +8264,7 @@ def _report_cache_types(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[
 
 
 def _report_qos(add: Callable[[str], None], qos: Dict[str, Any]) -> None:
-    add("")
-    add("### QOS (service latency = end-to-end minus simulated generation) ###")
+    _heading(add, "QOS (service latency = end-to-end minus simulated generation)")
     for level, q in qos.items():
         sla = q["sla"]
         if not q["total_requests"]:
@@ -8302,8 +8282,7 @@ def _report_sources(add: Callable[[str], None], s: Dict[str, Any]) -> None:
     t = s.get("burst_trace")
     if not t:
         return
-    add("")
-    add("### BURSTGPT TRACE ###")
+    _heading(add, "BURSTGPT TRACE")
     add(f"  {', '.join(t['files'])}: {t['rows']:,} rows, {t['bad_rows']:,} not requests (skipped)"
         + (": " + ", ".join(f"{k} {v:,}" for k, v in sorted(t["bad_rows_by_reason"].items())) if t["bad_rows"] else ""))
     passes = f"of {t['replay_cycles']}" if t["replay_cycles"] else "(no limit)"
@@ -8315,8 +8294,7 @@ def _report_sources(add: Callable[[str], None], s: Dict[str, Any]) -> None:
 
 
 def _report_dataset(add: Callable[[str], None], d: Dict[str, Any]) -> None:
-    add("")
-    add("### DATASET REPLAY ###")
+    _heading(add, "DATASET REPLAY")
     add(f"  {d['path']}: {d['conversations']:,} conversations sampled of {d['conversations_in_file']:,} "
         f"usable ({d['conversations_skipped']:,} skipped), {d['turns']:,} turns")
     add(f"  Tokenizer: {d['tokenizer']}")
@@ -8327,8 +8305,7 @@ def _report_dataset(add: Callable[[str], None], d: Dict[str, Any]) -> None:
 
 
 def _report_rag(add: Callable[[str], None], r: Dict[str, Any]) -> None:
-    add("")
-    add("### RAG ###")
+    _heading(add, "RAG")
     add(f"  Ingested {r['documents_ingested']}/{r['documents']} documents, {r['chunks_ingested']:,}/{r['chunks']:,} "
         f"chunks, {r['bytes_ingested'] / GIB:.3f} GB in {r['ingest_seconds']:.2f}s"
         + (f" ({r['ingest_failures']} chunk writes failed)" if r["ingest_failures"] else ""))
@@ -8342,8 +8319,7 @@ def _report_rag(add: Callable[[str], None], r: Dict[str, Any]) -> None:
 
 
 def _report_autoscaling(add: Callable[[str], None], summary: Dict[str, Any], stats: List[Dict[str, Any]]) -> None:
-    add("")
-    add(f"### AUTOSCALING ({summary['mode']} mode) ###")
+    _heading(add, f"AUTOSCALING ({summary['mode']} mode)")
     if summary["mode"] == "capacity" and summary["peak_throughput"] is None:
         add("  Peak throughput: not measured (no monitor window in which a request completed)")
     elif summary["mode"] == "capacity":

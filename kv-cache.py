@@ -8189,16 +8189,14 @@ def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any], given: Dict[st
         f"read/write ratio {cs['read_write_ratio']:.2f}")
     _heading(add, "TIER-SPECIFIC LATENCIES")
     add("  (each operation's total time; the device and host shares of it in brackets)")
-    for tier in TIER_NAMES:
-        for op in ("read", "write"):
-            if cs[f"{tier}_{op}_p50_ms"] is None:
-                continue
-            # "NVME Read P95: 12390.15 ms" is the original's line; ours follows on the same line.
-            add(f"  {tier.upper()} {op.capitalize()} P95: {cs[f'{tier}_{op}_p95_ms']:.2f} ms "
-                f"(P50 {_fmt_ms(cs[f'{tier}_{op}_p50_ms'])}, P99 {_fmt_ms(cs[f'{tier}_{op}_p99_ms'])}; "
-                f"device P95 {_fmt_ms(cs[f'{tier}_{op}_device_p95_ms'])}, "
-                f"host P95 {_fmt_ms(cs[f'{tier}_{op}_host_p95_ms'])}) "
-                f"[{cs[f'{tier}_{op}s']:,} ops]")
+    for tier, op in itertools.product(TIER_NAMES, ("read", "write")):
+        k = f"{tier}_{op}"
+        if cs[f"{k}_p50_ms"] is None:
+            continue
+        # "NVME Read P95: 12390.15 ms" is the original's line; ours follows on the same line.
+        add(f"  {tier.upper()} {op.capitalize()} P95: {cs[f'{k}_p95_ms']:.2f} ms (P50 {_fmt_ms(cs[f'{k}_p50_ms'])}, "
+            f"P99 {_fmt_ms(cs[f'{k}_p99_ms'])}; device P95 {_fmt_ms(cs[f'{k}_device_p95_ms'])}, "
+            f"host P95 {_fmt_ms(cs[f'{k}_host_p95_ms'])}) [{cs[f'{k}s']:,} ops]")
 
 
 def _byte_size(n: float) -> str:
@@ -8341,11 +8339,8 @@ def _report_autoscaling(add: Callable[[str], None], summary: Dict[str, Any], sta
 # ============================================================================
 
 def _arg(args: Any, name: str, default: Any = None) -> Any:
-    if args is None:
-        return default
-    if isinstance(args, dict):
-        return args.get(name, default)
-    return getattr(args, name, default)
+    """A flag's value from argparse's namespace or a dict; `default` without it (or without args: None)."""
+    return args.get(name, default) if isinstance(args, dict) else getattr(args, name, default)
 
 
 def _dig(tree: Any, *path: str) -> Any:
@@ -8411,6 +8406,8 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
 
 
 _PERCENT_COLUMNS = ("Cache Hit Rate", "Multi-turn Hit Rate", "SLA Compliance")
+_TIER_SHEET_LATENCIES = (("P50", "p50"), ("P95", "p95"), ("P99", "p99"), ("Device P95", "device_p95"),
+                         ("Host P95", "host_p95"))
 
 
 def _detail_sheets(results: Dict[str, Any], args: Any) -> Dict[str, List[Dict[str, Any]]]:
@@ -8420,17 +8417,10 @@ def _detail_sheets(results: Dict[str, Any], args: Any) -> Dict[str, List[Dict[st
     if args is not None:
         params.update({k: v for k, v in (vars(args) if not isinstance(args, dict) else args).items()
                        if isinstance(v, (str, int, float, bool)) or v is None})
-    tiers = []
-    for tier in TIER_NAMES:
-        for op in ("read", "write"):
-            if not cs.get(f"{tier}_{op}s"):
-                continue
-            tiers.append({"Tier": tier, "Operation": op, "Operations": cs[f"{tier}_{op}s"],
-                          "GB Moved": cs.get(f"{tier}_bytes_{'read' if op == 'read' else 'written'}_gb"),
-                          "P50 (ms)": cs.get(f"{tier}_{op}_p50_ms"), "P95 (ms)": cs.get(f"{tier}_{op}_p95_ms"),
-                          "P99 (ms)": cs.get(f"{tier}_{op}_p99_ms"),
-                          "Device P95 (ms)": cs.get(f"{tier}_{op}_device_p95_ms"),
-                          "Host P95 (ms)": cs.get(f"{tier}_{op}_host_p95_ms")})
+    tiers = [{"Tier": tier, "Operation": op, "Operations": cs[f"{tier}_{op}s"],
+              "GB Moved": cs.get(f"{tier}_bytes_{'read' if op == 'read' else 'written'}_gb"),
+              **{f"{label} (ms)": cs.get(f"{tier}_{op}_{key}_ms") for label, key in _TIER_SHEET_LATENCIES}}
+             for tier, op in itertools.product(TIER_NAMES, ("read", "write")) if cs.get(f"{tier}_{op}s")]
     qos = [{"QoS": level, "Requests": _dig(q, "total_requests"), "P95 (ms)": _dig(q, "latency_ms", "p95"),
             "Target P95 (ms)": _dig(q, "sla", "target_p95_ms"), "SLA Compliance": _dig(q, "sla", "compliance"),
             "Met": _dig(q, "sla", "met")} for level, q in (s.get("qos_metrics") or {}).items()]
@@ -8465,9 +8455,8 @@ def export_results_to_xlsx(results: Dict[str, Any], args: Any, output_path: str)
 def write_workbook(sheets: Dict[str, List[Dict[str, Any]]], output_path: str) -> None:
     """Sheets of rows to an .xlsx file, formatted for people: widths, percentages, decimals. Built in
     memory, then written like every output (whatever the extension's case; see _write_file)."""
-    import io as io_module
     import pandas as pd
-    book = io_module.BytesIO()
+    book = io.BytesIO()
     with pd.ExcelWriter(book, engine="openpyxl") as writer:
         for name, rows in sheets.items():
             pd.DataFrame(rows).to_excel(writer, sheet_name=name, index=False)

@@ -7917,24 +7917,18 @@ def _request_lists(records: Sequence[RequestRecord]) -> Dict[str, Any]:
 def _request_figures(m: RunMeasurements) -> Dict[str, Any]:
     """Counts and rates of the completed requests over the measured window (under MPI: each
     rank's over its own window, summed)."""
-    parts = m.ranks or [m]
-
-    def per_second(value: Callable[[RunMeasurements], float]) -> float:
-        return sum(_ratio(value(p), p.elapsed_s) for p in parts)
-
-    def tokens_generated(p: RunMeasurements) -> int:
-        return sum(r.generate_tokens for r in p.records)
-    records = m.records
+    parts, records = m.ranks or [m], m.records
+    tokens_per_s = sum(_ratio(sum(r.generate_tokens for r in p.records), p.elapsed_s) for p in parts)
     return {
         "total_requests": len(records),
-        "total_tokens": tokens_generated(m),
+        "total_tokens": sum(r.generate_tokens for r in records),
         "elapsed_time": m.elapsed_s,
         "shutdown_tail_s": m.shutdown_tail_s,
-        "avg_throughput_tokens_per_sec": per_second(tokens_generated),
-        "total_tokens_per_sec": per_second(tokens_generated),
+        "avg_throughput_tokens_per_sec": tokens_per_s,
+        "total_tokens_per_sec": tokens_per_s,
         "storage_throughput_tokens_per_sec": _ratio(sum(r.tokens_moved for r in records),
                                                     sum(r.storage_s for r in records)),
-        "requests_per_second": per_second(lambda p: len(p.records)),
+        "requests_per_second": sum(_ratio(len(p.records), p.elapsed_s) for p in parts),
     }
 
 
@@ -8447,8 +8441,7 @@ def export_results_to_xlsx(results: Dict[str, Any], args: Any, output_path: str)
             logger.warning("openpyxl is not installed: writing the summary row as CSV to %s", path)
         _write_text_file(path, pd.DataFrame(rows).to_csv(index=False))
         return path
-    sheets = {"Summary": rows, **_detail_sheets(results, args)}
-    write_workbook(sheets, output_path)
+    write_workbook({"Summary": rows, **_detail_sheets(results, args)}, output_path)
     return output_path
 
 
@@ -8675,12 +8668,9 @@ def suite_comparison(results_dir: str) -> str:
     workbook `suite_summary.xlsx` with one row per run (when pandas and openpyxl are there).
     MLPerf submission trials are also summarised as the median of their trials."""
     directory = Path(results_dir)
-    statuses: Dict[str, str] = {}
     status_file = directory / "status.tsv"
-    if status_file.exists():
-        for line in status_file.read_text().splitlines():
-            name, _, status = line.partition("\t")
-            statuses[name] = status
+    status_lines = status_file.read_text().splitlines() if status_file.exists() else []
+    statuses = {name: status for name, _, status in (line.partition("\t") for line in status_lines)}
     names = list(statuses) or sorted(p.stem[len("results_"):] for p in directory.glob("results_*.json"))
     rows, sheet_rows, trials = [], [], defaultdict(list)
     for name in names:
@@ -8694,11 +8684,9 @@ def suite_comparison(results_dir: str) -> str:
         if match:
             trials[match.group(1)].append(row)
     rows += [_median_row(option, option_rows) for option, option_rows in trials.items()]
-    lines = ["", "### SUITE COMPARISON ###"]
     widths = {c: max(len(c), *(len(_suite_cell(r.get(c), f)) for r in rows)) for c, f in _SUITE_COLUMNS}
-    lines.append("  ".join(c.ljust(widths[c]) for c, _ in _SUITE_COLUMNS))
-    for row in rows:
-        lines.append("  ".join(_suite_cell(row.get(c), f).ljust(widths[c]) for c, f in _SUITE_COLUMNS))
+    lines = ["", "### SUITE COMPARISON ###", "  ".join(c.ljust(widths[c]) for c, _ in _SUITE_COLUMNS),
+             *("  ".join(_suite_cell(row.get(c), f).ljust(widths[c]) for c, f in _SUITE_COLUMNS) for row in rows)]
     if sheet_rows and PANDAS_AVAILABLE and OPENPYXL_AVAILABLE:
         write_workbook({"Runs": sheet_rows}, str(directory / "suite_summary.xlsx"))
         lines.append(f"Workbook: {directory / 'suite_summary.xlsx'} ({len(sheet_rows)} runs)")

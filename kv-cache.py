@@ -8525,28 +8525,34 @@ def _save(plt: Any, fig: Any, path: Path) -> Path:
         plt.close(fig)
 
 
+def _dress(ax: Any, title: str, xlabel: Optional[str], ylabel: str, twin: Any = None, loc: str = "best",
+           **grid: Any) -> None:
+    """A chart's title, axis labels, legend (of a twin axis's lines too) and grid (when styled)."""
+    ax.set_title(title)
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    handles = ax.get_legend_handles_labels()[0] + (twin.get_legend_handles_labels()[0] if twin is not None else [])
+    ax.legend(handles, [h.get_label() for h in handles], loc=loc)
+    if grid:
+        ax.grid(**grid)
+
+
 def _plot_throughput(plt: Any, timeline: List[Dict[str, Any]], title: str, path: Path) -> Optional[Path]:
     if not timeline:
         return None
     t = [p["elapsed_s"] for p in timeline]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
     top.plot(t, [p["throughput_tokens_per_sec"] for p in timeline], marker="o", label="generated tokens/s (left)")
-    top.set_ylabel("generated tokens per second")
     io_axis = top.twinx()
     io_axis.plot(t, [p["io_tokens_per_sec"] for p in timeline], marker=".", color="tab:green",
                  label="cache I/O tokens/s, all tiers (right)")
     io_axis.set_ylabel("cache I/O tokens per second")
-    top.set_title(f"Throughput over time — {title}")
-    handles = top.get_legend_handles_labels()[0] + io_axis.get_legend_handles_labels()[0]
-    top.legend(handles, [h.get_label() for h in handles], loc="upper right")
-    top.grid(alpha=0.3)
+    _dress(top, f"Throughput over time — {title}", None, "generated tokens per second", io_axis, "upper right",
+           alpha=0.3)
     bottom.plot(t, [p["storage_read_gib_per_sec"] for p in timeline], marker="o", label="storage tier read")
     bottom.plot(t, [p["storage_write_gib_per_sec"] for p in timeline], marker="o", label="storage tier write")
-    bottom.set_ylabel("GiB per second")
-    bottom.set_xlabel("elapsed time (s)")
-    bottom.set_title("Storage-tier bandwidth (per monitor interval)")
-    bottom.legend()
-    bottom.grid(alpha=0.3)
+    _dress(bottom, "Storage-tier bandwidth (per monitor interval)", "elapsed time (s)", "GiB per second", alpha=0.3)
     return _save(plt, fig, path)
 
 
@@ -8560,11 +8566,8 @@ def _plot_latency_cdf(plt: Any, samples: Dict[str, List[float]], title: str, pat
     ax.axhline(0.95, color="grey", linestyle=":", linewidth=1)
     ax.text(ax.get_xlim()[0], 0.95, " P95", va="bottom", color="grey")
     ax.set_xscale("log")
-    ax.set_xlabel("operation latency (ms, log scale)")
-    ax.set_ylabel("fraction of operations")
-    ax.set_title(f"Latency CDF per tier and operation — {title}")
-    ax.legend()
-    ax.grid(alpha=0.3, which="both")
+    _dress(ax, f"Latency CDF per tier and operation — {title}", "operation latency (ms, log scale)",
+           "fraction of operations", alpha=0.3, which="both")
     return _save(plt, fig, path)
 
 
@@ -8581,11 +8584,7 @@ def _plot_tier_usage(plt: Any, timeline: List[Dict[str, Any]], cache_stats: Dict
         if budget:
             ax.axhline(budget * TIER_HEADROOM, color=line.get_color(), linestyle="--",
                        label=f"{tier.upper()} 80% of budget ({budget * TIER_HEADROOM:.2f} GiB)")
-    ax.set_xlabel("elapsed time (s)")
-    ax.set_ylabel("GiB held")
-    ax.set_title(f"Tier occupancy — {title}")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    _dress(ax, f"Tier occupancy — {title}", "elapsed time (s)", "GiB held", alpha=0.3)
     return _save(plt, fig, path)
 
 
@@ -8594,18 +8593,14 @@ def _plot_autoscaling(plt: Any, timeline: List[Dict[str, Any]], summary: Dict[st
     t = [p["elapsed_s"] for p in timeline]
     fig, ax = plt.subplots(figsize=(9, 5))
     ax.step(t, [p["active_users"] for p in timeline], where="post", marker="o", label="active users")
-    ax.set_xlabel("elapsed time (s)")
-    ax.set_ylabel("active users")
     right = ax.twinx()
     right.plot(t, [p["saturation"] for p in timeline], color="tab:red", marker=".", label="saturation (0-1)")
     right.set_ylabel("saturation (0-1)")
     right.set_ylim(0, 1.05)
     if summary.get("target_saturation") is not None and summary["mode"] == "qos":
         right.axhline(summary["target_saturation"], color="tab:red", linestyle="--", label="target saturation")
-    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-    ax.legend(handles, [h.get_label() for h in handles], loc="upper left")
-    ax.set_title(f"Autoscaler ({summary['mode']} mode) — {title}")
-    ax.grid(alpha=0.3)
+    _dress(ax, f"Autoscaler ({summary['mode']} mode) — {title}", "elapsed time (s)", "active users", right,
+           "upper left", alpha=0.3)
     return _save(plt, fig, path)
 
 
@@ -8618,13 +8613,9 @@ def plot_suite(rows: List[Dict[str, Any]], path: Path) -> Optional[Path]:
     names = [r["Workload"] for r in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(rows)), 7), sharex=True)
     top.bar(names, [r["Throughput tok/s"] for r in rows], color="tab:blue", label="generated tokens/s")
-    top.set_ylabel("tokens per second")
-    top.set_title("Scenario comparison: system throughput")
-    top.legend()
+    _dress(top, "Scenario comparison: system throughput", None, "tokens per second")
     bottom.bar(names, [r["Storage P95 ms"] or 0.0 for r in rows], color="tab:orange", label="storage I/O P95 per request")
-    bottom.set_ylabel("milliseconds")
-    bottom.set_title("Storage I/O latency per request (P95)")
-    bottom.legend()
+    _dress(bottom, "Storage I/O latency per request (P95)", None, "milliseconds")
     plt.setp(bottom.get_xticklabels(), rotation=30, ha="right")
     return _save(plt, fig, path)
 

@@ -7824,9 +7824,7 @@ def diagnose_bottlenecks(e2e: Dict[str, Any], queue_wait: Dict[str, Any], storag
             notes.append(f"Storage-tier {op} P95 is {_fmt_ms(p95)} (target < {target:.0f} ms).")
     if cache_stats["io_errors"]:
         notes.append(f"{cache_stats['io_errors']} storage I/O errors: see cache_stats.io_errors_by_kind.")
-    if not notes:
-        notes.append("No single component dominates end-to-end latency.")
-    return notes
+    return notes or ["No single component dominates end-to-end latency."]
 
 
 def cache_figures(m: RunMeasurements) -> Dict[str, Any]:
@@ -7899,18 +7897,14 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
 
 def _request_lists(records: Sequence[RequestRecord]) -> Dict[str, Any]:
     """The per-request latency lists (seconds, in completion order) and their totals."""
-    storage, generation = [r.storage_s for r in records], [r.generation_s for r in records]
+    lists = {f"{name}_latencies": [getattr(r, f"{name}_s") for r in records]
+             for name in ("end_to_end", "storage", "generation", "prefill", "decode", "queue_wait")}
     return {
         "requests_completed": len(records),
         "total_tokens_generated": sum(r.generate_tokens for r in records),
-        "total_storage_io_latency": float(sum(storage)),
-        "total_generation_latency": float(sum(generation)),
-        "end_to_end_latencies": [r.end_to_end_s for r in records],
-        "storage_latencies": storage,
-        "generation_latencies": generation,
-        "prefill_latencies": [r.prefill_s for r in records],
-        "decode_latencies": [r.decode_s for r in records],
-        "queue_wait_latencies": [r.queue_wait_s for r in records],
+        "total_storage_io_latency": float(sum(lists["storage_latencies"])),
+        "total_generation_latency": float(sum(lists["generation_latencies"])),
+        **lists,
     }
 
 
@@ -7999,8 +7993,7 @@ def headline_not_measured(results: Dict[str, Any]) -> Optional[str]:
     not a result: it exits 1."""
     s = results["summary"]
     if not results["requests_completed"]:
-        rag = s.get("rag_stats") or {}
-        if rag.get("ingestion_interrupted"):
+        if (s.get("rag_stats") or {}).get("ingestion_interrupted"):
             why = "RAG ingestion took the whole run (a longer --duration or fewer --rag-num-docs)"
         elif s.get("requests_abandoned"):
             why = f"{s['requests_abandoned']} requests were still in flight at the stop (a longer --duration)"
@@ -8078,8 +8071,7 @@ def _report_node_role(add: Callable[[str], None], s: Dict[str, Any]) -> None:
     if role == "mixed":
         return
     add(f"Node: {role} ({NODE_ROLE_NOTES[role]})")
-    ctx = s.get("decode_contexts")
-    if ctx:
+    if (ctx := s.get("decode_contexts")):
         add(f"  Contexts written before the timer: {ctx['contexts_written']:,} of {ctx['users']:,} users, "
             f"{ctx['gb']:.2f} GB in {ctx['seconds']:.1f} s; where they lie: "
             + ", ".join(f"{_V30_TIER_NAMES.get(t, t).upper()} {w['entries']:,} ({w['gb']:.2f} GB)" for t, w in ctx["by_tier"].items()))
@@ -8194,11 +8186,11 @@ def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any], given: Dict[st
 
 
 def _byte_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return ""
+    return f"{n:.1f} GiB"
 
 
 def _report_objects(add: Callable[[str], None], req: Dict[str, Any], shards: Optional[Dict[str, Any]]) -> None:
@@ -8291,8 +8283,7 @@ def _report_dataset(add: Callable[[str], None], d: Dict[str, Any]) -> None:
         f"usable ({d['conversations_skipped']:,} skipped), {d['turns']:,} turns")
     add(f"  Tokenizer: {d['tokenizer']}")
     for label, key in (("Context tokens per turn", "context_tokens"), ("Generated tokens per turn", "generate_tokens")):
-        v = d[key]
-        if v:
+        if (v := d[key]):
             add(f"  {label}: mean {v['mean']:,.1f}, P50 {v['p50']:,.0f}, P95 {v['p95']:,.0f}, max {v['max']:,}")
 
 
@@ -8350,21 +8341,17 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
     """One spreadsheet row per run: the original's columns first, then ours (units in the names).
     Works on any results dict: a figure the run did not record is an empty cell."""
     given = results.get("config") or {}
+    s = functools.partial(_dig, results, "summary")
+    cs = functools.partial(_dig, results, "summary", "cache_stats")
 
-    def s(*path: str) -> Any:
-        return _dig(results, "summary", *path)
-
-    def cs(name: str) -> Any:
-        return s("cache_stats", name)
-
-    def asked(flag: str, key: str) -> Any:         # what the user asked for, not the clamped budget
-        return _arg(args, flag, given.get(f"requested_{key}", given.get(key)))
+    def asked(key: str) -> Any:                    # what the user asked for, not the clamped budget
+        return _arg(args, key, given.get(f"requested_{key}", given.get(key)))
     return {
         "Model": _arg(args, "model", given.get("model")),
         "Num Users": _arg(args, "num_users", given.get("num_users")),
         "Duration (s)": given.get("duration_s") if given.get("duration_s") is not None else _arg(args, "duration"),
-        "GPU Mem (GB)": asked("gpu_mem_gb", "gpu_mem_gb"),
-        "CPU Mem (GB)": asked("cpu_mem_gb", "cpu_mem_gb"),
+        "GPU Mem (GB)": asked("gpu_mem_gb"),
+        "CPU Mem (GB)": asked("cpu_mem_gb"),
         "Total Requests": s("total_requests"),
         "Total Tokens": s("total_tokens"),
         "Avg Throughput (tok/s)": s("avg_throughput_tokens_per_sec"),
@@ -8671,8 +8658,7 @@ def suite_comparison(results_dir: str) -> str:
         rows.append(row)
         if results is not None:
             sheet_rows.append({"Workload": name, "Status": row["Status"], **summary_row(results)})
-        match = re.match(r"(mlperf_submission_\w+?)_trial\d+$", name)
-        if match:
+        if (match := re.match(r"(mlperf_submission_\w+?)_trial\d+$", name)):
             trials[match.group(1)].append(row)
     rows += [_median_row(option, option_rows) for option, option_rows in trials.items()]
     widths = {c: max(len(c), *(len(_suite_cell(r.get(c), f)) for r in rows)) for c, f in _SUITE_COLUMNS}
@@ -8792,8 +8778,7 @@ def _sum_timelines(timelines: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]
                 point[key] = {t: sum(v.get(t, 0.0) for v in values) for t in value}
             elif key in ("elapsed_s", "storage_read_p95_ms", "storage_write_p95_ms", "saturation",
                          "queue_wait_mean_ms", "service_mean_ms"):
-                present = [v for v in values if v is not None]
-                point[key] = max(present) if present else None
+                point[key] = max((v for v in values if v is not None), default=None)
             else:
                 point[key] = sum(v or 0 for v in values)
         merged.append(point)

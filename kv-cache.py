@@ -7796,8 +7796,8 @@ def storage_efficiency(cache_stats: Dict[str, Any], baseline: Optional[Dict[str,
     """The workload's storage-tier bandwidth as a fraction of the device's raw bandwidth."""
     if not baseline or "error" in baseline or baseline["read_gib_per_sec"] <= 0 or baseline["write_gib_per_sec"] <= 0:
         return None
-    out = {f"{op}_efficiency_{basis}_basis": cache_stats[f"nvme_{op}_gib_per_sec_{basis}"] / baseline[f"{op}_gib_per_sec"]
-           for basis in ("busy", "wall") for op in ("read", "write")}
+    out = {f"{op}_efficiency_{basis}_basis": cache_stats[f"nvme_{op}_gib_per_sec_{basis}"]
+           / baseline[f"{op}_gib_per_sec"] for basis in ("busy", "wall") for op in ("read", "write")}
     # Fraction of the measured window the device would need at its raw speed for what was moved in it.
     out["device_utilisation"] = out["read_efficiency_wall_basis"] + out["write_efficiency_wall_basis"]
     return out
@@ -8133,8 +8133,8 @@ def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str,
             f"write {b['write_gib_per_sec']:.3f} GB/s, read {b['read_gib_per_sec']:.3f} GB/s")
         if e:
             for op in ("read", "write"):
-                add(f"  {op.capitalize()} efficiency: {e[f'{op}_efficiency_busy_basis'] * 100:.1f}% (device-busy basis), "
-                    f"{e[f'{op}_efficiency_wall_basis'] * 100:.1f}% (wall)")
+                add(f"  {op.capitalize()} efficiency: {e[f'{op}_efficiency_busy_basis'] * 100:.1f}% "
+                    f"(device-busy basis), {e[f'{op}_efficiency_wall_basis'] * 100:.1f}% (wall)")
             add(f"  Device utilisation: {e['device_utilisation'] * 100:.1f}% "
                 f"(time the moved bytes need at raw speed / elapsed)")
 

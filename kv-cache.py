@@ -7687,16 +7687,11 @@ def storage_efficiency(cache_stats: Dict[str, Any], baseline: Optional[Dict[str,
     """The workload's storage-tier bandwidth as a fraction of the device's raw bandwidth."""
     if not baseline or "error" in baseline or baseline["read_gib_per_sec"] <= 0 or baseline["write_gib_per_sec"] <= 0:
         return None
-    raw_r, raw_w = baseline["read_gib_per_sec"], baseline["write_gib_per_sec"]
-    return {
-        "read_efficiency_busy_basis": cache_stats["nvme_read_gib_per_sec_busy"] / raw_r,
-        "write_efficiency_busy_basis": cache_stats["nvme_write_gib_per_sec_busy"] / raw_w,
-        "read_efficiency_wall_basis": cache_stats["nvme_read_gib_per_sec_wall"] / raw_r,
-        "write_efficiency_wall_basis": cache_stats["nvme_write_gib_per_sec_wall"] / raw_w,
-        # Fraction of the measured window the device would need at its raw speed for what was moved in it.
-        "device_utilisation": (cache_stats["nvme_read_gib_per_sec_wall"] / raw_r
-                               + cache_stats["nvme_write_gib_per_sec_wall"] / raw_w),
-    }
+    out = {f"{op}_efficiency_{basis}_basis": cache_stats[f"nvme_{op}_gib_per_sec_{basis}"]
+           / baseline[f"{op}_gib_per_sec"] for basis in ("busy", "wall") for op in ("read", "write")}
+    # Fraction of the measured window the device would need at its raw speed for what was moved in it.
+    out["device_utilisation"] = out["read_efficiency_wall_basis"] + out["write_efficiency_wall_basis"]
+    return out
 
 
 def diagnose_bottlenecks(e2e: Dict[str, Any], queue_wait: Dict[str, Any], storage: Dict[str, Any],
@@ -7714,17 +7709,13 @@ def diagnose_bottlenecks(e2e: Dict[str, Any], queue_wait: Dict[str, Any], storag
     for name, mean_ms, meaning in shares:
         if mean_ms is not None and mean_ms > 0.5 * mean_e2e:
             notes.append(f"{name} dominates (~{_fmt_ms(mean_ms)} mean of {_fmt_ms(mean_e2e)} end-to-end): {meaning}.")
-    read_p95 = cache_stats.get("nvme_read_p95_ms")
-    if read_p95 is not None and read_p95 > LATENCY_CRITERIA_MS["nvme_read_p95"]:
-        notes.append(f"Storage-tier read P95 is {_fmt_ms(read_p95)} (target < 200 ms).")
-    write_p95 = cache_stats.get("nvme_write_p95_ms")
-    if write_p95 is not None and write_p95 > LATENCY_CRITERIA_MS["nvme_write_p95"]:
-        notes.append(f"Storage-tier write P95 is {_fmt_ms(write_p95)} (target < 500 ms).")
+    for op in ("read", "write"):
+        p95, target = cache_stats.get(f"nvme_{op}_p95_ms"), LATENCY_CRITERIA_MS[f"nvme_{op}_p95"]
+        if p95 is not None and p95 > target:
+            notes.append(f"Storage-tier {op} P95 is {_fmt_ms(p95)} (target < {target:.0f} ms).")
     if cache_stats["io_errors"]:
         notes.append(f"{cache_stats['io_errors']} storage I/O errors: see cache_stats.io_errors_by_kind.")
-    if not notes:
-        notes.append("No single component dominates end-to-end latency.")
-    return notes
+    return notes or ["No single component dominates end-to-end latency."]
 
 
 def cache_figures(m: RunMeasurements) -> Dict[str, Any]:
@@ -7739,18 +7730,14 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
     """The one place the results dict (and so the JSON) is put together, once every contributor
     (the workload, the clean-up, the MPI ranks, fio) has reported into `m`."""
     records, cache_stats = m.records, cache_figures(m)
-    e2e, storage = [r.end_to_end_s for r in records], [r.storage_s for r in records]
-    generation, queue_wait = [r.generation_s for r in records], [r.queue_wait_s for r in records]
-    summaries = {name: latency_summary_ms(values) for name, values in
-                 (("e2e", e2e), ("storage", storage), ("generation", generation), ("queue", queue_wait))}
+    latencies = {key: latency_summary_ms([getattr(r, field) for r in records]) for key, field in
+                 (("end_to_end_latency_ms", "end_to_end_s"), ("storage_io_latency_ms", "storage_s"),
+                  ("generation_latency_ms", "generation_s"), ("queue_wait_latency_ms", "queue_wait_s"))}
     multi_hits, multi_misses = cache_stats["multi_turn_hits"], cache_stats["multi_turn_misses"]
     summary = {
-        **_request_figures(m, summaries),
+        **_request_figures(m),
         "nvme_throughput": cache_stats["nvme_throughput"],
-        "end_to_end_latency_ms": summaries["e2e"],
-        "storage_io_latency_ms": summaries["storage"],
-        "generation_latency_ms": summaries["generation"],
-        "queue_wait_latency_ms": summaries["queue"],
+        **latencies,
         "cache_stats": cache_stats,
         "qos_metrics": qos_metrics(records, m.config.tunables.qos_profiles),
         "prefix_cache_stats": prefix_cache_stats(cache_stats),
@@ -7762,8 +7749,9 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "multi_turn_stats": {"cache_hits": multi_hits, "cache_misses": multi_misses,
                              "hit_rate": _ratio(multi_hits, multi_hits + multi_misses),
                              "resumes": cache_stats["multi_turn_resumes"]},
-        "bottlenecks": diagnose_bottlenecks(summaries["e2e"], summaries["queue"], summaries["storage"],
-                                            summaries["generation"], cache_stats),
+        "bottlenecks": diagnose_bottlenecks(latencies["end_to_end_latency_ms"], latencies["queue_wait_latency_ms"],
+                                            latencies["storage_io_latency_ms"], latencies["generation_latency_ms"],
+                                            cache_stats),
         "workload_digest": m.workload_digest,
         "requests_admitted": m.admitted, "requests_abandoned": m.abandoned,
         "peak_in_flight": m.peak_in_flight,
@@ -7800,42 +7788,32 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
 
 def _request_lists(records: Sequence[RequestRecord]) -> Dict[str, Any]:
     """The per-request latency lists (seconds, in completion order) and their totals."""
-    storage, generation = [r.storage_s for r in records], [r.generation_s for r in records]
+    lists = {f"{name}_latencies": [getattr(r, f"{name}_s") for r in records]
+             for name in ("end_to_end", "storage", "generation", "prefill", "decode", "queue_wait")}
     return {
         "requests_completed": len(records),
         "total_tokens_generated": sum(r.generate_tokens for r in records),
-        "total_storage_io_latency": float(sum(storage)),
-        "total_generation_latency": float(sum(generation)),
-        "end_to_end_latencies": [r.end_to_end_s for r in records],
-        "storage_latencies": storage,
-        "generation_latencies": generation,
-        "prefill_latencies": [r.prefill_s for r in records],
-        "decode_latencies": [r.decode_s for r in records],
-        "queue_wait_latencies": [r.queue_wait_s for r in records],
+        "total_storage_io_latency": float(sum(lists["storage_latencies"])),
+        "total_generation_latency": float(sum(lists["generation_latencies"])),
+        **lists,
     }
 
 
-def _request_figures(m: RunMeasurements, summaries: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+def _request_figures(m: RunMeasurements) -> Dict[str, Any]:
     """Counts and rates of the completed requests over the measured window (under MPI: each
     rank's over its own window, summed)."""
-    parts = m.ranks or [m]
-
-    def per_second(value: Callable[[RunMeasurements], float]) -> float:
-        return sum(_ratio(value(p), p.elapsed_s) for p in parts)
-
-    def tokens_generated(p: RunMeasurements) -> int:
-        return sum(r.generate_tokens for r in p.records)
-    records = m.records
+    parts, records = m.ranks or [m], m.records
+    tokens_per_s = sum(_ratio(sum(r.generate_tokens for r in p.records), p.elapsed_s) for p in parts)
     return {
         "total_requests": len(records),
-        "total_tokens": tokens_generated(m),
+        "total_tokens": sum(r.generate_tokens for r in records),
         "elapsed_time": m.elapsed_s,
         "shutdown_tail_s": m.shutdown_tail_s,
-        "avg_throughput_tokens_per_sec": per_second(tokens_generated),
-        "total_tokens_per_sec": per_second(tokens_generated),
+        "avg_throughput_tokens_per_sec": tokens_per_s,
+        "total_tokens_per_sec": tokens_per_s,
         "storage_throughput_tokens_per_sec": _ratio(sum(r.tokens_moved for r in records),
                                                     sum(r.storage_s for r in records)),
-        "requests_per_second": per_second(lambda p: len(p.records)),
+        "requests_per_second": sum(_ratio(len(p.records), p.elapsed_s) for p in parts),
     }
 
 
@@ -7891,6 +7869,11 @@ def dataset_summary(d: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 # CONSOLE REPORT
 # ============================================================================
 
+def _heading(add: Callable[[str], None], title: str) -> None:
+    add("")
+    add(f"### {title} ###")
+
+
 def _fmt_latency(name: str, s: Dict[str, Any]) -> str:
     return (f"  {name}: mean {_fmt_ms(s['mean'])}, P50 {_fmt_ms(s['p50'])}, "
             f"P95 {_fmt_ms(s['p95'])}, P99 {_fmt_ms(s['p99'])}")
@@ -7901,8 +7884,7 @@ def headline_not_measured(results: Dict[str, Any]) -> Optional[str]:
     not a result: it exits 1."""
     s = results["summary"]
     if not results["requests_completed"]:
-        rag = s.get("rag_stats") or {}
-        if rag.get("ingestion_interrupted"):
+        if (s.get("rag_stats") or {}).get("ingestion_interrupted"):
             why = "RAG ingestion took the whole run (a longer --duration or fewer --rag-num-docs)"
         elif s.get("requests_abandoned"):
             why = f"{s['requests_abandoned']} requests were still in flight at the stop (a longer --duration)"
@@ -7919,11 +7901,8 @@ def format_report(results: Dict[str, Any]) -> str:
     """The console report, as one string (no printing here)."""
     s, given = results["summary"], results["config"]
     cs = s["cache_stats"]
-    lines: List[str] = []
+    lines: List[str] = ["=" * 80, "KV CACHE BENCHMARK RESULTS", "=" * 80]
     add = lines.append
-    add("=" * 80)
-    add("KV CACHE BENCHMARK RESULTS")
-    add("=" * 80)
     shown_name = f" \"{given['model_display_name']}\"" if given.get("model_display_name") else ""
     add(f"Model: {given['model']}{shown_name} ({given['kv_bytes_per_token']:,} bytes/token) | Users: {given['num_users']} | "
         f"Generation: {given['generation_mode']} | Seed: {results['seed']}"
@@ -7955,9 +7934,7 @@ def format_report(results: Dict[str, Any]) -> str:
     _report_overall(add, s, cs)
     _report_latency(add, s)
     _report_tiers(add, cs, given)
-    add("")
-    for line in format_device_section(s.get("device_stats") or {}, s.get("device_comparison")):
-        add(line)
+    lines += ["", *format_device_section(s.get("device_stats") or {}, s.get("device_comparison"))]
     if s.get("fio_comparison"):
         _report_fio(add, s["fio_comparison"])
     _report_cache_types(add, s, cs)
@@ -7968,10 +7945,8 @@ def format_report(results: Dict[str, Any]) -> str:
     if s.get("autoscaling_summary"):
         _report_autoscaling(add, s["autoscaling_summary"], s["autoscaling_stats"])
     if s["thread_errors"]:
-        add("")
-        add("### THREAD FAILURES ###")
-        for error in s["thread_errors"]:
-            add(f"  - {error}")
+        _heading(add, "THREAD FAILURES")
+        lines.extend(f"  - {error}" for error in s["thread_errors"])
     add("=" * 80)
     return "\n".join(lines)
 
@@ -7987,8 +7962,7 @@ def _report_node_role(add: Callable[[str], None], s: Dict[str, Any]) -> None:
     if role == "mixed":
         return
     add(f"Node: {role} ({NODE_ROLE_NOTES[role]})")
-    ctx = s.get("decode_contexts")
-    if ctx:
+    if (ctx := s.get("decode_contexts")):
         add(f"  Contexts written before the timer: {ctx['contexts_written']:,} of {ctx['users']:,} users, "
             f"{ctx['gb']:.2f} GB in {ctx['seconds']:.1f} s; where they lie: "
             + ", ".join(f"{_V30_TIER_NAMES.get(t, t).upper()} {w['entries']:,} ({w['gb']:.2f} GB)" for t, w in ctx["by_tier"].items()))
@@ -8003,32 +7977,26 @@ def _report_precondition(add: Callable[[str], None], p: Dict[str, Any]) -> None:
         f"entries, {p['seconds']:.1f} s{device}")
 
 
+_CRITERION_UNITS: Dict[str, Callable[[Any], str]] = {"ms": _fmt_ms, "%": "{:.1f}%".format,
+                                                     "tok/s": "{:,.2f} tok/s".format}
+
+
 def _report_assessment(add: Callable[[str], None], health: Dict[str, Any]) -> None:
-    add("")
-    add(f"### STORAGE PERFORMANCE ASSESSMENT: {health['overall_status']} ###")
+    _heading(add, f"STORAGE PERFORMANCE ASSESSMENT: {health['overall_status']}")
     add(f"  Profile: {health['profile']}")
     # The original's "Criteria Passed: k/4": N/A criteria stay in the denominator, named beside it.
     na = len(health["not_applicable"])
     add(f"  Criteria Passed: {health['passed_count']}/{health['total_count'] + na}"
         + (f" ({na} N/A)" if na else ""))
     for c in health["criteria"]:
-        actual = c["actual"]
-        if c["unit"] == "ms":
-            shown = _fmt_ms(actual)
-        elif c["unit"] == "%":
-            shown = f"{actual:.1f}%"
-        elif c["unit"] == "tok/s":
-            shown = f"{actual:,.2f} tok/s"
-        else:
-            shown = f"{actual}"
+        shown = _CRITERION_UNITS.get(c["unit"], str)(c["actual"])
         add(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['name']}: {shown}")
     for name in health["not_applicable"]:
         add(f"  [N/A ] {name}: {health.get('not_applicable_reasons', {}).get(name, 'tier not used in this run')}")
 
 
 def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str, Any]) -> None:
-    add("")
-    add("### OVERALL PERFORMANCE ###")
+    _heading(add, "OVERALL PERFORMANCE")
     add(f"  Total Requests: {s['total_requests']:,} (admitted {s['requests_admitted']:,}, "
         f"abandoned at stop {s['requests_abandoned']:,})")
     add(f"  Total Tokens Generated: {s['total_tokens']:,}")
@@ -8050,27 +8018,23 @@ def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str,
         add(f"  --io-baseline failed: {s['io_baseline']['error']}")
     elif s["io_baseline"]:
         b, e = s["io_baseline"], s["storage_efficiency"]
-        add("")
-        add("### STORAGE EFFICIENCY (vs the device's raw bandwidth, measured before the run) ###")
+        _heading(add, "STORAGE EFFICIENCY (vs the device's raw bandwidth, measured before the run)")
         add(f"  Raw device ({b['io_mode']}, {b['chunk_bytes'] // MIB} MiB I/O, {b.get('write_threads', b['threads'])} write "
             f"and {b['threads']} read streams): "
             f"write {b['write_gib_per_sec']:.3f} GB/s, read {b['read_gib_per_sec']:.3f} GB/s")
         if e:
-            add(f"  Read efficiency: {e['read_efficiency_busy_basis'] * 100:.1f}% (device-busy basis), "
-                f"{e['read_efficiency_wall_basis'] * 100:.1f}% (wall)")
-            add(f"  Write efficiency: {e['write_efficiency_busy_basis'] * 100:.1f}% (device-busy basis), "
-                f"{e['write_efficiency_wall_basis'] * 100:.1f}% (wall)")
+            for op in ("read", "write"):
+                add(f"  {op.capitalize()} efficiency: {e[f'{op}_efficiency_busy_basis'] * 100:.1f}% "
+                    f"(device-busy basis), {e[f'{op}_efficiency_wall_basis'] * 100:.1f}% (wall)")
             add(f"  Device utilisation: {e['device_utilisation'] * 100:.1f}% "
                 f"(time the moved bytes need at raw speed / elapsed)")
 
 
 def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
-    add("")
-    add("### LATENCY BREAKDOWN ###")
-    add(_fmt_latency("End-to-End", s["end_to_end_latency_ms"]))
-    add(_fmt_latency("Queue Wait (measured)", s["queue_wait_latency_ms"]))
-    add(_fmt_latency("Storage I/O", s["storage_io_latency_ms"]))
-    add(_fmt_latency("Generation (simulated)", s["generation_latency_ms"]))
+    _heading(add, "LATENCY BREAKDOWN")
+    for label, key in (("End-to-End", "end_to_end"), ("Queue Wait (measured)", "queue_wait"),
+                       ("Storage I/O", "storage_io"), ("Generation (simulated)", "generation")):
+        add(_fmt_latency(label, s[f"{key}_latency_ms"]))
     # Seed 000's summary lines, labels kept for existing parsers; values in seconds as there.
     e2e, sio = s["end_to_end_latency_ms"], s["storage_io_latency_ms"]
     add(f"  End-to-end latency: mean {_fmt_s(e2e['mean'])}, P50 {_fmt_s(e2e['p50'])}, P95 {_fmt_s(e2e['p95'])}, "
@@ -8085,8 +8049,7 @@ def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
 
 def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any], given: Dict[str, Any]) -> None:
     _report_objects(add, cs.get("storage_requests") or {}, given.get("shards"))
-    add("")
-    add("### TIER DISTRIBUTION (entries at the end of the workload) ###")
+    _heading(add, "TIER DISTRIBUTION (entries at the end of the workload)")
     add(f"  GPU: {cs['gpu_entries']:,} | CPU: {cs['cpu_entries']:,} | Storage: {cs['nvme_entries']:,}")
     add(f"  Demotions: to CPU {cs['offloads_cpu']:,}, to storage {cs['offloads_nvme']:,} | "
         f"evicted from the cache: {cs['evictions']:,} | I/O errors: {cs['io_errors']:,} | "
@@ -8096,39 +8059,34 @@ def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any], given: Dict[st
         add(f"  I/O errors by tier, operation and kind: {kinds}")
     if cs["verify_checked"] or cs["verify_mismatches"]:
         add(f"  --verify: {cs['verify_checked']:,} reads checked, {cs['verify_mismatches']:,} mismatches")
-    add("")
-    add("### PHASE METRICS ###")
+    _heading(add, "PHASE METRICS")
     add(f"  Prefill writes: {cs['prefill_writes']:,} ({cs['prefill_bytes_written_gb']:.3f} GB)")
     add(f"  Decode reads: {cs['decode_reads']:,} ({cs['decode_bytes_read_gb']:.3f} GB)")
     add(f"  All tiers: read {cs['total_read_gb']:.3f} GB, written {cs['total_write_gb']:.3f} GB, "
         f"read/write ratio {cs['read_write_ratio']:.2f}")
-    add("")
-    add("### TIER-SPECIFIC LATENCIES ###")
+    _heading(add, "TIER-SPECIFIC LATENCIES")
     add("  (each operation's total time; the device and host shares of it in brackets)")
-    for tier in TIER_NAMES:
-        for op in ("read", "write"):
-            if cs[f"{tier}_{op}_p50_ms"] is None:
-                continue
-            # "NVME Read P95: 12390.15 ms" is the original's line; ours follows on the same line.
-            add(f"  {tier.upper()} {op.capitalize()} P95: {cs[f'{tier}_{op}_p95_ms']:.2f} ms "
-                f"(P50 {_fmt_ms(cs[f'{tier}_{op}_p50_ms'])}, P99 {_fmt_ms(cs[f'{tier}_{op}_p99_ms'])}; "
-                f"device P95 {_fmt_ms(cs[f'{tier}_{op}_device_p95_ms'])}, "
-                f"host P95 {_fmt_ms(cs[f'{tier}_{op}_host_p95_ms'])}) "
-                f"[{cs[f'{tier}_{op}s']:,} ops]")
+    for tier, op in itertools.product(TIER_NAMES, ("read", "write")):
+        k = f"{tier}_{op}"
+        if cs[f"{k}_p50_ms"] is None:
+            continue
+        # "NVME Read P95: 12390.15 ms" is the original's line; ours follows on the same line.
+        add(f"  {tier.upper()} {op.capitalize()} P95: {cs[f'{k}_p95_ms']:.2f} ms (P50 {_fmt_ms(cs[f'{k}_p50_ms'])}, "
+            f"P99 {_fmt_ms(cs[f'{k}_p99_ms'])}; device P95 {_fmt_ms(cs[f'{k}_device_p95_ms'])}, "
+            f"host P95 {_fmt_ms(cs[f'{k}_host_p95_ms'])}) [{cs[f'{k}s']:,} ops]")
 
 
 def _byte_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return ""
+    return f"{n:.1f} GiB"
 
 
 def _report_objects(add: Callable[[str], None], req: Dict[str, Any], shards: Optional[Dict[str, Any]]) -> None:
     """The storage tier's objects: how the node shards entries, and the objects' sizes."""
-    add("")
-    add("### STORAGE OBJECTS ###")
+    _heading(add, "STORAGE OBJECTS")
     if shards and (shards["num_gpus"] > 1 or shards["tensor_parallel"] > 1):
         heads = shards["kv_heads_per_shard"]
         add(f"  {shards['num_gpus']} GPUs, tensor parallel {shards['tensor_parallel']} "
@@ -8147,8 +8105,7 @@ def _report_objects(add: Callable[[str], None], req: Dict[str, Any], shards: Opt
 
 
 def _report_fio(add: Callable[[str], None], c: Dict[str, Any]) -> None:
-    add("")
-    add("### FIO COMPARISON (the same I/O replayed by fio, right after the run; ratio = ours / fio) ###")
+    _heading(add, "FIO COMPARISON (the same I/O replayed by fio, right after the run; ratio = ours / fio)")
     if "error" in c:
         add(f"  fio failed: {c['error']}")
         return
@@ -8164,16 +8121,14 @@ def _report_fio(add: Callable[[str], None], c: Dict[str, Any]) -> None:
 
 
 def _report_cache_types(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str, Any]) -> None:
-    add("")
-    add("### CACHE TYPE BREAKDOWN ###")
+    _heading(add, "CACHE TYPE BREAKDOWN")
     add(f"  Overall hit rate: {cs['cache_hit_rate'] * 100:.1f}% ({cs['cache_hits']:,} hits, "
         f"{cs['cache_misses']:,} misses)")
     for label, cache_type in (("System prompt", "system"), ("Common phrase", "common"),
                               ("Multi-turn", "multi_turn"), ("User (decode)", "user")):
         add(f"  {label}: {cs[_HIT_COUNTER[cache_type]]:,} hits, {cs[_MISS_COUNTER[cache_type]]:,} misses")
     p = s["prefix_cache_stats"]
-    add("")
-    add("### PREFIX CACHING ###")
+    _heading(add, "PREFIX CACHING")
     add(f"  System prompt reuse (requests carrying one): {p['system_prompt_reuse']:,}; "
         f"found in cache: {cs['system_prompt_hits']:,}")
     add(f"  Common phrase reuse: {p['common_phrase_reuse']:,}; found in cache: {cs['common_phrase_hits']:,}")
@@ -8184,8 +8139,7 @@ def _report_cache_types(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[
 
 
 def _report_qos(add: Callable[[str], None], qos: Dict[str, Any]) -> None:
-    add("")
-    add("### QOS (service latency = end-to-end minus simulated generation) ###")
+    _heading(add, "QOS (service latency = end-to-end minus simulated generation)")
     for level, q in qos.items():
         sla = q["sla"]
         if not q["total_requests"]:
@@ -8203,8 +8157,7 @@ def _report_sources(add: Callable[[str], None], s: Dict[str, Any]) -> None:
     t = s.get("burst_trace")
     if not t:
         return
-    add("")
-    add("### BURSTGPT TRACE ###")
+    _heading(add, "BURSTGPT TRACE")
     add(f"  {', '.join(t['files'])}: {t['rows']:,} rows, {t['bad_rows']:,} not requests (skipped)"
         + (": " + ", ".join(f"{k} {v:,}" for k, v in sorted(t["bad_rows_by_reason"].items())) if t["bad_rows"] else ""))
     passes = f"of {t['replay_cycles']}" if t["replay_cycles"] else "(no limit)"
@@ -8216,20 +8169,17 @@ def _report_sources(add: Callable[[str], None], s: Dict[str, Any]) -> None:
 
 
 def _report_dataset(add: Callable[[str], None], d: Dict[str, Any]) -> None:
-    add("")
-    add("### DATASET REPLAY ###")
+    _heading(add, "DATASET REPLAY")
     add(f"  {d['path']}: {d['conversations']:,} conversations sampled of {d['conversations_in_file']:,} "
         f"usable ({d['conversations_skipped']:,} skipped), {d['turns']:,} turns")
     add(f"  Tokenizer: {d['tokenizer']}")
     for label, key in (("Context tokens per turn", "context_tokens"), ("Generated tokens per turn", "generate_tokens")):
-        v = d[key]
-        if v:
+        if (v := d[key]):
             add(f"  {label}: mean {v['mean']:,.1f}, P50 {v['p50']:,.0f}, P95 {v['p95']:,.0f}, max {v['max']:,}")
 
 
 def _report_rag(add: Callable[[str], None], r: Dict[str, Any]) -> None:
-    add("")
-    add("### RAG ###")
+    _heading(add, "RAG")
     add(f"  Ingested {r['documents_ingested']}/{r['documents']} documents, {r['chunks_ingested']:,}/{r['chunks']:,} "
         f"chunks, {r['bytes_ingested'] / GIB:.3f} GB in {r['ingest_seconds']:.2f}s"
         + (f" ({r['ingest_failures']} chunk writes failed)" if r["ingest_failures"] else ""))
@@ -8243,8 +8193,7 @@ def _report_rag(add: Callable[[str], None], r: Dict[str, Any]) -> None:
 
 
 def _report_autoscaling(add: Callable[[str], None], summary: Dict[str, Any], stats: List[Dict[str, Any]]) -> None:
-    add("")
-    add(f"### AUTOSCALING ({summary['mode']} mode) ###")
+    _heading(add, f"AUTOSCALING ({summary['mode']} mode)")
     if summary["mode"] == "capacity" and summary["peak_throughput"] is None:
         add("  Peak throughput: not measured (no monitor window in which a request completed)")
     elif summary["mode"] == "capacity":
@@ -8266,11 +8215,8 @@ def _report_autoscaling(add: Callable[[str], None], summary: Dict[str, Any], sta
 # ============================================================================
 
 def _arg(args: Any, name: str, default: Any = None) -> Any:
-    if args is None:
-        return default
-    if isinstance(args, dict):
-        return args.get(name, default)
-    return getattr(args, name, default)
+    """A flag's value from argparse's namespace or a dict; `default` without it (or without args: None)."""
+    return args.get(name, default) if isinstance(args, dict) else getattr(args, name, default)
 
 
 def _dig(tree: Any, *path: str) -> Any:
@@ -8286,21 +8232,17 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
     """One spreadsheet row per run: the original's columns first, then ours (units in the names).
     Works on any results dict: a figure the run did not record is an empty cell."""
     given = results.get("config") or {}
+    s = functools.partial(_dig, results, "summary")
+    cs = functools.partial(_dig, results, "summary", "cache_stats")
 
-    def s(*path: str) -> Any:
-        return _dig(results, "summary", *path)
-
-    def cs(name: str) -> Any:
-        return s("cache_stats", name)
-
-    def asked(flag: str, key: str) -> Any:         # what the user asked for, not the clamped budget
-        return _arg(args, flag, given.get(f"requested_{key}", given.get(key)))
+    def asked(key: str) -> Any:                    # what the user asked for, not the clamped budget
+        return _arg(args, key, given.get(f"requested_{key}", given.get(key)))
     return {
         "Model": _arg(args, "model", given.get("model")),
         "Num Users": _arg(args, "num_users", given.get("num_users")),
         "Duration (s)": given.get("duration_s") if given.get("duration_s") is not None else _arg(args, "duration"),
-        "GPU Mem (GB)": asked("gpu_mem_gb", "gpu_mem_gb"),
-        "CPU Mem (GB)": asked("cpu_mem_gb", "cpu_mem_gb"),
+        "GPU Mem (GB)": asked("gpu_mem_gb"),
+        "CPU Mem (GB)": asked("cpu_mem_gb"),
         "Total Requests": s("total_requests"),
         "Total Tokens": s("total_tokens"),
         "Avg Throughput (tok/s)": s("avg_throughput_tokens_per_sec"),
@@ -8336,6 +8278,8 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
 
 
 _PERCENT_COLUMNS = ("Cache Hit Rate", "Multi-turn Hit Rate", "SLA Compliance")
+_TIER_SHEET_LATENCIES = (("P50", "p50"), ("P95", "p95"), ("P99", "p99"), ("Device P95", "device_p95"),
+                         ("Host P95", "host_p95"))
 
 
 def _detail_sheets(results: Dict[str, Any], args: Any) -> Dict[str, List[Dict[str, Any]]]:
@@ -8345,17 +8289,10 @@ def _detail_sheets(results: Dict[str, Any], args: Any) -> Dict[str, List[Dict[st
     if args is not None:
         params.update({k: v for k, v in (vars(args) if not isinstance(args, dict) else args).items()
                        if isinstance(v, (str, int, float, bool)) or v is None})
-    tiers = []
-    for tier in TIER_NAMES:
-        for op in ("read", "write"):
-            if not cs.get(f"{tier}_{op}s"):
-                continue
-            tiers.append({"Tier": tier, "Operation": op, "Operations": cs[f"{tier}_{op}s"],
-                          "GB Moved": cs.get(f"{tier}_bytes_{'read' if op == 'read' else 'written'}_gb"),
-                          "P50 (ms)": cs.get(f"{tier}_{op}_p50_ms"), "P95 (ms)": cs.get(f"{tier}_{op}_p95_ms"),
-                          "P99 (ms)": cs.get(f"{tier}_{op}_p99_ms"),
-                          "Device P95 (ms)": cs.get(f"{tier}_{op}_device_p95_ms"),
-                          "Host P95 (ms)": cs.get(f"{tier}_{op}_host_p95_ms")})
+    tiers = [{"Tier": tier, "Operation": op, "Operations": cs[f"{tier}_{op}s"],
+              "GB Moved": cs.get(f"{tier}_bytes_{'read' if op == 'read' else 'written'}_gb"),
+              **{f"{label} (ms)": cs.get(f"{tier}_{op}_{key}_ms") for label, key in _TIER_SHEET_LATENCIES}}
+             for tier, op in itertools.product(TIER_NAMES, ("read", "write")) if cs.get(f"{tier}_{op}s")]
     qos = [{"QoS": level, "Requests": _dig(q, "total_requests"), "P95 (ms)": _dig(q, "latency_ms", "p95"),
             "Target P95 (ms)": _dig(q, "sla", "target_p95_ms"), "SLA Compliance": _dig(q, "sla", "compliance"),
             "Met": _dig(q, "sla", "met")} for level, q in (s.get("qos_metrics") or {}).items()]
@@ -8382,17 +8319,15 @@ def export_results_to_xlsx(results: Dict[str, Any], args: Any, output_path: str)
             logger.warning("openpyxl is not installed: writing the summary row as CSV to %s", path)
         _write_text_file(path, pd.DataFrame(rows).to_csv(index=False))
         return path
-    sheets = {"Summary": rows, **_detail_sheets(results, args)}
-    write_workbook(sheets, output_path)
+    write_workbook({"Summary": rows, **_detail_sheets(results, args)}, output_path)
     return output_path
 
 
 def write_workbook(sheets: Dict[str, List[Dict[str, Any]]], output_path: str) -> None:
     """Sheets of rows to an .xlsx file, formatted for people: widths, percentages, decimals. Built in
     memory, then written like every output (whatever the extension's case; see _write_file)."""
-    import io as io_module
     import pandas as pd
-    book = io_module.BytesIO()
+    book = io.BytesIO()
     with pd.ExcelWriter(book, engine="openpyxl") as writer:
         for name, rows in sheets.items():
             pd.DataFrame(rows).to_excel(writer, sheet_name=name, index=False)
@@ -8468,28 +8403,34 @@ def _save(plt: Any, fig: Any, path: Path) -> Path:
         plt.close(fig)
 
 
+def _dress(ax: Any, title: str, xlabel: Optional[str], ylabel: str, twin: Any = None, loc: str = "best",
+           **grid: Any) -> None:
+    """A chart's title, axis labels, legend (of a twin axis's lines too) and grid (when styled)."""
+    ax.set_title(title)
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    handles = ax.get_legend_handles_labels()[0] + (twin.get_legend_handles_labels()[0] if twin is not None else [])
+    ax.legend(handles, [h.get_label() for h in handles], loc=loc)
+    if grid:
+        ax.grid(**grid)
+
+
 def _plot_throughput(plt: Any, timeline: List[Dict[str, Any]], title: str, path: Path) -> Optional[Path]:
     if not timeline:
         return None
     t = [p["elapsed_s"] for p in timeline]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
     top.plot(t, [p["throughput_tokens_per_sec"] for p in timeline], marker="o", label="generated tokens/s (left)")
-    top.set_ylabel("generated tokens per second")
     io_axis = top.twinx()
     io_axis.plot(t, [p["io_tokens_per_sec"] for p in timeline], marker=".", color="tab:green",
                  label="cache I/O tokens/s, all tiers (right)")
     io_axis.set_ylabel("cache I/O tokens per second")
-    top.set_title(f"Throughput over time — {title}")
-    handles = top.get_legend_handles_labels()[0] + io_axis.get_legend_handles_labels()[0]
-    top.legend(handles, [h.get_label() for h in handles], loc="upper right")
-    top.grid(alpha=0.3)
+    _dress(top, f"Throughput over time — {title}", None, "generated tokens per second", io_axis, "upper right",
+           alpha=0.3)
     bottom.plot(t, [p["storage_read_gib_per_sec"] for p in timeline], marker="o", label="storage tier read")
     bottom.plot(t, [p["storage_write_gib_per_sec"] for p in timeline], marker="o", label="storage tier write")
-    bottom.set_ylabel("GiB per second")
-    bottom.set_xlabel("elapsed time (s)")
-    bottom.set_title("Storage-tier bandwidth (per monitor interval)")
-    bottom.legend()
-    bottom.grid(alpha=0.3)
+    _dress(bottom, "Storage-tier bandwidth (per monitor interval)", "elapsed time (s)", "GiB per second", alpha=0.3)
     return _save(plt, fig, path)
 
 
@@ -8503,11 +8444,8 @@ def _plot_latency_cdf(plt: Any, samples: Dict[str, List[float]], title: str, pat
     ax.axhline(0.95, color="grey", linestyle=":", linewidth=1)
     ax.text(ax.get_xlim()[0], 0.95, " P95", va="bottom", color="grey")
     ax.set_xscale("log")
-    ax.set_xlabel("operation latency (ms, log scale)")
-    ax.set_ylabel("fraction of operations")
-    ax.set_title(f"Latency CDF per tier and operation — {title}")
-    ax.legend()
-    ax.grid(alpha=0.3, which="both")
+    _dress(ax, f"Latency CDF per tier and operation — {title}", "operation latency (ms, log scale)",
+           "fraction of operations", alpha=0.3, which="both")
     return _save(plt, fig, path)
 
 
@@ -8524,11 +8462,7 @@ def _plot_tier_usage(plt: Any, timeline: List[Dict[str, Any]], cache_stats: Dict
         if budget:
             ax.axhline(budget * TIER_HEADROOM, color=line.get_color(), linestyle="--",
                        label=f"{tier.upper()} 80% of budget ({budget * TIER_HEADROOM:.2f} GiB)")
-    ax.set_xlabel("elapsed time (s)")
-    ax.set_ylabel("GiB held")
-    ax.set_title(f"Tier occupancy — {title}")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    _dress(ax, f"Tier occupancy — {title}", "elapsed time (s)", "GiB held", alpha=0.3)
     return _save(plt, fig, path)
 
 
@@ -8537,18 +8471,14 @@ def _plot_autoscaling(plt: Any, timeline: List[Dict[str, Any]], summary: Dict[st
     t = [p["elapsed_s"] for p in timeline]
     fig, ax = plt.subplots(figsize=(9, 5))
     ax.step(t, [p["active_users"] for p in timeline], where="post", marker="o", label="active users")
-    ax.set_xlabel("elapsed time (s)")
-    ax.set_ylabel("active users")
     right = ax.twinx()
     right.plot(t, [p["saturation"] for p in timeline], color="tab:red", marker=".", label="saturation (0-1)")
     right.set_ylabel("saturation (0-1)")
     right.set_ylim(0, 1.05)
     if summary.get("target_saturation") is not None and summary["mode"] == "qos":
         right.axhline(summary["target_saturation"], color="tab:red", linestyle="--", label="target saturation")
-    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-    ax.legend(handles, [h.get_label() for h in handles], loc="upper left")
-    ax.set_title(f"Autoscaler ({summary['mode']} mode) — {title}")
-    ax.grid(alpha=0.3)
+    _dress(ax, f"Autoscaler ({summary['mode']} mode) — {title}", "elapsed time (s)", "active users", right,
+           "upper left", alpha=0.3)
     return _save(plt, fig, path)
 
 
@@ -8561,13 +8491,9 @@ def plot_suite(rows: List[Dict[str, Any]], path: Path) -> Optional[Path]:
     names = [r["Workload"] for r in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(rows)), 7), sharex=True)
     top.bar(names, [r["Throughput tok/s"] for r in rows], color="tab:blue", label="generated tokens/s")
-    top.set_ylabel("tokens per second")
-    top.set_title("Scenario comparison: system throughput")
-    top.legend()
+    _dress(top, "Scenario comparison: system throughput", None, "tokens per second")
     bottom.bar(names, [r["Storage P95 ms"] or 0.0 for r in rows], color="tab:orange", label="storage I/O P95 per request")
-    bottom.set_ylabel("milliseconds")
-    bottom.set_title("Storage I/O latency per request (P95)")
-    bottom.legend()
+    _dress(bottom, "Storage I/O latency per request (P95)", None, "milliseconds")
     plt.setp(bottom.get_xticklabels(), rotation=30, ha="right")
     return _save(plt, fig, path)
 
@@ -8611,12 +8537,9 @@ def suite_comparison(results_dir: str) -> str:
     workbook `suite_summary.xlsx` with one row per run (when pandas and openpyxl are there).
     MLPerf submission trials are also summarised as the median of their trials."""
     directory = Path(results_dir)
-    statuses: Dict[str, str] = {}
     status_file = directory / "status.tsv"
-    if status_file.exists():
-        for line in status_file.read_text().splitlines():
-            name, _, status = line.partition("\t")
-            statuses[name] = status
+    status_lines = status_file.read_text().splitlines() if status_file.exists() else []
+    statuses = {name: status for name, _, status in (line.partition("\t") for line in status_lines)}
     names = list(statuses) or sorted(p.stem[len("results_"):] for p in directory.glob("results_*.json"))
     rows, sheet_rows, trials = [], [], defaultdict(list)
     for name in names:
@@ -8626,15 +8549,12 @@ def suite_comparison(results_dir: str) -> str:
         rows.append(row)
         if results is not None:
             sheet_rows.append({"Workload": name, "Status": row["Status"], **summary_row(results)})
-        match = re.match(r"(mlperf_submission_\w+?)_trial\d+$", name)
-        if match:
+        if (match := re.match(r"(mlperf_submission_\w+?)_trial\d+$", name)):
             trials[match.group(1)].append(row)
     rows += [_median_row(option, option_rows) for option, option_rows in trials.items()]
-    lines = ["", "### SUITE COMPARISON ###"]
     widths = {c: max(len(c), *(len(_suite_cell(r.get(c), f)) for r in rows)) for c, f in _SUITE_COLUMNS}
-    lines.append("  ".join(c.ljust(widths[c]) for c, _ in _SUITE_COLUMNS))
-    for row in rows:
-        lines.append("  ".join(_suite_cell(row.get(c), f).ljust(widths[c]) for c, f in _SUITE_COLUMNS))
+    lines = ["", "### SUITE COMPARISON ###", "  ".join(c.ljust(widths[c]) for c, _ in _SUITE_COLUMNS),
+             *("  ".join(_suite_cell(row.get(c), f).ljust(widths[c]) for c, f in _SUITE_COLUMNS) for row in rows)]
     if sheet_rows and PANDAS_AVAILABLE and OPENPYXL_AVAILABLE:
         write_workbook({"Runs": sheet_rows}, str(directory / "suite_summary.xlsx"))
         lines.append(f"Workbook: {directory / 'suite_summary.xlsx'} ({len(sheet_rows)} runs)")
@@ -8749,8 +8669,7 @@ def _sum_timelines(timelines: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]
                 point[key] = {t: sum(v.get(t, 0.0) for v in values) for t in value}
             elif key in ("elapsed_s", "storage_read_p95_ms", "storage_write_p95_ms", "saturation",
                          "queue_wait_mean_ms", "service_mean_ms"):
-                present = [v for v in values if v is not None]
-                point[key] = max(present) if present else None
+                point[key] = max((v for v in values if v is not None), default=None)
             else:
                 point[key] = sum(v or 0 for v in values)
         merged.append(point)

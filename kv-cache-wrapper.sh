@@ -155,8 +155,8 @@ try:
 except Exception as exc:
     print(f"{type(exc).__name__}: {exc} (pip install -r requirements.txt)")
     sys.exit(1)
-if sys.argv[2] not in kv.available_models():
-    print(f"unknown model '{sys.argv[2]}'; choose from {', '.join(sorted(kv.available_models()))}")
+if sys.argv[2] not in kv.MODELS:
+    print(f"unknown model '{sys.argv[2]}'; choose from {', '.join(sorted(kv.MODELS))}")
     sys.exit(1)
 PYEOF
 )" || { echo "$(basename "$0"): error: ${why:-${PYTHON} cannot run ${BENCH}}" | head -n 1 >&2; exit 2; }

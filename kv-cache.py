@@ -2201,10 +2201,8 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     if not huge:
         return whole[:nbytes]
     start = (-whole.__array_interface__["data"][0]) % HUGE_PAGE_BYTES
-    try:
+    with contextlib.suppress(OSError):               # THP not built in: small pages, still aligned
         area.madvise(_MADV_HUGEPAGE, start, size)      # before first touch: faults take huge pages
-    except OSError:                                   # THP not built in: small pages, still aligned
-        pass
     return whole[start:start + nbytes]
 
 
@@ -4800,9 +4798,6 @@ def prefix_cache_stats(cs: Dict[str, Any]) -> Dict[str, int]:
             "bytes_saved": cs["hit_bytes_by_type"].get("system", 0) + cs["hit_bytes_by_type"].get("common", 0)}
 
 
-# Saturation: how close the run is to what storage and the worker slots can take.
-
-
 def saturation_score(read_p95_ms: Optional[float], write_p95_ms: Optional[float],
                      queue_wait_mean_ms: Optional[float], service_mean_ms: Optional[float],
                      queue_depth: Optional[int] = None,
@@ -7266,7 +7261,6 @@ if [f for f in dataclasses.fields(RunMeasurements)
     raise TypeError("a RunMeasurements field with a default has no merge rule (merged_by)")
 
 
-
 # ============================================================================
 # BENCHMARK ENGINE
 # ============================================================================
@@ -8728,10 +8722,9 @@ def format_rank_table(results: Dict[str, Any]) -> str:
 # ============================================================================
 # COMPATIBILITY: THE ORIGINAL'S NAMES
 # ============================================================================
-# What users' scripts and the original's suites call by the original's names, built on the
-# API above and known to none of it. v3.0's configuration API: ConfigLoader, set_config,
-# get_config, cfg, get_qos_profiles. set_config installs a loader that these functions answer
-# with, as v3.0's did; nothing of the benchmark reads it (a run's tunables are its
+# What users' scripts and the original's suites call by the original's names, built on the API
+# above and known to none of it. v3.0's set_config installs a loader that get_config, cfg and
+# get_qos_profiles answer with; nothing of the benchmark reads it (a run's tunables are its
 # BenchmarkConfig's: --config FILE, read_config_file).
 
 class ConfigLoader:
@@ -8747,18 +8740,10 @@ class ConfigLoader:
             self.config, self.tunables, self.sha256 = read_config_file(str(self.config_path))
 
     def get(self, *keys: str, default: Any = None) -> Any:
-        tree = self.config
-        for key in keys:
-            if not isinstance(tree, dict) or key not in tree:
-                return default
-            tree = tree[key]
-        return tree
-
-    def models(self) -> Dict[str, ModelConfig]:
-        return self.tunables.models()
-
-    def effective(self) -> Dict[str, Any]:
-        return self.tunables.effective()
+        try:
+            return functools.reduce(lambda tree, key: tree[key], keys, self.config)
+        except (KeyError, TypeError, IndexError):
+            return default
 
 
 _INSTALLED: List[ConfigLoader] = []          # v3.0's process-wide loader (set_config); nothing above reads it
@@ -8782,24 +8767,16 @@ def cfg(*keys: str, default: Any = None) -> Any:
     return default if not _INSTALLED else _INSTALLED[0].get(*keys, default=default)
 
 
-def setting(*keys: str) -> Any:
-    """A tunable's value: the installed file's, else its built-in default."""
-    return functools.reduce(getattr, keys, installed_tunables())
-
-
 def _v30_user_templates() -> Dict[str, Dict[str, Tuple[Any, Any]]]:
     """v3.0's UserSimulator._get_user_templates: the installed file's personas' ranges."""
-    templates = installed_tunables().user_templates
-    return {name: {key: tuple(value) for key, value in dataclasses.asdict(templates.persona(name)).items()}
-            for name in PERSONA_NAMES}
+    return dataclasses.asdict(installed_tunables().user_templates)              # ranges as tuples
 
 
 UserSimulator._get_user_templates = staticmethod(_v30_user_templates)
 
 
 def _run_and_report(self: IntegratedBenchmark) -> Dict[str, Any]:
-    """The original's IntegratedBenchmark.run(): the workload run, then its results (the cache's
-    files removed either way)."""
+    """The original's IntegratedBenchmark.run(): the workload run, then its results."""
     return assemble_results(self.measure())
 
 
@@ -8812,9 +8789,8 @@ def _original_cache(self: MultiTierCache, model_config: ModelConfig, gpu_memory_
                     seed: Optional[int] = None, cache_dir: Optional[Any] = None,
                     generator: Optional[KVCacheGenerator] = None, **options: Any) -> None:
     """MultiTierCache(model_config, gpu_memory_gb, cpu_memory_gb, ...): `options` are BenchmarkConfig
-    fields (performance_profile, storage_capacity_gb, max_concurrent_allocs, gpu_library, verify,
-    gpu_device, tunables). The storage tier is unbounded unless `storage_capacity_gb` says otherwise
-    (0: 95 % of the free space)."""
+    fields (performance_profile, storage_capacity_gb, verify, tunables, ...). The storage tier is
+    unbounded unless `storage_capacity_gb` says otherwise (0: 95 % of the free space)."""
     options.setdefault("storage_capacity_gb", None)
     self._open(BenchmarkConfig(model=model_config, gpu_mem_gb=gpu_memory_gb, cpu_mem_gb=cpu_memory_gb, seed=seed,
                                cache_dir=None if cache_dir is None else str(cache_dir), **options), generator)
@@ -8854,14 +8830,9 @@ MAX_DURATION_S = MAX_DURATION_SECONDS                       # v3.0's names for c
 FORBIDDEN_CACHE_PREFIXES = frozenset(SYSTEM_TREES)          # unlike the original's, /root is allowed: a home
 
 
-def available_models() -> Dict[str, ModelConfig]:
-    return installed_tunables().models()
-
-
 def get_qos_profiles() -> Dict[QoSLevel, QoSSLA]:
     """The QoS classes with the installed file's targets and priorities (fresh counters)."""
     return installed_tunables().qos_profiles.slas()
-
 
 
 # ============================================================================

@@ -5333,7 +5333,6 @@ class TestConfigLoader:
         assert kv.cfg("nonexistent", "nested", "key", default=123) == 123
         assert kv.UserSimulator._get_user_templates()["chatbot"]["context_range"] == (256, 1024)
         assert kv.get_qos_profiles()[kv.QoSLevel.INTERACTIVE].priority == 3
-        assert kv.setting("qos_profiles", "interactive", "priority") == 3
         assert kv.UserSimulator.generate_mixed_users(40, 1) == kv.UserSimulator.generate_mixed_users(40, 1,
                                                                                                   kv.BUILT_IN_TUNABLES)
         kv.set_config(None)
@@ -8220,7 +8219,7 @@ class TestTheHouse:
     def test_nothing_reads_a_setting_outside_the_compatibility_room(self):
         compat = next((start, end) for title, start, end in module_sections() if title.startswith("COMPATIBILITY"))
         lines = SCRIPT.read_text().splitlines()
-        readers = [i + 1 for i, line in enumerate(lines) if re.search(r"\b(setting|cfg|get_config|installed_tunables)\(",
+        readers = [i + 1 for i, line in enumerate(lines) if re.search(r"\b(cfg|get_config|installed_tunables)\(",
                                                                        line) and not compat[0] <= i + 1 <= compat[1]]
         assert readers == []
         assigned = {line.split()[1] for line in lines if line.lstrip().startswith("global ")}

@@ -19,6 +19,7 @@ import contextlib
 import csv
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import importlib.util
 import io
@@ -27,6 +28,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import queue
 import random
 import re
@@ -101,6 +103,25 @@ def files_under(root: Path):
 # ----------------------------------------------------------------------------
 # Shared fixtures
 # ----------------------------------------------------------------------------
+
+def once_per_session(tmp_path_factory, name: str, make):
+    """make() once per test session, its value shared by every pytest-xdist worker (the pattern of
+    xdist's docs): a module fixture's end-to-end run would otherwise run again on each worker that
+    gets one of its tests. The first worker to ask runs it under a lock and pickles the value beside
+    the workers' temporary directories; the others wait for it and read it. The value must pickle
+    (dicts, lists, paths, CompletedProcess; not an IntegratedBenchmark), and whatever its paths
+    name stays under the first worker's basetemp for the whole session."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:          # one process: the fixture's scope is enough
+        return make()
+    shared = tmp_path_factory.getbasetemp().parent / f"once-{name}.pickle"   # pytest-N/, this session's
+    with open(shared.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if shared.exists():
+            return pickle.loads(shared.read_bytes())
+        value = make()
+        shared.write_bytes(pickle.dumps(value))
+        return value
+
 
 @pytest.fixture(scope="module")
 def generator():
@@ -636,11 +657,13 @@ def rag_run(tmp_path_factory):
     """An in-process run with --enable-rag --rag-num-docs 5 until 48 requests completed (not a duration:
     the timed ingestion would leave a slow disk no time for queries); most chunks end up on storage.
     User 1's first request is a RAG query (seed RAG_SEED), so there is at least one."""
-    cache_dir = tmp_path_factory.mktemp("rag_cache")
-    run = run_in_process(*SMALL_RUN, "--num-users", "16", "--max-requests", "48", "--cpu-mem-gb", "0.25",
-                         "--cache-dir", cache_dir, "--seed", RAG_SEED, "--enable-rag", "--rag-num-docs", "5",
-                         "--monitor-interval", "1.0", "--quiet")
-    return {"results": run.results, "cache_dir": cache_dir}
+    def make():
+        cache_dir = tmp_path_factory.mktemp("rag_cache")
+        run = run_in_process(*SMALL_RUN, "--num-users", "16", "--max-requests", "48", "--cpu-mem-gb", "0.25",
+                             "--cache-dir", cache_dir, "--seed", RAG_SEED, "--enable-rag", "--rag-num-docs", "5",
+                             "--monitor-interval", "1.0", "--quiet")
+        return {"results": run.results, "cache_dir": cache_dir}
+    return once_per_session(tmp_path_factory, "rag_run", make)
 
 
 class TestRAG:
@@ -947,14 +970,16 @@ BAD_DATASETS = {
 @pytest.fixture(scope="module")
 def replay_run(tmp_path_factory, sharegpt_file):
     """`--dataset-path` (300 conversations) `--max-requests 200`, no --duration, in process, with --xlsx-output."""
-    workdir = tmp_path_factory.mktemp("replay")
-    out = workdir / "r.json"
-    run = run_in_process(
-        *SMALL_RUN, "--num-users", "64", "--cpu-mem-gb", "0.5", "--seed", "42", "--dataset-path", sharegpt_file,
-        "--max-requests", "200", "--cache-dir", workdir / "cache", "--output", out,
-        "--xlsx-output", workdir / "r.xlsx", "--quiet")
-    return {"status": run.status, "stdout": run.stdout, "stderr": run.stderr, "results": json.loads(out.read_text()),
-            "workdir": workdir}
+    def make():
+        workdir = tmp_path_factory.mktemp("replay")
+        out = workdir / "r.json"
+        run = run_in_process(
+            *SMALL_RUN, "--num-users", "64", "--cpu-mem-gb", "0.5", "--seed", "42", "--dataset-path", sharegpt_file,
+            "--max-requests", "200", "--cache-dir", workdir / "cache", "--output", out,
+            "--xlsx-output", workdir / "r.xlsx", "--quiet")
+        return {"status": run.status, "stdout": run.stdout, "stderr": run.stderr,
+                "results": json.loads(out.read_text()), "workdir": workdir}
+    return once_per_session(tmp_path_factory, "replay_run", make)
 
 
 class TestShareGPTReplay:
@@ -3671,29 +3696,37 @@ class RecordingBenchmark(kv.IntegratedBenchmark):
         return elapsed
 
 
+def recorded_run(run, cache_dir: Path) -> dict:
+    """What the autoscaler tests read of a run_in_process run made with RecordingBenchmark."""
+    return {"results": run.results, "events": run.bench.events, "drive_ended": run.bench.drive_ended,
+            "first_due": run.bench.first_due, "latency_samples": run.bench.latency_samples, "cache_dir": cache_dir}
+
+
 @pytest.fixture(scope="module")
 def capacity_run(tmp_path_factory):
     """`--autoscaler-mode capacity` from 2 users, a stage every 2 s (longer than an added user's first
     think time, so the users a stage adds are heard from within it); it ends at the first drop, at
     the latest after 12 s."""
-    cache_dir = tmp_path_factory.mktemp("capacity")
-    run = run_in_process(*SMALL_RUN, "--num-users", "2", "--seed", "42", "--cache-dir", cache_dir, "--duration", "12",
-                         "--cpu-mem-gb", "0.05", "--monitor-interval", "2.0", "--enable-autoscaling",
-                         "--autoscaler-mode", "capacity", "--quiet", benchmark=RecordingBenchmark)
-    return {"results": run.results, "events": run.bench.events, "drive_ended": run.bench.drive_ended,
-            "first_due": run.bench.first_due, "latency_samples": run.bench.latency_samples, "cache_dir": cache_dir}
+    def make():
+        cache_dir = tmp_path_factory.mktemp("capacity")
+        run = run_in_process(*SMALL_RUN, "--num-users", "2", "--seed", "42", "--cache-dir", cache_dir, "--duration",
+                             "12", "--cpu-mem-gb", "0.05", "--monitor-interval", "2.0", "--enable-autoscaling",
+                             "--autoscaler-mode", "capacity", "--quiet", benchmark=RecordingBenchmark)
+        return recorded_run(run, cache_dir)
+    return once_per_session(tmp_path_factory, "capacity_run", make)
 
 
 @pytest.fixture(scope="module")
 def qos_run(tmp_path_factory):
     """`--autoscaler-mode qos --target-saturation 0.5` from 2 users for 5 s, evaluated every 0.5 s."""
-    cache_dir = tmp_path_factory.mktemp("qos")
-    run = run_in_process(*SMALL_RUN, "--num-users", "2", "--seed", "42", "--cache-dir", cache_dir, "--duration", "5",
-                         "--cpu-mem-gb", "0.5", "--monitor-interval", "0.5", "--enable-autoscaling",
-                         "--autoscaler-mode", "qos", "--target-saturation", "0.5", "--quiet",
-                         benchmark=RecordingBenchmark)
-    return {"results": run.results, "events": run.bench.events, "drive_ended": run.bench.drive_ended,
-            "first_due": run.bench.first_due, "latency_samples": run.bench.latency_samples, "cache_dir": cache_dir}
+    def make():
+        cache_dir = tmp_path_factory.mktemp("qos")
+        run = run_in_process(*SMALL_RUN, "--num-users", "2", "--seed", "42", "--cache-dir", cache_dir, "--duration",
+                             "5", "--cpu-mem-gb", "0.5", "--monitor-interval", "0.5", "--enable-autoscaling",
+                             "--autoscaler-mode", "qos", "--target-saturation", "0.5", "--quiet",
+                             benchmark=RecordingBenchmark)
+        return recorded_run(run, cache_dir)
+    return once_per_session(tmp_path_factory, "qos_run", make)
 
 
 ARRIVAL_LATENESS_S = 1.0        # how late a starved scheduler thread may admit a due user (loaded: seen > 0.3 s)
@@ -4006,25 +4039,27 @@ def run_reporter(reporter, lines: int = 0, seconds: float = 0.0) -> None:
 @pytest.fixture(scope="module")
 def monitored_run(tmp_path_factory):
     """A 6 s command-line run sampled every 0.5 s, with --plot; its stderr read while it runs."""
-    workdir = tmp_path_factory.mktemp("monitored")
-    out, plots = workdir / "r.json", workdir / "plots"
-    stderr_lines = []        # (line, seconds since start, whether the run was still going and stdout still empty)
+    def make():
+        workdir = tmp_path_factory.mktemp("monitored")
+        out, plots = workdir / "r.json", workdir / "plots"
+        stderr_lines = []        # (line, seconds since start, whether the run was still going and stdout still empty)
 
-    def read_stderr(proc):
-        watchdog = threading.Timer(120, proc.kill)
-        watchdog.start()
-        t0 = time.monotonic()
-        try:
-            for line in proc.stderr:
-                live = proc.poll() is None and not select.select([proc.stdout], [], [], 0)[0]
-                stderr_lines.append((line, time.monotonic() - t0, live))
-        finally:
-            watchdog.cancel()
-    proc = run_cli(*SMALL_RUN, "--num-users", "8", "--duration", "6", "--cpu-mem-gb", "0.05", "--seed", "42",
-                   "--monitor-interval", "0.5", "--cache-dir", workdir / "cache", "--output", out, "--plot", plots,
-                   cwd=workdir, timeout=60, while_running=read_stderr)
-    return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr_lines": stderr_lines,
-            "results": json.loads(out.read_text()), "plots": plots, "workdir": workdir}
+        def read_stderr(proc):
+            watchdog = threading.Timer(120, proc.kill)
+            watchdog.start()
+            t0 = time.monotonic()
+            try:
+                for line in proc.stderr:
+                    live = proc.poll() is None and not select.select([proc.stdout], [], [], 0)[0]
+                    stderr_lines.append((line, time.monotonic() - t0, live))
+            finally:
+                watchdog.cancel()
+        proc = run_cli(*SMALL_RUN, "--num-users", "8", "--duration", "6", "--cpu-mem-gb", "0.05", "--seed", "42",
+                       "--monitor-interval", "0.5", "--cache-dir", workdir / "cache", "--output", out, "--plot", plots,
+                       cwd=workdir, timeout=60, while_running=read_stderr)
+        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr_lines": stderr_lines,
+                "results": json.loads(out.read_text()), "plots": plots, "workdir": workdir}
+    return once_per_session(tmp_path_factory, "monitored_run", make)
 
 
 QUIET_PROBE = """import importlib.util, sys
@@ -4742,11 +4777,16 @@ class TestRunFio:
 def engine_run(tmp_path_factory):
     """One small in-process run: 16 users until 40 requests completed; 1 GiB of CPU
     tier keeps it quick (large document entries still spill to storage)."""
-    cache_dir = tmp_path_factory.mktemp("engine_cache")
-    t0 = time.perf_counter()
-    run = run_in_process(*SMALL_RUN, "--num-users", "16", "--max-requests", "40", "--cpu-mem-gb", "1.0",
-                         "--cache-dir", cache_dir, "--seed", "7", "--monitor-interval", "0.2", "--quiet")
-    return {"bench": run.bench, "results": run.results, "cache_dir": cache_dir, "wall_s": time.perf_counter() - t0}
+    def make():
+        cache_dir = tmp_path_factory.mktemp("engine_cache")
+        t0 = time.perf_counter()
+        run = run_in_process(*SMALL_RUN, "--num-users", "16", "--max-requests", "40", "--cpu-mem-gb", "1.0",
+                             "--cache-dir", cache_dir, "--seed", "7", "--monitor-interval", "0.2", "--quiet")
+        wall_s = time.perf_counter() - t0
+        return {"results": run.results, "cache_dir": cache_dir, "wall_s": wall_s,
+                "latency_samples": run.bench.latency_samples, "run_dir": run.bench.cache.run_dir,
+                "threads_after": {t.name for t in threading.enumerate()}}     # the run's own are gone
+    return once_per_session(tmp_path_factory, "engine_run", make)
 
 
 @pytest.mark.slow
@@ -4932,8 +4972,8 @@ class TestEngine:
     @pytest.mark.slow
     def test_cleans_up_files_and_threads(self, engine_run):
         assert files_under(engine_run["cache_dir"]) == []
-        assert not engine_run["bench"].cache.run_dir.exists()
-        names = {t.name for t in threading.enumerate()}
+        assert not engine_run["run_dir"].exists()
+        names = engine_run["threads_after"]
         assert not any(n.startswith(("worker-", "arrival-scheduler", "monitor", "storage-reaper")) for n in names)
 
     @pytest.mark.slow
@@ -5234,7 +5274,7 @@ class TestPlots:
         (charts / "latency_cdf.png").write_bytes(b"the user's own chart")
         outside.write_bytes(b"a file outside the folder")
         (charts / "throughput.png").symlink_to(outside)
-        written = kv.make_plots(engine_run["results"], engine_run["bench"].latency_samples, str(charts))
+        written = kv.make_plots(engine_run["results"], engine_run["latency_samples"], str(charts))
         assert sorted(Path(p).name for p in written) == ["latency_cdf_2.png", "throughput_2.png", "tier_occupancy.png"]
         assert (charts / "latency_cdf.png").read_bytes() == b"the user's own chart"
         assert outside.read_bytes() == b"a file outside the folder" and (charts / "throughput.png").is_symlink()
@@ -5244,7 +5284,7 @@ class TestPlots:
     @pytest.mark.slow
     def test_without_matplotlib_there_are_no_charts(self, engine_run, tmp_path, monkeypatch, caplog):
         monkeypatch.setattr(kv, "_pyplot", lambda: None)
-        assert kv.make_plots(engine_run["results"], engine_run["bench"].latency_samples, str(tmp_path / "c")) == []
+        assert kv.make_plots(engine_run["results"], engine_run["latency_samples"], str(tmp_path / "c")) == []
         assert kv.plot_suite([kv._suite_row("a", "ok", engine_run["results"])], tmp_path / "s.png") is None
         assert list(tmp_path.iterdir()) == []
         assert "matplotlib is not installed: no charts" in caplog.text
@@ -5740,9 +5780,11 @@ INTERFACE_CACHE_STATS = ("cache_hits", "cache_misses", "cache_hit_rate", "gpu_en
 @pytest.fixture(scope="module")
 def seeded_runs(tmp_path_factory):
     """`--seed 42 --max-requests 60` with multi-turn and prefix caching on (the defaults), twice."""
-    args = ("--num-users", "16", "--cpu-mem-gb", "2", "--seed", "42", "--max-requests", "60")
-    workdirs = [tmp_path_factory.mktemp(f"seeded{i}") for i in range(2)]
-    return [results_of(run_cli(*small_run(w, *args), cwd=w), w) for w in workdirs]
+    def make():
+        args = ("--num-users", "16", "--cpu-mem-gb", "2", "--seed", "42", "--max-requests", "60")
+        workdirs = [tmp_path_factory.mktemp(f"seeded{i}") for i in range(2)]
+        return [results_of(run_cli(*small_run(w, *args), cwd=w), w) for w in workdirs]
+    return once_per_session(tmp_path_factory, "seeded_runs", make)
 
 
 @pytest.mark.slow
@@ -6220,15 +6262,18 @@ TRACE_RUN = ("--num-users", "6", "--max-requests", "20", "--cpu-mem-gb", "0.05",
 def traced_run(tmp_path_factory):
     """A small run in trace mode (a CPU tier of a few entries, a storage tier of 0.1 GiB: demotions and
     evictions), with the storage tier's file I/O made to fail: trace mode must not reach it."""
-    workdir = tmp_path_factory.mktemp("traced")
-    trace = workdir / "trace.csv"
+    def make():
+        workdir = tmp_path_factory.mktemp("traced")
+        trace = workdir / "trace.csv"
 
-    def no_files(*args, **kwargs):
-        raise AssertionError("trace mode opened the storage tier")
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(kv.NVMeBackend, "__init__", no_files)
-        run = run_in_process(*small_run(workdir, *TRACE_RUN, "--io-trace-log", trace))
-    return run, workdir, trace
+        def no_files(*args, **kwargs):
+            raise AssertionError("trace mode opened the storage tier")
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(kv.NVMeBackend, "__init__", no_files)
+            run = run_in_process(*small_run(workdir, *TRACE_RUN, "--io-trace-log", trace))
+        run.bench = None                                 # (the tests read its status, output and results)
+        return run, workdir, trace
+    return once_per_session(tmp_path_factory, "traced_run", make)
 
 
 class TestIOTrace:
@@ -6549,11 +6594,13 @@ def corrupt_npy_files(directory: Path, stop: threading.Event, corrupted: list) -
 def unwritable_results_run(tmp_path_factory):
     """A run whose results JSON cannot be written: the file-size limit (8 KiB) lets the storage
     tier's probe through, nothing reaches storage (1 GiB CPU tier), but the JSON hits EFBIG."""
-    workdir = tmp_path_factory.mktemp("unwritable")
-    proc = run_cli(*SMALL_RUN, "--cpu-mem-gb", "1", "--num-users", "4", "--max-requests", "4", "--seed", "42",
-                   "--cache-dir", workdir / "cache", "--output", workdir / "r.json", cwd=workdir, timeout=60,
-                   preexec_fn=limit_file_size(8192))
-    return proc, workdir
+    def make():
+        workdir = tmp_path_factory.mktemp("unwritable")
+        proc = run_cli(*SMALL_RUN, "--cpu-mem-gb", "1", "--num-users", "4", "--max-requests", "4", "--seed", "42",
+                       "--cache-dir", workdir / "cache", "--output", workdir / "r.json", cwd=workdir, timeout=60,
+                       preexec_fn=limit_file_size(8192))
+        return proc, workdir
+    return once_per_session(tmp_path_factory, "unwritable_results_run", make)
 
 
 class TestReliability:
@@ -7346,12 +7393,14 @@ def suite_table(stdout: str):
 @pytest.fixture(scope="class")
 def wrapper_run(tmp_path_factory):
     """The wrapper for real: two 3 s scenarios (a 1 GiB CPU tier: -C), then its comparison."""
-    work = tmp_path_factory.mktemp("wrapper")
-    out, cache = work / "out", work / "cache"
-    proc = run_wrapper("-m", "tiny-1b", "-t", "3", "-s", "3", "-r", "3", "-a", "3", "-u", "8", "-C", "1",
-                       "-w", "cpu-only,storage-only", "-c", cache, "-o", out, cwd=work,
-                       env=dict(os.environ, PYTHON=sys.executable), timeout=300)
-    return {"proc": proc, "out": out, "cache": cache}
+    def make():
+        work = tmp_path_factory.mktemp("wrapper")
+        out, cache = work / "out", work / "cache"
+        proc = run_wrapper("-m", "tiny-1b", "-t", "3", "-s", "3", "-r", "3", "-a", "3", "-u", "8", "-C", "1",
+                           "-w", "cpu-only,storage-only", "-c", cache, "-o", out, cwd=work,
+                           env=dict(os.environ, PYTHON=sys.executable), timeout=300)
+        return {"proc": proc, "out": out, "cache": cache}
+    return once_per_session(tmp_path_factory, "wrapper_run", make)
 
 
 # Seed 001, "MLPerf Submission Guidelines": option -> (model, users, cpu GB, max concurrent allocs, trials).

@@ -3704,13 +3704,13 @@ def recorded_run(run, cache_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def capacity_run(tmp_path_factory):
-    """`--autoscaler-mode capacity` from 2 users, a stage every 2 s (longer than an added user's first
-    think time, so the users a stage adds are heard from within it); it ends at the first drop, at
-    the latest after 12 s."""
+    """`--autoscaler-mode capacity` from 2 users, a stage every 1.5 s (as long as an added user's
+    longest first think time, so the users a stage adds are heard from within it); it ends at the
+    first drop, at the latest after 6 s (four stages)."""
     def make():
         cache_dir = tmp_path_factory.mktemp("capacity")
         run = run_in_process(*SMALL_RUN, "--num-users", "2", "--seed", "42", "--cache-dir", cache_dir, "--duration",
-                             "12", "--cpu-mem-gb", "0.05", "--monitor-interval", "2.0", "--enable-autoscaling",
+                             "6", "--cpu-mem-gb", "0.05", "--monitor-interval", "1.5", "--enable-autoscaling",
                              "--autoscaler-mode", "capacity", "--quiet", benchmark=RecordingBenchmark)
         return recorded_run(run, cache_dir)
     return once_per_session(tmp_path_factory, "capacity_run", make)
@@ -3946,7 +3946,7 @@ class TestAutoscaler:
         assert s["stop_reason"] in ("peak_capacity_found", "duration")
         if s["stop_reason"] == "peak_capacity_found":
             assert summary["peak_found"] and summary["reason"].startswith("Peak capacity found")
-            assert 0 <= s["elapsed_time"] - stats[-1]["elapsed_s"] < 2.0    # stopped before another stage
+            assert 0 <= s["elapsed_time"] - stats[-1]["elapsed_s"] < 1.5    # stopped before another stage
         else:
             assert not summary["peak_found"]
         assert s["thread_errors"] == [] and s["io_errors"] == 0
@@ -4775,12 +4775,12 @@ class TestRunFio:
 
 @pytest.fixture(scope="module")
 def engine_run(tmp_path_factory):
-    """One small in-process run: 16 users until 40 requests completed; 1 GiB of CPU
-    tier keeps it quick (large document entries still spill to storage)."""
+    """One small in-process run: 16 users until 40 requests completed; 0.5 GiB of CPU tier
+    (large document entries spill to storage; a bigger tier costs seconds of page mapping)."""
     def make():
         cache_dir = tmp_path_factory.mktemp("engine_cache")
         t0 = time.perf_counter()
-        run = run_in_process(*SMALL_RUN, "--num-users", "16", "--max-requests", "40", "--cpu-mem-gb", "1.0",
+        run = run_in_process(*SMALL_RUN, "--num-users", "16", "--max-requests", "40", "--cpu-mem-gb", "0.5",
                              "--cache-dir", cache_dir, "--seed", "7", "--monitor-interval", "0.2", "--quiet")
         wall_s = time.perf_counter() - t0
         return {"results": run.results, "cache_dir": cache_dir, "wall_s": wall_s,
@@ -4999,7 +4999,7 @@ class TestEngine:
     @pytest.mark.slow
     def test_simulated_generation_takes_time(self, tmp_path):
         r = run_in_process("--model", "tiny-1b", "--gpu-mem-gb", "0", "--generation-mode", "fast", "--num-users", "8",
-                           "--max-requests", "8", "--cpu-mem-gb", "1", "--cache-dir", tmp_path, "--seed", "3",
+                           "--max-requests", "8", "--cpu-mem-gb", "0.25", "--cache-dir", tmp_path, "--seed", "3",
                            "--quiet").results
         assert r["requests_completed"] == 8
         assert r["total_generation_latency"] >= 0.9 * r["total_tokens_generated"] * 0.002
@@ -5779,9 +5779,9 @@ INTERFACE_CACHE_STATS = ("cache_hits", "cache_misses", "cache_hit_rate", "gpu_en
 
 @pytest.fixture(scope="module")
 def seeded_runs(tmp_path_factory):
-    """`--seed 42 --max-requests 60` with multi-turn and prefix caching on (the defaults), twice."""
+    """`--seed 42 --max-requests 30` with multi-turn and prefix caching on (the defaults), twice."""
     def make():
-        args = ("--num-users", "16", "--cpu-mem-gb", "2", "--seed", "42", "--max-requests", "60")
+        args = ("--num-users", "16", "--cpu-mem-gb", "0.5", "--seed", "42", "--max-requests", "30")
         workdirs = [tmp_path_factory.mktemp(f"seeded{i}") for i in range(2)]
         return [results_of(run_cli(*small_run(w, *args), cwd=w), w) for w in workdirs]
     return once_per_session(tmp_path_factory, "seeded_runs", make)
@@ -5924,12 +5924,12 @@ class TestEndToEnd:
     def test_seeded_runs_are_reproducible(self, seeded_runs):
         a, b = seeded_runs
         assert a["workload_digest"] == b["workload_digest"] == kv.WorkloadPlan("tiny-1b", 16, 42).digest()
-        assert a["requests_completed"] == b["requests_completed"] == 60
-        assert a["summary"]["requests_admitted"] == 60 and a["summary"]["stop_reason"] == "max_requests"
+        assert a["requests_completed"] == b["requests_completed"] == 30
+        assert a["summary"]["requests_admitted"] == 30 and a["summary"]["stop_reason"] == "max_requests"
         assert a["config"]["duration_s"] is None
 
     def test_other_seed_gives_other_digest(self, tmp_path, seeded_runs):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "2", "--seed", "43",
+        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.5", "--seed", "43",
                                   "--max-requests", "5"), cwd=tmp_path)
         r = results_of(proc, tmp_path)
         assert r["workload_digest"] != seeded_runs[0]["workload_digest"]
@@ -5944,8 +5944,8 @@ class TestEndToEnd:
             assert r["summary"]["multi_turn_stats"]["hit_rate"] > 0
 
     def test_disable_multi_turn(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "2", "--seed", "42",
-                                  "--max-requests", "60", "--disable-multi-turn"), cwd=tmp_path)
+        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.5", "--seed", "42",
+                                  "--max-requests", "30", "--disable-multi-turn"), cwd=tmp_path)
         r = results_of(proc, tmp_path)
         cs = r["summary"]["cache_stats"]
         assert cs["multi_turn_hits"] == cs["multi_turn_misses"] == 0
@@ -5956,8 +5956,8 @@ class TestEndToEnd:
         assert r["config"]["multi_turn"] is False
 
     def test_disable_prefix_caching(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "2", "--seed", "42",
-                                  "--max-requests", "60", "--disable-prefix-caching"), cwd=tmp_path)
+        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.5", "--seed", "42",
+                                  "--max-requests", "30", "--disable-prefix-caching"), cwd=tmp_path)
         r = results_of(proc, tmp_path)
         cs = r["summary"]["cache_stats"]
         assert r["summary"]["prefix_cache_stats"] == {"prefix_hits": 0, "prefix_misses": 0,
@@ -6026,7 +6026,7 @@ class TestEndToEnd:
             for line in proc.stderr:
                 if "Running" in line:
                     break
-            time.sleep(1.5)
+            time.sleep(0.5)
             proc.send_signal(sig)
         proc = run_cli(*SMALL_RUN, "--num-users", "8", "--duration", "60", "--cpu-mem-gb", "0.05",
                        "--cache-dir", cache_dir, "--output", out, cwd=tmp_path, timeout=60,
@@ -6097,7 +6097,7 @@ class TestNodeRoles:
     @pytest.mark.slow
     def test_preconditioning_writes_its_size_to_the_device_before_the_timer(self, tmp_path):
         with loop_mounted_ext4(tmp_path) as private:                   # a device only this run writes to
-            proc = run_cli(*SMALL_RUN, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "2", "--seed", "42",
+            proc = run_cli(*SMALL_RUN, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0.5", "--seed", "42",
                            "--precondition", "--precondition-size-gb", "0.25", "--cache-dir", private or tmp_path / "c",
                            "--output", tmp_path / "r.json", cwd=tmp_path, timeout=300)
         r = results_of(proc, tmp_path)
@@ -6593,10 +6593,11 @@ def corrupt_npy_files(directory: Path, stop: threading.Event, corrupted: list) -
 @pytest.fixture(scope="class")
 def unwritable_results_run(tmp_path_factory):
     """A run whose results JSON cannot be written: the file-size limit (8 KiB) lets the storage
-    tier's probe through, nothing reaches storage (1 GiB CPU tier), but the JSON hits EFBIG."""
+    tier's probe through, nothing reaches storage (0.5 GiB CPU tier: seed 42's 4 requests need
+    0.2), but the JSON hits EFBIG."""
     def make():
         workdir = tmp_path_factory.mktemp("unwritable")
-        proc = run_cli(*SMALL_RUN, "--cpu-mem-gb", "1", "--num-users", "4", "--max-requests", "4", "--seed", "42",
+        proc = run_cli(*SMALL_RUN, "--cpu-mem-gb", "0.5", "--num-users", "4", "--max-requests", "4", "--seed", "42",
                        "--cache-dir", workdir / "cache", "--output", workdir / "r.json", cwd=workdir, timeout=60,
                        preexec_fn=limit_file_size(8192))
         return proc, workdir
@@ -6644,8 +6645,8 @@ class TestReliability:
         assert "UnicodeEncodeError" not in proc.stderr
 
     def test_nothing_to_replay_is_a_fio_job_error(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "1",
-                                  "--fio-job", tmp_path / "j.fio"), cwd=tmp_path)
+        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0.5",
+                                  "--seed", "42", "--fio-job", tmp_path / "j.fio"), cwd=tmp_path)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         r = json.loads((tmp_path / "r.json").read_text())
         assert "nothing for fio to replay" in r["summary"]["fio_job_error"] and not (tmp_path / "j.fio").exists()
@@ -6885,7 +6886,7 @@ class TestReliability:
     def test_failed_io_baseline_is_reported_and_the_run_goes_on(self, tmp_path):
         out, cache_dir = tmp_path / "r.json", tmp_path / "cache"
         cache_dir.mkdir()
-        proc = run_cli(*SMALL_RUN, "--cpu-mem-gb", "1", "--num-users", "4", "--max-requests", "4", "--seed", "42",
+        proc = run_cli(*SMALL_RUN, "--cpu-mem-gb", "0.5", "--num-users", "4", "--max-requests", "4", "--seed", "42",
                        "--io-baseline", "--cache-dir", cache_dir, "--output", out, cwd=tmp_path, timeout=60,
                        preexec_fn=limit_file_size(1024 * 1024))          # its first 8 MiB write fails
         assert proc.returncode == 1, proc.stderr[-3000:]
@@ -7392,11 +7393,11 @@ def suite_table(stdout: str):
 
 @pytest.fixture(scope="class")
 def wrapper_run(tmp_path_factory):
-    """The wrapper for real: two 3 s scenarios (a 1 GiB CPU tier: -C), then its comparison."""
+    """The wrapper for real: two 2 s scenarios (a 1 GiB CPU tier: -C), then its comparison."""
     def make():
         work = tmp_path_factory.mktemp("wrapper")
         out, cache = work / "out", work / "cache"
-        proc = run_wrapper("-m", "tiny-1b", "-t", "3", "-s", "3", "-r", "3", "-a", "3", "-u", "8", "-C", "1",
+        proc = run_wrapper("-m", "tiny-1b", "-t", "2", "-s", "2", "-r", "2", "-a", "2", "-u", "8", "-C", "1",
                            "-w", "cpu-only,storage-only", "-c", cache, "-o", out, cwd=work,
                            env=dict(os.environ, PYTHON=sys.executable), timeout=300)
         return {"proc": proc, "out": out, "cache": cache}
@@ -7571,7 +7572,7 @@ class TestWrapper:
         for name, cpu_mem in (("cpu-only", None), ("storage-only", 0.5)):
             r = json.loads((out / f"results_{name}.json").read_text())
             assert r["config"]["model"] == "tiny-1b" and r["seed"] == 42 and r["config"]["num_users"] == 8
-            assert r["config"]["duration_s"] == 3 and r["requests_completed"] > 0
+            assert r["config"]["duration_s"] == 2 and r["requests_completed"] > 0
             if cpu_mem is not None:
                 assert r["config"]["cpu_mem_gb"] == cpu_mem
             assert f"<<< {name}: ok (log: {out}/log_{name}.txt)" in proc.stdout

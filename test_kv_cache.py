@@ -4702,10 +4702,10 @@ class TestFioJobText:
     def test_a_short_fio_run_is_read_back(self, tmp_path):
         _fio_or_skip()
         run = _run(tmp_path, read_sizes={256 * 1024: 60, 64 * 1024: 40}, write_sizes={256 * 1024: 50},
-                   file_size_bytes=4 * MIB, bytes_written=16 * MIB, streams=2, depth=2)
+                   file_size_bytes=4 * MIB, bytes_written=16 * MIB, streams=2, depth=2, runtime_s=1)
         job = tmp_path / "replay.fio"
         job.write_text(kv.fio_job_text(run))
-        result = kv.run_fio(job, runtime_s=3, timeout_s=120)
+        result = kv.run_fio(job, runtime_s=1, timeout_s=120)
         assert result["jobs"] == 1 and result["errors"] == 0          # group_reporting
         assert result["read_bytes_per_sec"] > 0 and result["write_bytes_per_sec"] > 0
         assert result["read_io_bytes"] > 0 and result["read_requests"] > 0
@@ -5844,13 +5844,13 @@ class TestDriveViewEndToEnd:
         cache = tmp_path / "cache"
         cache.mkdir()
         job = tmp_path / "replay.fio"
-        run = run_in_process(*SMALL_RUN, "--num-users", "4", "--max-requests", "12", "--seed", "3",
+        run = run_in_process(*SMALL_RUN, "--num-users", "4", "--max-requests", "4", "--seed", "2",
                              "--cpu-mem-gb", "0", "--cache-dir", cache, "--fio-job", job,
                              "--output", tmp_path / "r.json", "--quiet")
         status, err = run.status, run.stderr
         assert status == 0, err
         text = job.read_text()
-        assert "# run: model tiny-1b, 4 users, seed 3, workload digest" in text
+        assert "# run: model tiny-1b, 4 users, seed 2, workload digest" in text
         assert f"cd {cache} && fio" in text and "directory=" not in text and "[kv-cache-replay]" in text
         parsed = subprocess.run(["fio", "--parse-only", str(job)], capture_output=True, text=True)
         assert parsed.returncode == 0, parsed.stderr
@@ -5864,7 +5864,7 @@ class TestDriveViewEndToEnd:
             pytest.skip("fio is not installed (.ci/run installs it)")
         cache = tmp_path / "cache"
         cache.mkdir()
-        run = run_in_process(*SMALL_RUN, "--num-users", "4", "--max-requests", "4", "--seed", "3",   # by count: a
+        run = run_in_process(*SMALL_RUN, "--num-users", "4", "--max-requests", "4", "--seed", "2",   # by count: a
                              "--cpu-mem-gb", "0", "--cache-dir", cache, "--fio-compare",          # loaded disk
                              "--output", tmp_path / "r.json", "--quiet")                          # may be slow
         status, out, err = run.status, run.stdout, run.stderr
@@ -6627,7 +6627,7 @@ class TestReliability:
         (mine / "kv-cache-replay.0.0").write_bytes(b"the user's file")
         cache = tmp_path / "x;y#z ${HOME}"
         cache.mkdir()
-        proc = run_cli(*SMALL_RUN, "--num-users", "2", "--max-requests", "3", "--cpu-mem-gb", "0", "--seed", "3",
+        proc = run_cli(*SMALL_RUN, "--num-users", "2", "--max-requests", "3", "--cpu-mem-gb", "0", "--seed", "2",
                        "--cache-dir", cache, "--output", tmp_path / "r.json", "--fio-compare", cwd=tmp_path, timeout=120)
         r = results_of(proc, tmp_path)
         assert "error" not in r["summary"]["fio_comparison"]
@@ -6638,7 +6638,7 @@ class TestReliability:
     def test_a_non_utf8_path_is_written_as_bytes(self, tmp_path):
         cache = Path(os.fsdecode(bytes(tmp_path) + b"/cache-\xff"))
         job = Path(os.fsdecode(bytes(tmp_path) + b"/job-\xfe.fio"))
-        proc = run_cli(*SMALL_RUN, "--num-users", "2", "--max-requests", "3", "--cpu-mem-gb", "0", "--seed", "3",
+        proc = run_cli(*SMALL_RUN, "--num-users", "2", "--max-requests", "3", "--cpu-mem-gb", "0", "--seed", "2",
                        "--cache-dir", cache, "--output", tmp_path / "r.json", "--fio-job", job, cwd=tmp_path)
         r = results_of(proc, tmp_path)
         assert r["summary"]["fio_job"] == str(job) and b"/cache-\xff" in job.read_bytes()
@@ -6667,7 +6667,7 @@ class TestReliability:
     def test_fio_of_the_wrong_shape_costs_the_comparison_not_the_run_and_leaves_others_files(self, tmp_path):
         env, log = fake_fio(tmp_path, "shape")                      # it also leaves a file of someone else's
         proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "3", "--cpu-mem-gb", "0",
-                                  "--fio-compare"), cwd=tmp_path, env=env)
+                                  "--seed", "2", "--fio-compare"), cwd=tmp_path, env=env)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         r = json.loads((tmp_path / "r.json").read_text())
         assert "not of the shape fio writes" in r["summary"]["fio_comparison"]["error"] and "fio failed" in proc.stdout
@@ -6686,7 +6686,7 @@ class TestReliability:
                 time.sleep(0.05)
             os.killpg(proc.pid, signal.SIGINT) if to_group else proc.send_signal(signal.SIGINT)
         proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "3", "--cpu-mem-gb", "0",
-                                  "--fio-compare"), cwd=tmp_path, env=env, timeout=60,
+                                  "--seed", "2", "--fio-compare"), cwd=tmp_path, env=env, timeout=60,
                        preexec_fn=os.setsid, while_running=interrupt_the_replay)
         assert proc.returncode == 130 and "Traceback" not in proc.stderr
         r = json.loads((tmp_path / "r.json").read_text())

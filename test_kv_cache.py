@@ -6607,14 +6607,16 @@ def unwritable_results_run(tmp_path_factory):
 class TestReliability:
     # --- closed terminals -------------------------------------------------
     def test_a_reader_that_went_away_costs_the_report_never_the_results(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0.05"),
+        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0.05",
+                                  "--seed", "2"),
                        cwd=tmp_path, while_running=lambda p: p.stdout.close())    # `| true`: nobody reads
         r = results_of(proc, tmp_path)
         assert r["requests_completed"] > 0
         assert "Traceback" not in proc.stderr and "the report was not printed" in proc.stderr
 
     def test_a_closed_stderr_still_runs_and_writes_everything(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0.05"),
+        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0.05",
+                                  "--seed", "2"),
                        cwd=tmp_path, preexec_fn=lambda: os.close(2))              # `2>&-`: sys.stderr is None
         r = results_of(proc, tmp_path)
         assert r["requests_completed"] > 0 and "STORAGE PERFORMANCE ASSESSMENT" in proc.stdout

@@ -6025,8 +6025,8 @@ class TestEndToEnd:
         assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
 
     def test_verify_run_reads_back_what_it_wrote(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "8", "--cpu-mem-gb", "0.05", "--seed", "3",
-                                  "--max-requests", "16", "--verify"), cwd=tmp_path)
+        proc = run_cli(*small_run(tmp_path, "--num-users", "8", "--cpu-mem-gb", "0.05", "--seed", "10",
+                                  "--max-requests", "8", "--verify"), cwd=tmp_path)      # 0.7 GB read back
         r = results_of(proc, tmp_path)
         s = r["summary"]
         assert s["verify_checked"] == s["cache_stats"]["cache_hits"] > 0
@@ -7924,7 +7924,7 @@ class TestMPI:
     def test_two_ranks_on_localhost(self, tmp_path):
         mpiexec, env = _mpi_launcher()
         cache = tmp_path / "cache"
-        proc = run_cli("--model", "tiny-1b", "--num-users", "8", "--duration", "4", "--gpu-mem-gb", "0",
+        proc = run_cli("--model", "tiny-1b", "--num-users", "8", "--max-requests", "8", "--gpu-mem-gb", "0",
                        "--cpu-mem-gb", "0.05", "--generation-mode", "none", "--seed", "42", "--cache-dir", cache,
                        "--output", tmp_path / "agg.json", "--quiet", cwd=tmp_path, timeout=120, env=env,
                        launcher=[mpiexec, "-n", "2", "--oversubscribe"])

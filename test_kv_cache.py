@@ -233,9 +233,11 @@ def small_run(workdir: Path, *args) -> tuple:
     return (*SMALL_RUN, "--cache-dir", workdir / "cache", "--output", workdir / "r.json", *args)
 
 
-def results_of(proc, workdir: Path) -> dict:
-    """The results a small_run in `workdir` wrote; the run must have exited 0."""
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def results_of(run, workdir: Path) -> dict:
+    """The results a small_run in `workdir` wrote (run_cli's process or run_in_process's run); the run
+    must have exited 0."""
+    status = run.returncode if isinstance(run, subprocess.CompletedProcess) else run.status
+    assert status == 0, run.stderr[-3000:]
     return json.loads((workdir / "r.json").read_text())
 
 
@@ -5936,9 +5938,9 @@ class TestDriveViewEndToEnd:
 @pytest.mark.slow
 class TestEndToEnd:
     def test_storage_run_spills_to_storage_and_cleans_up(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "8", "--duration", "4", "--cpu-mem-gb", "0.05",
-                                  "--seed", "42"), cwd=tmp_path)
-        r = results_of(proc, tmp_path)
+        run = run_in_process(*small_run(tmp_path, "--num-users", "8", "--duration", "4", "--cpu-mem-gb", "0.05",
+                                        "--seed", "42"))
+        r = results_of(run, tmp_path)
         for name in INTERFACE_TOP_LEVEL:
             assert name in r, name
         for name in INTERFACE_SUMMARY:
@@ -5966,8 +5968,8 @@ class TestEndToEnd:
         # CPU writes cut short by the stop may have demoted the last CPU entries: count writes, not survivors
         assert cs["cpu_writes"] > 0 and cs["nvme_entries"] > 0 and cs["offloads_nvme"] > 0
         assert cs["nvme_write_p95_ms"] is not None and cs["nvme_write_p95_ms"] > 0
-        assert "STORAGE PERFORMANCE ASSESSMENT" in proc.stdout
-        assert "Traceback" not in proc.stderr
+        assert "STORAGE PERFORMANCE ASSESSMENT" in run.stdout
+        assert "Traceback" not in run.stderr
         assert files_under(tmp_path) == ["r.json"]          # the cache dir holds nothing afterwards
 
     def test_seeded_runs_are_reproducible(self, seeded_runs):
@@ -5978,9 +5980,9 @@ class TestEndToEnd:
         assert a["config"]["duration_s"] is None
 
     def test_other_seed_gives_other_digest(self, tmp_path, seeded_runs):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.5", "--seed", "43",
-                                  "--max-requests", "5"), cwd=tmp_path)
-        r = results_of(proc, tmp_path)
+        run = run_in_process(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.5", "--seed", "43",
+                                        "--max-requests", "5"))
+        r = results_of(run, tmp_path)
         assert r["workload_digest"] != seeded_runs[0]["workload_digest"]
         assert r["requests_completed"] == 5
 
@@ -5993,9 +5995,9 @@ class TestEndToEnd:
             assert r["summary"]["multi_turn_stats"]["hit_rate"] > 0
 
     def test_disable_multi_turn(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.5", "--seed", "42",
-                                  "--max-requests", "30", "--disable-multi-turn"), cwd=tmp_path)
-        r = results_of(proc, tmp_path)
+        run = run_in_process(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.5", "--seed", "42",
+                                        "--max-requests", "30", "--disable-multi-turn"))
+        r = results_of(run, tmp_path)
         cs = r["summary"]["cache_stats"]
         assert cs["multi_turn_hits"] == cs["multi_turn_misses"] == 0
         assert r["multi_turn_cache_hits"] == r["multi_turn_cache_misses"] == 0
@@ -6005,9 +6007,9 @@ class TestEndToEnd:
         assert r["config"]["multi_turn"] is False
 
     def test_disable_prefix_caching(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.5", "--seed", "42",
-                                  "--max-requests", "30", "--disable-prefix-caching"), cwd=tmp_path)
-        r = results_of(proc, tmp_path)
+        run = run_in_process(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.5", "--seed", "42",
+                                        "--max-requests", "30", "--disable-prefix-caching"))
+        r = results_of(run, tmp_path)
         cs = r["summary"]["cache_stats"]
         assert r["summary"]["prefix_cache_stats"] == {"prefix_hits": 0, "prefix_misses": 0,
                                                       "system_prompt_reuse": 0, "common_phrase_reuse": 0,
@@ -6025,9 +6027,9 @@ class TestEndToEnd:
         assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
 
     def test_verify_run_reads_back_what_it_wrote(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "8", "--cpu-mem-gb", "0.05", "--seed", "10",
-                                  "--max-requests", "8", "--verify"), cwd=tmp_path)      # 0.7 GB read back
-        r = results_of(proc, tmp_path)
+        run = run_in_process(*small_run(tmp_path, "--num-users", "8", "--cpu-mem-gb", "0.05", "--seed", "10",
+                                        "--max-requests", "8", "--verify"))      # 0.7 GB read back
+        r = results_of(run, tmp_path)
         s = r["summary"]
         assert s["verify_checked"] == s["cache_stats"]["cache_hits"] > 0
         assert s["verify_mismatches"] == 0 and s["io_errors"] == 0
@@ -6035,9 +6037,9 @@ class TestEndToEnd:
         assert r["config"]["verify"] is True
 
     def test_capped_storage_tier_evicts(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.02", "--seed", "4",
-                                  "--max-requests", "30", "--storage-capacity-gb", "0.15"), cwd=tmp_path)
-        r = results_of(proc, tmp_path)
+        run = run_in_process(*small_run(tmp_path, "--num-users", "16", "--cpu-mem-gb", "0.02", "--seed", "4",
+                                        "--max-requests", "30", "--storage-capacity-gb", "0.15"))
+        r = results_of(run, tmp_path)
         cs = r["summary"]["cache_stats"]
         assert cs["storage_capacity_gb"] == pytest.approx(0.15)
         assert cs["evictions"] > 0
@@ -6099,10 +6101,10 @@ class TestNodeRoles:
 
     @pytest.mark.slow
     def test_a_prefill_node_writes_and_does_not_read_back(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "6", "--max-requests", "12", "--cpu-mem-gb", "0",
-                                  "--seed", "42", "--prefill-only", "--disable-multi-turn",
-                                  "--disable-prefix-caching"), cwd=tmp_path)
-        r = results_of(proc, tmp_path)
+        run = run_in_process(*small_run(tmp_path, "--num-users", "6", "--max-requests", "12", "--cpu-mem-gb", "0",
+                                        "--seed", "42", "--prefill-only", "--disable-multi-turn",
+                                        "--disable-prefix-caching"))
+        r = results_of(run, tmp_path)
         s, cs = r["summary"], r["summary"]["cache_stats"]
         read, written = cs["nvme_bytes_read_gb"], cs["nvme_bytes_written_gb"]
         assert written > 0 and read <= 0.05 * (read + written)
@@ -6110,14 +6112,14 @@ class TestNodeRoles:
         assert s["total_tokens"] == s["total_requests"]            # each request emits its first token
         assert s["generation_latency_ms"]["p95"] == 0.0
         assert s["node_role"] == "prefill-only" and r["config"]["prefill_only"] is True
-        assert "Node: prefill-only (disaggregated prefill node" in proc.stdout
+        assert "Node: prefill-only (disaggregated prefill node" in run.stdout
 
     @pytest.mark.slow
     def test_a_decode_node_reads_contexts_written_before_the_timer(self, tmp_path):
         users = 6
-        proc = run_cli(*small_run(tmp_path, "--num-users", str(users), "--max-requests", "12", "--cpu-mem-gb", "0.1",
-                                  "--seed", "42", "--decode-only"), cwd=tmp_path)
-        r = results_of(proc, tmp_path)
+        run = run_in_process(*small_run(tmp_path, "--num-users", str(users), "--max-requests", "12",
+                                        "--cpu-mem-gb", "0.1", "--seed", "42", "--decode-only"))
+        r = results_of(run, tmp_path)
         s, cs = r["summary"], r["summary"]["cache_stats"]
         read, written = cs["nvme_bytes_read_gb"], cs["nvme_bytes_written_gb"]
         assert read > 0 and written <= 0.05 * (read + written)
@@ -6130,13 +6132,13 @@ class TestNodeRoles:
         assert sum(w["entries"] for w in ctx["by_tier"].values()) == users
         assert ctx["by_tier"]["cpu"]["entries"] > 0 and ctx["by_tier"]["nvme"]["entries"] > 0   # the waterfall
         assert s["node_role"] == "decode-only" and r["config"]["decode_only"] is True
-        assert "  Contexts written before the timer: 6 of 6 users" in proc.stdout
+        assert "  Contexts written before the timer: 6 of 6 users" in run.stdout
 
     @pytest.mark.slow
     def test_an_evicted_context_is_a_miss_not_a_zero_ms_read(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "8", "--max-requests", "16", "--cpu-mem-gb", "0",
-                                  "--storage-capacity-gb", "0.1", "--seed", "42", "--decode-only"), cwd=tmp_path)
-        r = results_of(proc, tmp_path)
+        run = run_in_process(*small_run(tmp_path, "--num-users", "8", "--max-requests", "16", "--cpu-mem-gb", "0",
+                                        "--storage-capacity-gb", "0.1", "--seed", "42", "--decode-only"))
+        r = results_of(run, tmp_path)
         s, cs = r["summary"], r["summary"]["cache_stats"]
         assert s["decode_contexts"]["contexts_written"] < 8                # some never fit, or left
         assert cs["user_cache_misses"] > 0
@@ -6267,10 +6269,10 @@ class TestBurstTrace:
     def test_a_run_replays_the_trace_once_and_reports_it(self, tmp_path):
         rows = burst_rows(40)
         trace = write_burst_csv(tmp_path / "burst.csv", rows, self.BAD_LINES)
-        proc = run_cli(*small_run(tmp_path, "--num-users", "4", "--cpu-mem-gb", "0.2", "--seed", "42",
-                                  "--use-burst-trace", "--burst-trace-path", trace, "--trace-speedup", "50",
-                                  "--replay-cycles", "1"), cwd=tmp_path)
-        r = results_of(proc, tmp_path)
+        run = run_in_process(*small_run(tmp_path, "--num-users", "4", "--cpu-mem-gb", "0.2", "--seed", "42",
+                                        "--use-burst-trace", "--burst-trace-path", trace, "--trace-speedup", "50",
+                                        "--replay-cycles", "1"))
+        r = results_of(run, tmp_path)
         s, t = r["summary"], r["summary"]["burst_trace"]
         assert s["stop_reason"] == "burst_trace_replayed" and s["total_requests"] == 40
         assert s["cache_stats"]["prefill_writes"] == 40           # a user's requests overlap: each its own entry
@@ -6278,7 +6280,7 @@ class TestBurstTrace:
         assert t["rows"] == 44 and t["bad_rows"] == 4 and t["requests_admitted"] == 40 and t["passes_completed"] == 1
         assert r["config"]["use_burst_trace"] is True and r["config"]["trace_speedup"] == 50
         assert s["multi_turn_stats"]["resumes"] == 0                # each row a lone request
-        assert "### BURSTGPT TRACE ###" in proc.stdout and "44 rows, 4 not requests (skipped)" in proc.stdout
+        assert "### BURSTGPT TRACE ###" in run.stdout and "44 rows, 4 not requests (skipped)" in run.stdout
         users = kv.WorkloadPlan("tiny-1b", 4, 42).digest()
         assert kv.BurstTrace([trace]).digest(users) == r["workload_digest"]      # the users and the trace's bytes
 
@@ -6558,11 +6560,11 @@ class TestTensorParallel:
         runs = {}
         for tp in (1, 4):
             workdir = tmp_path / f"tp{tp}"
-            proc = run_cli(*small_run(workdir, "--num-users", "2", "--max-requests", "4", "--cpu-mem-gb", "0",
-                                      "--seed", "42", "--disable-multi-turn", "--disable-prefix-caching",
-                                      "--num-gpus", str(tp),
-                                      "--tensor-parallel", str(tp)), cwd=tmp_path)
-            runs[tp] = (results_of(proc, workdir), proc.stdout)
+            run = run_in_process(*small_run(workdir, "--num-users", "2", "--max-requests", "4", "--cpu-mem-gb", "0",
+                                            "--seed", "42", "--disable-multi-turn", "--disable-prefix-caching",
+                                            "--num-gpus", str(tp),
+                                            "--tensor-parallel", str(tp)))
+            runs[tp] = (results_of(run, workdir), run.stdout)
         for tp in (1, 4):                                          # an object per shard, a 1/TP of its entry
             cs = runs[tp][0]["summary"]["cache_stats"]
             req, entries, entry_bytes = cs["storage_requests"], cs["nvme_writes"], cs["nvme_bytes_written_gb"] * GIB
@@ -7155,9 +7157,9 @@ class TestReliability:
         (cache_dir / "foreign.txt").write_text("not the benchmark's")
         (cache_dir / "keep" / "inner.npy").write_bytes(b"mine")
         stamps = {p: p.stat().st_mtime_ns for p in cache_dir.rglob("*")}
-        proc = run_cli(*small_run(tmp_path, "--cpu-mem-gb", "0", "--num-users", "2", "--max-requests", "2",
-                                  "--seed", "5"), cwd=tmp_path)
-        r = results_of(proc, tmp_path)
+        run = run_in_process(*small_run(tmp_path, "--cpu-mem-gb", "0", "--num-users", "2", "--max-requests", "2",
+                                        "--seed", "5"))
+        r = results_of(run, tmp_path)
         cs = r["summary"]["cache_stats"]
         assert cs["nvme_writes"] > 0 and Path(cs["storage_run_dir"]).parent == cache_dir
         assert (cache_dir / "foreign.txt").read_text() == "not the benchmark's"

@@ -700,12 +700,12 @@ RAG_SEED = 129
 
 @pytest.fixture(scope="module")
 def rag_run(tmp_path_factory):
-    """An in-process run with --enable-rag --rag-num-docs 5 until 48 requests completed (not a duration:
+    """An in-process run with --enable-rag --rag-num-docs 5 until 24 requests completed (not a duration:
     the timed ingestion would leave a slow disk no time for queries); most chunks end up on storage.
     User 1's first request is a RAG query (seed RAG_SEED), so there is at least one."""
     def make():
         cache_dir = tmp_path_factory.mktemp("rag_cache")
-        run = run_in_process(*SMALL_RUN, "--num-users", "16", "--max-requests", "48", "--cpu-mem-gb", "0.25",
+        run = run_in_process(*SMALL_RUN, "--num-users", "16", "--max-requests", "24", "--cpu-mem-gb", "0.25",
                              "--cache-dir", cache_dir, "--seed", RAG_SEED, "--enable-rag", "--rag-num-docs", "5",
                              "--monitor-interval", "1.0", "--quiet")
         return {"results": run.results, "cache_dir": cache_dir}
@@ -804,8 +804,8 @@ class TestRAG:
         assert cs["prefill_writes"] >= rag["chunks"]                    # ingestion writes are prefill writes
         assert rag["rag_queries"] > 0 and s["stop_reason"] == "max_requests"
         # Each query reads RAG_TOP_K chunks. Only reads the stop cuts short go uncounted, and with
-        # --max-requests nothing is in flight at the stop (admission closed at 48, all 48 completed).
-        assert s["total_requests"] == s["requests_admitted"] == 48
+        # --max-requests nothing is in flight at the stop (admission closed at 24, all 24 completed).
+        assert s["total_requests"] == s["requests_admitted"] == 24
         assert rag["chunk_reads"] == rag["rag_queries"] * kv.RAG_TOP_K
         assert rag["hits_by_tier"] and set(rag["hits_by_tier"]) <= {"cpu", "nvme"}
         assert rag["misses"] == 0                                       # chunks are never retired or evicted
@@ -1173,7 +1173,7 @@ class TestShareGPTReplay:
         out = tmp_path / "r.json"
         run = run_in_process(
             *SMALL_RUN, "--num-users", "64", "--cpu-mem-gb", "0.5", "--seed", "7", "--dataset-path", sharegpt_file,
-            "--request-rate", "20", "--duration", "2", "--cache-dir", tmp_path / "cache", "--output", out, "--quiet")
+            "--request-rate", "20", "--duration", "1", "--cache-dir", tmp_path / "cache", "--output", out, "--quiet")
         status, stdout = run.status, run.stdout
         s = json.loads(out.read_text())["summary"]
         assert status == 0
@@ -6702,9 +6702,9 @@ class TestReliability:
         assert "UnicodeEncodeError" not in proc.stderr
 
     def test_nothing_to_replay_is_a_fio_job_error(self, tmp_path):
-        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0.5",
-                                  "--seed", "42", "--fio-job", tmp_path / "j.fio"), cwd=tmp_path)
-        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        run = run_in_process(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0.25",
+                                        "--seed", "42", "--fio-job", tmp_path / "j.fio"))
+        assert run.status == 1 and "Traceback" not in run.stderr
         r = json.loads((tmp_path / "r.json").read_text())
         assert "nothing for fio to replay" in r["summary"]["fio_job_error"] and not (tmp_path / "j.fio").exists()
 

@@ -838,7 +838,7 @@ class TestRAG:
             time.sleep(0.1)
             return write_entry(self, *args, **kwargs)
         monkeypatch.setattr(kv.MultiTierCache, "write_entry", slow_write)
-        r = run_in_process(*SMALL_RUN, "--num-users", "2", "--duration", "0.5", "--cpu-mem-gb", "0.5",
+        r = run_in_process(*SMALL_RUN, "--num-users", "2", "--duration", "0.5", "--cpu-mem-gb", "0.1",
                            "--cache-dir", tmp_path, "--seed", "1", "--enable-rag", "--rag-num-docs", "5",
                            "--quiet").results
         s, rag = r["summary"], r["summary"]["rag_stats"]
@@ -868,7 +868,7 @@ class TestRAG:
         config = tmp_path / "rag.yaml"                         # one document of 600 tokens: two chunks
         config.write_text("rag:\n  small_model_doc_tokens_min: 600\n  small_model_doc_tokens_max: 600\n")
         t0 = time.perf_counter()
-        r = run_in_process(*SMALL_RUN, "--config", config, "--num-users", "2", "--duration", "2.0", "--cpu-mem-gb", "0.5",
+        r = run_in_process(*SMALL_RUN, "--config", config, "--num-users", "2", "--duration", "2.0", "--cpu-mem-gb", "0.1",
                            "--cache-dir", tmp_path, "--seed", "1", "--enable-rag", "--rag-num-docs", "1",
                            "--monitor-interval", "0.25", "--enable-autoscaling", "--autoscaler-mode", "qos",
                            "--target-saturation", "0.5", "--quiet").results
@@ -1172,7 +1172,7 @@ class TestShareGPTReplay:
         monkeypatch.setattr(kv, "TIKTOKEN_AVAILABLE", False)
         out = tmp_path / "r.json"
         run = run_in_process(
-            *SMALL_RUN, "--num-users", "64", "--cpu-mem-gb", "0.5", "--seed", "7", "--dataset-path", sharegpt_file,
+            *SMALL_RUN, "--num-users", "64", "--cpu-mem-gb", "0.1", "--seed", "7", "--dataset-path", sharegpt_file,
             "--request-rate", "20", "--duration", "1", "--cache-dir", tmp_path / "cache", "--output", out, "--quiet")
         status, stdout = run.status, run.stdout
         s = json.loads(out.read_text())["summary"]
@@ -4830,12 +4830,12 @@ class TestRunFio:
 
 @pytest.fixture(scope="module")
 def engine_run(tmp_path_factory):
-    """One small in-process run: 16 users until 40 requests completed; 0.5 GiB of CPU tier
+    """One small in-process run: 16 users until 40 requests completed; 0.25 GiB of CPU tier
     (large document entries spill to storage; a bigger tier costs seconds of page mapping)."""
     def make():
         cache_dir = tmp_path_factory.mktemp("engine_cache")
         t0 = time.perf_counter()
-        run = run_in_process(*SMALL_RUN, "--num-users", "16", "--max-requests", "40", "--cpu-mem-gb", "0.5",
+        run = run_in_process(*SMALL_RUN, "--num-users", "16", "--max-requests", "40", "--cpu-mem-gb", "0.25",
                              "--cache-dir", cache_dir, "--seed", "7", "--monitor-interval", "0.2", "--quiet")
         wall_s = time.perf_counter() - t0
         return {"results": run.results, "cache_dir": cache_dir, "wall_s": wall_s,
@@ -7538,17 +7538,17 @@ class TestWrapper:
     @pytest.mark.slow
     @pytest.mark.parametrize("to_group", [False, True], ids=["kill -INT wrapper", "Ctrl-C to the group"])
     def test_sigint_ends_the_suite_with_130_and_runs_no_further_scenario(self, tmp_path, to_group):
-        out = tmp_path / "out"
+        out = tmp_path / "out"                     # storage-only first: a 0.5 GiB CPU tier to map, not -C's 1
         proc = subprocess.Popen(["bash", str(WRAPPER), "-m", "tiny-1b", "-t", "60", "-u", "4", "-C", "1",
-                                 "-w", "cpu-only,storage-only", "-c", tmp_path / "cache", "-o", out],
+                                 "-w", "storage-only,cpu-only", "-c", tmp_path / "cache", "-o", out],
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=fake_nvidia_smi(tmp_path / "bin", NO_GPU) | {"PYTHON": sys.executable},
                                 start_new_session=True)
         try:
             for line in proc.stdout:
-                if line.startswith(">>> cpu-only"):
+                if line.startswith(">>> storage-only"):
                     break
-            log = out / "log_cpu-only.txt"
+            log = out / "log_storage-only.txt"
             while "Running" not in (log.read_text() if log.exists() else ""):
                 time.sleep(0.1)
             os.killpg(proc.pid, signal.SIGINT) if to_group else proc.send_signal(signal.SIGINT)
@@ -7558,10 +7558,10 @@ class TestWrapper:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
         assert proc.returncode == 130, stderr
-        assert "Stopped by SIGINT: no further scenario runs." in stderr and ">>> storage-only" not in stdout
-        assert (out / "status.tsv").read_text() == "cpu-only\tinterrupted (SIGINT, exit 130)\n"
-        assert json.loads((out / "results_cpu-only.json").read_text())["interrupted"] is True
-        assert not (out / "log_storage-only.txt").exists()
+        assert "Stopped by SIGINT: no further scenario runs." in stderr and ">>> cpu-only" not in stdout
+        assert (out / "status.tsv").read_text() == "storage-only\tinterrupted (SIGINT, exit 130)\n"
+        assert json.loads((out / "results_storage-only.json").read_text())["interrupted"] is True
+        assert not (out / "log_cpu-only.txt").exists()
 
     def test_help_exits_0(self, tmp_path):
         proc = run_wrapper("-h", cwd=tmp_path)

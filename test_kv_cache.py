@@ -6536,7 +6536,9 @@ class TestTensorParallel:
         nvme.write("k", np.zeros(shards * 2 * piece // 2, dtype=np.float16))            # 2 chunks a shard
         fds = list(dict.fromkeys(order))
         assert len(fds) == shards
-        assert order[:2 * shards] == fds + fds                      # chunk j of every shard before chunk j + 1
+        # Chunk j of every shard before chunk j + 1. Within a round the order is the I/O threads'
+        # scheduling (an earlier run's idle pool threads race for the second round): not compared.
+        assert sorted(order[:shards]) == sorted(order[shards:2 * shards]) == sorted(fds)
 
     def test_verify_checks_sharded_entries_whole(self, tmp_path):
         model = kv.MODELS["deepseek-v3"]                           # 70,272 bytes/token: shards start mid-block

@@ -3761,11 +3761,12 @@ def recorded_run(run, cache_dir: Path) -> dict:
 def capacity_run(tmp_path_factory):
     """`--autoscaler-mode capacity` from 2 users, a stage every 1.5 s (as long as an added user's
     longest first think time, so the users a stage adds are heard from within it); it ends at the
-    first drop, at the latest after 6 s (four stages)."""
+    first drop, at the latest after 6.7 s: four stages judged, the last at 6 s, and no final window
+    (0.7 s is under half an interval), so a run stopped by its duration never judged a stage at its end."""
     def make():
         cache_dir = tmp_path_factory.mktemp("capacity")
         run = run_in_process(*SMALL_RUN, "--num-users", "2", "--seed", "42", "--cache-dir", cache_dir, "--duration",
-                             "6", "--cpu-mem-gb", "0.05", "--monitor-interval", "1.5", "--enable-autoscaling",
+                             "6.7", "--cpu-mem-gb", "0.05", "--monitor-interval", "1.5", "--enable-autoscaling",
                              "--autoscaler-mode", "capacity", "--quiet", benchmark=RecordingBenchmark)
         return recorded_run(run, cache_dir)
     return once_per_session(tmp_path_factory, "capacity_run", make)

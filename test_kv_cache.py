@@ -6533,13 +6533,17 @@ class TestTensorParallel:
                 first_round.wait()
             real(fd, buf, off)
         monkeypatch.setattr(kv, "_pwrite_all", pwrite)
+        # A fresh I/O pool makes a thread per transfer issued, so the writes reach pwrite in the order
+        # they were issued; the idle threads an earlier in-process run left race for them instead.
+        monkeypatch.setattr(kv, "_IO_POOL", None)
         piece = min(kv.IO_CHUNK_BYTES, kv.STAGING_BYTES // shards)
-        nvme.write("k", np.zeros(shards * 2 * piece // 2, dtype=np.float16))            # 2 chunks a shard
+        try:
+            nvme.write("k", np.zeros(shards * 2 * piece // 2, dtype=np.float16))        # 2 chunks a shard
+        finally:
+            kv._io_pool().shutdown(wait=False)
         fds = list(dict.fromkeys(order))
         assert len(fds) == shards
-        # Chunk j of every shard before chunk j + 1. Within a round the order is the I/O threads'
-        # scheduling (an earlier run's idle pool threads race for the second round): not compared.
-        assert sorted(order[:shards]) == sorted(order[shards:2 * shards]) == sorted(fds)
+        assert order[:2 * shards] == fds + fds                      # chunk j of every shard before chunk j + 1
 
     def test_verify_checks_sharded_entries_whole(self, tmp_path):
         model = kv.MODELS["deepseek-v3"]                           # 70,272 bytes/token: shards start mid-block

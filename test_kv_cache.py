@@ -1,7 +1,8 @@
 """Tests for kv-cache.py, one class per section of the file.
 
-Run:  python -m pytest test_kv_cache.py -q          (everything; about four minutes on two cores)
+Run:  python -m pytest test_kv_cache.py -q          (everything, in one process)
       python -m pytest test_kv_cache.py -q -m "not slow"   (no end-to-end runs; under a minute)
+      python -m pytest test_kv_cache.py -q -n 2     (two processes: about two and a half minutes on two cores)
       python -m pytest test_kv_cache.py -q -n 4     (in parallel, with pytest-xdist)
 
 Every end-to-end run goes through one of two helpers: run_cli (the command line, in a subprocess)
@@ -7664,17 +7665,17 @@ class TestWrapper:
     @pytest.mark.slow
     @pytest.mark.parametrize("to_group", [False, True], ids=["kill -INT wrapper", "Ctrl-C to the group"])
     def test_sigint_ends_the_suite_with_130_and_runs_no_further_scenario(self, tmp_path, to_group):
-        out = tmp_path / "out"                     # storage-only first: a 0.5 GiB CPU tier to map, not -C's 1
+        out = tmp_path / "out"
         proc = subprocess.Popen(["bash", str(WRAPPER), "-m", "tiny-1b", "-t", "60", "-u", "4", "-C", "1",
-                                 "-w", "storage-only,cpu-only", "-c", tmp_path / "cache", "-o", out],
+                                 "-w", "cpu-only,storage-only", "-c", tmp_path / "cache", "-o", out],
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=fake_nvidia_smi(tmp_path / "bin", NO_GPU) | {"PYTHON": sys.executable},
                                 start_new_session=True)
         try:
             for line in proc.stdout:
-                if line.startswith(">>> storage-only"):
+                if line.startswith(">>> cpu-only"):
                     break
-            log = out / "log_storage-only.txt"
+            log = out / "log_cpu-only.txt"
             while "Running" not in (log.read_text() if log.exists() else ""):
                 time.sleep(0.1)
             os.killpg(proc.pid, signal.SIGINT) if to_group else proc.send_signal(signal.SIGINT)
@@ -7684,10 +7685,10 @@ class TestWrapper:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
         assert proc.returncode == 130, stderr
-        assert "Stopped by SIGINT: no further scenario runs." in stderr and ">>> cpu-only" not in stdout
-        assert (out / "status.tsv").read_text() == "storage-only\tinterrupted (SIGINT, exit 130)\n"
-        assert json.loads((out / "results_storage-only.json").read_text())["interrupted"] is True
-        assert not (out / "log_cpu-only.txt").exists()
+        assert "Stopped by SIGINT: no further scenario runs." in stderr and ">>> storage-only" not in stdout
+        assert (out / "status.tsv").read_text() == "cpu-only\tinterrupted (SIGINT, exit 130)\n"
+        assert json.loads((out / "results_cpu-only.json").read_text())["interrupted"] is True
+        assert not (out / "log_storage-only.txt").exists()
 
     def test_help_exits_0(self, tmp_path):
         proc = run_wrapper("-h", cwd=tmp_path)

@@ -155,6 +155,14 @@ def gpu_device_or_skip():
         pytest.skip(f"no usable CUDA device: {exc}")
 
 
+def as_from_a_terminal() -> None:
+    """In a child before exec: SIGINT at its default and no signal blocked, as a terminal's shell
+    starts a command. A test process may have inherited otherwise (bash cannot trap a signal that
+    was ignored when it started, and a blocked one never arrives)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def run_cli(*args, cwd, timeout=90, env=None, preexec_fn=None, launcher=(), code=None, while_running=None):
     """The one way the tests start the benchmark as users do: `python kv-cache.py ARGS` in a subprocess,
     its output captured as text; returns the CompletedProcess.
@@ -7670,7 +7678,7 @@ class TestWrapper:
                                  "-w", "cpu-only,storage-only", "-c", tmp_path / "cache", "-o", out],
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=fake_nvidia_smi(tmp_path / "bin", NO_GPU) | {"PYTHON": sys.executable},
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=as_from_a_terminal)
         try:
             for line in proc.stdout:
                 if line.startswith(">>> cpu-only"):

@@ -1386,12 +1386,11 @@ class InferenceRequest:
         return (self.complete_time - self.submit_time) * 1000.0
 
 
-PERSONA_MIX = (("chatbot", 0.5), ("coding", 0.3), ("document", 0.2))
-
-
 @dataclass
 class UserProfile:
-    """A simulated user: its persona's typical request and its QoS class."""
+    """A simulated user, drawn once from its persona's ranges (as the original): the longest
+    context and generation of its requests (each request draws between a quarter of each and
+    all of it), the mean of its think times, and its QoS class."""
     user_id: str
     context_length: int
     generation_length: int
@@ -1404,15 +1403,6 @@ class UserProfile:
     def __post_init__(self) -> None:
         if self.persona is None:
             self.persona = BUILT_IN_TUNABLES.user_templates.persona(self.user_type)
-
-
-def _weighted_choice(rng: random.Random, weighted: Sequence[Tuple[Any, float]]) -> Any:
-    u = rng.random() * sum(w for _, w in weighted)
-    for item, weight in weighted:
-        u -= weight
-        if u < 0:
-            return item
-    return weighted[-1][0]
 
 
 class UserSimulator:
@@ -1439,8 +1429,9 @@ class UserSimulator:
     @classmethod
     def generate_mixed_user(cls, user_id: str, rng: random.Random,
                             tunables: Tunables = BUILT_IN_TUNABLES) -> UserProfile:
-        """A user of a persona drawn from PERSONA_MIX and a QoS class drawn from the distribution."""
-        user_type, qos = _weighted_choice(rng, PERSONA_MIX), tunables.qos_distribution.draw(rng)
+        """A user of a persona drawn uniformly (as the original's random.choice) and a QoS class
+        drawn from the distribution."""
+        user_type, qos = rng.choice(PERSONA_NAMES), tunables.qos_distribution.draw(rng)
         priority = getattr(tunables.qos_profiles, qos.value).priority
         return cls.generate_user(user_id, user_type, priority, qos, rng, tunables)
 
@@ -1585,7 +1576,7 @@ class PlannedRequest:
     turn: int                  # turn within it, from 1
     context_tokens: int
     generate_tokens: int
-    think_time_s: float        # pause after the previous request completes
+    think_time_s: float        # pause after the user's previous request fell due (open loop)
     prefix_key: Optional[str]
     rag_draw: float = 1.0      # a RAG query when below rag.request_probability (and --enable-rag)
 
@@ -1606,6 +1597,17 @@ def conversation_turns(rng: random.Random, most: int, p_end: Optional[float]) ->
     return turns
 
 
+def draw_think_time(user: UserProfile, rng: random.Random) -> float:
+    """One pause of `user` before a request: its think time x U(0.8, 1.2), as the original."""
+    return user.think_time * rng.uniform(0.8, 1.2)
+
+
+def first_arrival_s(user: UserProfile, rng: random.Random) -> float:
+    """When `user`'s first request falls due: uniformly within its longest think pause, so that
+    users start spread out (the original's users all think first, from 0.8 of their pause on)."""
+    return rng.uniform(0.0, 1.2 * user.think_time)
+
+
 class UserPlan(Protocol):
     """One user's requests, planned from the seed alone: what the schedulers and the digest use."""
     profile: UserProfile
@@ -1620,8 +1622,9 @@ class SyntheticUserPlan:
     """The endless, seeded sequence of one user's requests (a UserPlan).
 
     Its generator belongs to this user alone and advances one request at a
-    time, when the user's previous request has completed (a user has one
-    request in flight), so the sequence never depends on thread timing.
+    time, when the user's previous request is taken by a worker (the arrivals
+    hold at most one waiting request per user), so the sequence never depends
+    on thread timing.
     """
 
     def __init__(self, profile: UserProfile, seed: int, user_index: int, matcher: PrefixMatcher,
@@ -1632,7 +1635,6 @@ class SyntheticUserPlan:
         self._rng = random.Random(derive_seed(seed, "user-plan", user_index))
         self._matcher = matcher
         self._conversation_tunables = conversation
-        self._persona = profile.persona
         self._turns = (conversation.max_turns_per_conv, conversation.end_conversation_probability)
         self._conversation = 0
         self._turn = 0
@@ -1647,13 +1649,11 @@ class SyntheticUserPlan:
         return self._plan_one()
 
     def first_arrival_s(self) -> float:
-        """Users do not all arrive at t=0: each starts within its first think time."""
-        r = random.Random(derive_seed(self._seed, "first-arrival", self.user_index))
-        return r.uniform(0.0, self._persona.think_time_s[1])
+        """Users do not all arrive at t=0: each starts within its longest think pause."""
+        return first_arrival_s(self.profile, random.Random(derive_seed(self._seed, "first-arrival", self.user_index)))
 
     def _plan_one(self) -> PlannedRequest:
-        r = self._rng
-        persona = self._persona
+        r, user = self._rng, self.profile
         if self._turn >= self._turns_planned:
             self._conversation += 1
             self._turn = 0
@@ -1663,9 +1663,9 @@ class SyntheticUserPlan:
         return PlannedRequest(
             conversation=self._conversation,
             turn=self._turn,
-            context_tokens=r.randint(*persona.context_tokens),
-            generate_tokens=r.randint(*persona.generate_tokens),
-            think_time_s=r.uniform(*persona.think_time_s),
+            context_tokens=r.randint(max(1, user.context_length // 4), user.context_length),
+            generate_tokens=r.randint(max(1, user.generation_length // 4), user.generation_length),
+            think_time_s=draw_think_time(user, r),
             prefix_key=prefix.cache_key if prefix else None,
             rag_draw=r.random(),
         )
@@ -2023,8 +2023,7 @@ class DatasetUserPlan:
         return [fresh.next_request() for _ in range(count)]
 
     def first_arrival_s(self) -> float:
-        r = random.Random(derive_seed(self._seed, "first-arrival", self.user_index))
-        return r.uniform(0.0, self.profile.persona.think_time_s[1])
+        return first_arrival_s(self.profile, random.Random(derive_seed(self._seed, "first-arrival", self.user_index)))
 
     def next_request(self) -> PlannedRequest:
         conv = self._current()
@@ -2035,7 +2034,7 @@ class DatasetUserPlan:
         context, generate = conv.turns[self._turn]
         self._turn += 1
         return PlannedRequest(self._conversation + 1, self._turn, context, generate,
-                              self._rng.uniform(*self.profile.persona.think_time_s), None, self._rng.random())
+                              draw_think_time(self.profile, self._rng), None, self._rng.random())
 
     def _current(self) -> DatasetConversation:
         index = (self.user_index + self._conversation * self._num_users) % len(self._conversations)
@@ -2613,6 +2612,7 @@ class Transfer:
         self._clock = BusyClock()
         self._t0, self._t1 = time.perf_counter(), None
         self._untimed_s = 0.0
+        self.waited_s = 0.0                               # its wait for a staging area
 
     def __enter__(self) -> "Transfer":
         if self._pool is not None:
@@ -2622,7 +2622,8 @@ class Transfer:
             except IOAborted as exc:                      # stopped while waiting for an area
                 self._record_failure(exc)
                 raise
-        self._t0 = time.perf_counter()
+        now = time.perf_counter()
+        self.waited_s, self._t0 = now - self._t0, now
         return self
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> bool:
@@ -4918,6 +4919,7 @@ class CacheResult:
     latency_s: float
     tokens: int
     aborted: bool = False
+    wait_s: float = 0.0          # of latency_s: waiting for a slot (--max-concurrent-allocs) or a staging area
 
 
 @dataclass
@@ -5167,22 +5169,24 @@ class MultiTierCache:
             return CacheResult(False, None, 0.0, 0)
         if self._alloc_slots is not None:
             self._alloc_slots.acquire()
+        slot_wait_s = time.perf_counter() - t0
         try:
-            success, tier, tokens, aborted = self._allocate(key, num_tokens, phase, first_tier)
+            success, tier, tokens, aborted, area_wait_s = self._allocate(key, num_tokens, phase, first_tier)
         finally:
             if self._alloc_slots is not None:
                 self._alloc_slots.release()
-        return CacheResult(success, tier, time.perf_counter() - t0, tokens, aborted)
+        return CacheResult(success, tier, time.perf_counter() - t0, tokens, aborted, slot_wait_s + area_wait_s)
 
     def _allocate(self, key: str, num_tokens: int, phase: InferencePhase,
-                  first_tier: int) -> Tuple[bool, Optional[str], int, bool]:
-        """(success, tier, tokens moved: the entry's and its demotions', aborted)."""
+                  first_tier: int) -> Tuple[bool, Optional[str], int, bool, float]:
+        """(success, tier, tokens moved: the entry's and its demotions', aborted, its transfer's
+        wait for a staging area)."""
         model = self.model_config
         size = num_tokens * model.kv_cache_size_per_token
         with self._lock:
             old = self._entries.get(key)
             if old is not None and old.state != "ready":
-                return True, old.tier, 0, False
+                return True, old.tier, 0, False, 0.0
             if old is not None:
                 self._forget(old)
             entry = CacheEntry(key, size, num_tokens, shape=model.entry_shape(num_tokens), dtype=model.numpy_dtype.str)
@@ -5193,21 +5197,22 @@ class MultiTierCache:
         if tier is None:
             self._drop(entry, reserved_tier=None)
             self.stats.count("allocation_failures")
-            return False, None, demoted, False
+            return False, None, demoted, False, 0.0
         source = EntrySource.generated(self.generator, key, size, entry.shape, entry.dtype)
         reason = "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE) else "decode"
+        transfer = self._transfer(tier, "write", size, self.config.verify, reason)
         try:
-            with self._transfer(tier, "write", size, self.config.verify, reason) as transfer:
+            with transfer:
                 self.backends[tier].write_from(key, source, transfer)
         except (OSError, IOAborted) as exc:             # counted by the transfer
             self._drop(entry, reserved_tier=tier)
-            return False, None, demoted, isinstance(exc, IOAborted)
+            return False, None, demoted, isinstance(exc, IOAborted), transfer.waited_s
         with self._lock:
             entry.checksum = transfer.crc if self.config.verify else None
             entry.tier, entry.state = tier, "ready"
             self._lru[tier][key] = None
         transfer.record(num_tokens)
-        return True, tier, num_tokens + demoted, False
+        return True, tier, num_tokens + demoted, False, transfer.waited_s
 
     def _reserve(self, size: int, first_tier_index: int, depth: int = 0) -> Tuple[Optional[str], int]:
         """Reserve `size` bytes in the fastest tier from `first_tier_index` on, demoting LRU entries
@@ -5315,6 +5320,7 @@ class MultiTierCache:
         if cache_type not in _HIT_COUNTER:
             raise ValueError(f"cache_type must be one of {CACHE_TYPES}, not {cache_type!r}")
         reason = "decode" if phase == InferencePhase.DECODE else "prefill"
+        waited_s = 0.0
         for _ in range(4):                                 # an entry can move while we reach for it
             with self._lock:
                 entry = self._entries.get(key)
@@ -5324,15 +5330,18 @@ class MultiTierCache:
                 if key in self._lru[tier]:
                     self._lru[tier].move_to_end(key)
             verify = entry.checksum is not None
+            transfer = self._transfer(tier, "read", entry.size_bytes, verify, reason)
             try:
-                with self._transfer(tier, "read", entry.size_bytes, verify, reason) as transfer:
+                with transfer:
                     self.backends[tier].read_into(key, self._sink, transfer)
             except KeyError:
                 continue
             except IOAborted:                          # the run is stopping: neither hit nor miss (counted)
-                return CacheResult(False, None, time.perf_counter() - t0, 0, aborted=True)
+                return CacheResult(False, None, time.perf_counter() - t0, 0, True, waited_s + transfer.waited_s)
             except OSError:                            # counted by the transfer
                 break
+            finally:
+                waited_s += transfer.waited_s
             with self._lock:
                 replaced = self._entries.get(key) is not entry
             if replaced:                               # rewritten while we read: those were another entry's bytes
@@ -5341,9 +5350,9 @@ class MultiTierCache:
             transfer.record(entry.num_tokens)
             if verify:
                 self._check_read(key, tier, entry.checksum, transfer.crc)
-            return CacheResult(True, tier, time.perf_counter() - t0, entry.num_tokens)
+            return CacheResult(True, tier, time.perf_counter() - t0, entry.num_tokens, wait_s=waited_s)
         self.stats.record_lookup(cache_type, hit=False)
-        return CacheResult(False, None, time.perf_counter() - t0, 0)
+        return CacheResult(False, None, time.perf_counter() - t0, 0, wait_s=waited_s)
 
     def _check_read(self, key: str, tier: str, expected: int, actual: int) -> None:
         self.stats.count("verify_checked")
@@ -6303,6 +6312,8 @@ class RequestRecord:
     decode_s: float
     generation_s: float
     tokens_moved: int = 0         # tokens this request's cache operations read or wrote (demotions included)
+    decoded_tokens: int = 0       # generated with decode reads (a prefill-only request's count 0)
+    storage_wait_s: float = 0.0   # of storage_s: waiting for a slot or a staging area
 
 
 class RunRecorder:
@@ -6964,7 +6975,8 @@ def format_replay_report(r: Dict[str, Any]) -> str:
 class Arrivals:
     """Where the engine's requests come from: it seeds the source with the run's start, runs
     `run` in a thread of its own (which queues requests until the stop), tells it of each
-    completion (`release`) and, with the autoscaler, of a new user count."""
+    request a worker takes (`taken`) and completes (`release`) and, with the autoscaler, of
+    a new user count."""
     admitted: int                                # requests queued so far
 
     @property
@@ -6977,8 +6989,11 @@ class Arrivals:
     def run(self) -> None:
         raise NotImplementedError
 
+    def taken(self, user_index: int) -> None:
+        """A worker took the user's request from the queue."""
+
     def release(self, user_index: int) -> None:
-        raise NotImplementedError
+        """The user's request completed."""
 
     def set_active_users(self, count: int, now: Optional[float] = None) -> None:
         """The autoscaler's new user count (UsageError where the source sets the load itself)."""
@@ -6990,11 +7005,16 @@ class Arrivals:
 
 
 class ArrivalScheduler(Arrivals):
-    """Releases each user's next request `think_time` after its previous one completed.
+    """Open loop, as the original: each user's next request falls due `think_time` after its
+    previous one fell due, whether or not that one was served, and waits in the priority queue
+    (by QoS priority, then due time) for a worker.
 
-    One thread and a heap replace the original's thread per user, so 100,000
-    users cost 100,000 heap entries, not 100,000 threads. A user has at most
-    one request in the system (a person waits for the answer before typing).
+    One thread and a heap replace the original's thread per user, so 100,000 users cost
+    100,000 heap entries, not 100,000 threads. A backlog costs no memory either: the queue
+    holds a user's oldest due request only; when a worker takes it, the user's next one is
+    planned at once, due `think_time` later, and queued by that worker if that time has passed.
+    A request's `submit_time` is when it fell due, so its queue wait includes the backlog; the
+    order in which workers take requests is the original's, whose queue held every due request.
     """
 
     def __init__(self, plan: WorkloadPlan, build_request: Callable[[int, PlannedRequest], InferenceRequest],
@@ -7013,7 +7033,8 @@ class ArrivalScheduler(Arrivals):
         # --request-rate: admissions at most every 1/rate s (constant-rate pacing; due requests wait)
         self._min_gap_s = 1.0 / request_rate if request_rate > 0 else 0.0
         self._next_admission = 0.0
-        self._in_system: set = set()            # users with a planned arrival or a request in flight
+        self._in_system: set = set()            # users with a planned arrival or a request waiting
+        self._due: Dict[int, float] = {}        # each user's last request's due time
         self.admitted = 0
 
     @property
@@ -7025,8 +7046,8 @@ class ArrivalScheduler(Arrivals):
         self.set_active_users(self._plan.num_users, t0)
 
     def set_active_users(self, count: int, now: Optional[float] = None) -> None:
-        """Grow or shrink the load: new users arrive within their first think time;
-        retired users finish the request they have in flight and send no more."""
+        """Grow or shrink the load: new users arrive after their first think time;
+        retired users' requests already queued are served, and they send no more."""
         now = time.perf_counter() if now is None else now
         self._plan.ensure_users(count)
         with self._cond:
@@ -7044,20 +7065,42 @@ class ArrivalScheduler(Arrivals):
         thread.start()
         return thread
 
-    def release(self, user_index: int) -> None:
-        """The user's request completed: plan its next one (unless the user was retired)."""
+    def taken(self, user_index: int) -> None:
+        """The user's waiting request was taken: plan its next one (unless the user was retired);
+        overdue (a backlog) and unpaced, it is queued at once, as it already was in the original."""
         with self._cond:
             if user_index >= self._active_users:
                 self._in_system.discard(user_index)
                 return
         planned = self._plan.plans[user_index].next_request()
         with self._cond:
-            self._push(time.perf_counter() + planned.think_time_s, user_index, planned)
-            self._cond.notify()
+            due = self._due[user_index] + planned.think_time_s
+            if due > time.perf_counter() or self._min_gap_s or not self._admit(user_index):
+                self._push(due, user_index, planned)
+                self._cond.notify()
+                return
+            self._due[user_index] = due
+        self._enqueue(due, user_index, planned)
 
     def _push(self, due: float, user_index: int, planned: PlannedRequest) -> None:
         self._in_system.add(user_index)
+        self._due[user_index] = due
         heapq.heappush(self._heap, (due, next(self._ticket), user_index, planned))
+
+    def _admit(self, user_index: int) -> bool:
+        """Under the lock: whether the user's due request goes into the queue (counted)."""
+        if user_index >= self._active_users:
+            self._in_system.discard(user_index)          # retired by the autoscaler
+            return False
+        if self._max_requests and self.admitted >= self._max_requests:
+            return False                                 # admission closed; the run ends when these complete
+        self.admitted += 1
+        return True
+
+    def _enqueue(self, due: float, user_index: int, planned: PlannedRequest) -> None:
+        request = self._build(user_index, planned)
+        request.submit_time = due                        # it waited from the moment it fell due (or was paced to)
+        self._queue.put((-request.priority, (due, next(self._queue_seq)), request))
 
     def run(self) -> None:
         while not self._stop.is_set():
@@ -7072,16 +7115,11 @@ class ArrivalScheduler(Arrivals):
                     self._cond.wait(min(wait, 0.1))
                     continue
                 heapq.heappop(self._heap)
-                if user_index >= self._active_users:
-                    self._in_system.discard(user_index)      # retired by the autoscaler
+                if not self._admit(user_index):
                     continue
-                if self._max_requests and self.admitted >= self._max_requests:
-                    continue                    # admission closed; the run ends when these complete
-                self.admitted += 1
                 if self._min_gap_s:
                     self._next_admission = max(time.perf_counter(), self._next_admission) + self._min_gap_s
-            request = self._build(user_index, planned)
-            self._queue.put((-request.priority, next(self._queue_seq), request))
+            self._enqueue(due, user_index, planned)
 
 
 class BurstArrivals(Arrivals):
@@ -7189,9 +7227,11 @@ class RequestIO:
     decode_s: float = 0.0
     tokens: int = 0
     aborted: bool = False
+    wait_s: float = 0.0
 
     def add(self, phase: str, result: CacheResult) -> CacheResult:
         self.storage_s += result.latency_s
+        self.wait_s += result.wait_s
         if phase == "decode":
             self.decode_s += result.latency_s
         else:
@@ -7525,7 +7565,7 @@ class IntegratedBenchmark:
             request_id=f"{user.user_id}_req_{self._request_numbers[user_index]}",
             timestamp=time.time(),
             context_tokens=planned.context_tokens,
-            generate_tokens=0 if prefill_only else planned.generate_tokens,
+            generate_tokens=planned.generate_tokens,
             priority=user.priority,
             phase=InferencePhase.PREFILL if prefill_only else InferencePhase.PREFILL_DECODE,
             qos_level=user.qos_level,
@@ -7550,6 +7590,7 @@ class IntegratedBenchmark:
             _, _, request = self.request_queue.get(timeout=0.05)
         except queue.Empty:
             return
+        self.scheduler.taken(request.user_index)
         self.recorder.begin()
         try:
             record = self._process(request)
@@ -7570,9 +7611,10 @@ class IntegratedBenchmark:
             return None
         req.complete_time = time.perf_counter()
         generated = 1 if self.role == "prefill-only" else req.generate_tokens   # a prefill node emits the first token
+        decoded = 0 if self.role == "prefill-only" or req.phase is InferencePhase.PREFILL else generated
         return RequestRecord(req.qos_level.value, req.context_tokens, generated,
                              req.complete_time - req.submit_time, req.start_time - req.submit_time,
-                             io.storage_s, io.prefill_s, io.decode_s, generation_s, io.tokens)
+                             io.storage_s, io.prefill_s, io.decode_s, generation_s, io.tokens, decoded, io.wait_s)
 
     def _prefill(self, req: InferenceRequest, io: RequestIO) -> None:
         """The prefill: shared prefix, multi-turn resume (every earlier turn), RAG chunks, then the
@@ -7596,28 +7638,28 @@ class IntegratedBenchmark:
 
     def _decode(self, req: InferenceRequest, io: "RequestIO") -> Optional[float]:
         """Decode reads of the request's context interleaved with simulated generation (a decode
-        node then writes the generated tokens' KV); None when the run stopped first."""
-        if req.phase is InferencePhase.PREFILL or req.generate_tokens <= 0:
-            return 0.0
+        node then writes the generated tokens' KV); None when the run stopped first. A
+        prefill-only request (a context of PREFILL_ONLY_CONTEXT_TOKENS or more) reads nothing but
+        still generates its tokens, as the original."""
         decode_node = self.role == "decode-only"
         key = decode_context_key(req.user_index) if decode_node else req.cache_key
         per_token_s = getattr(self.config.tunables.generation_timing, self.config.generation_mode.value)
         batch = self.config.tunables.decode.batch_size        # tokens per decode read (DECODE_TOKENS_PER_READ)
-        reads = 1 + req.generate_tokens // batch
-        steps = -(-req.generate_tokens // batch)
+        steps = -(-max(req.generate_tokens, 0) // batch)         # ceil(g / batch)
+        reading = req.phase is not InferencePhase.PREFILL and steps > 0
         generation_s = 0.0
-        for step in range(max(reads, steps)):
+        for step in range(-1 if reading else 0, steps):           # step -1: the first read, before any token
             if self._stop.is_set():
                 return None
-            if step < reads:
+            if reading:                                           # 1 + ceil(g / batch) reads, as the original
                 io.add("decode", self.cache.read_entry(key, InferencePhase.DECODE, "user"))
-            if step < steps and per_token_s > 0:
+            if step >= 0 and per_token_s > 0:
                 tokens = min(batch, req.generate_tokens - step * batch)
                 t = time.perf_counter()
                 if self._stop.wait(tokens * per_token_s):
                     return None
                 generation_s += time.perf_counter() - t
-        if decode_node:
+        if decode_node and reading:
             io.add("decode", self.cache.write_entry(f"{req.cache_key}_generated", req.generate_tokens,
                                                     InferencePhase.DECODE))
         return generation_s
@@ -7726,7 +7768,8 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
     records, cache_stats = m.records, cache_figures(m)
     latencies = {key: latency_summary_ms([getattr(r, field) for r in records]) for key, field in
                  (("end_to_end_latency_ms", "end_to_end_s"), ("storage_io_latency_ms", "storage_s"),
-                  ("generation_latency_ms", "generation_s"), ("queue_wait_latency_ms", "queue_wait_s"))}
+                  ("generation_latency_ms", "generation_s"), ("queue_wait_latency_ms", "queue_wait_s"),
+                  ("storage_wait_latency_ms", "storage_wait_s"))}
     multi_hits, multi_misses = cache_stats["multi_turn_hits"], cache_stats["multi_turn_misses"]
     summary = {
         **_request_figures(m),
@@ -7797,17 +7840,26 @@ def _request_figures(m: RunMeasurements) -> Dict[str, Any]:
     """Counts and rates of the completed requests over the measured window (under MPI: each
     rank's over its own window, summed)."""
     parts, records = m.ranks or [m], m.records
-    tokens_per_s = sum(_ratio(sum(r.generate_tokens for r in p.records), p.elapsed_s) for p in parts)
+
+    def rate(numerator: Callable[[RequestRecord], float], per_second_of: str) -> float:
+        """Each rank's Σ numerator / its elapsed time or its requests' Σ storage_s, summed over
+        the ranks (as the harness sums the ranks' figures)."""
+        return sum(_ratio(sum(numerator(r) for r in p.records),
+                          p.elapsed_s if per_second_of == "wall" else sum(r.storage_s for r in p.records))
+                   for p in parts)
+    tokens_per_s = rate(lambda r: r.generate_tokens, "wall")
     return {
         "total_requests": len(records),
         "total_tokens": sum(r.generate_tokens for r in records),
+        "total_tokens_decoded": sum(r.decoded_tokens for r in records),
         "elapsed_time": m.elapsed_s,
         "shutdown_tail_s": m.shutdown_tail_s,
         "avg_throughput_tokens_per_sec": tokens_per_s,
         "total_tokens_per_sec": tokens_per_s,
-        "storage_throughput_tokens_per_sec": _ratio(sum(r.tokens_moved for r in records),
-                                                    sum(r.storage_s for r in records)),
-        "requests_per_second": sum(_ratio(len(p.records), p.elapsed_s) for p in parts),
+        "decoded_tokens_per_sec": rate(lambda r: r.decoded_tokens, "wall"),
+        "storage_throughput_tokens_per_sec": rate(lambda r: r.generate_tokens, "storage I/O"),
+        "cache_io_throughput_tokens_per_sec": rate(lambda r: r.tokens_moved, "storage I/O"),
+        "requests_per_second": rate(lambda r: 1, "wall"),
     }
 
 
@@ -7993,10 +8045,13 @@ def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str,
     _heading(add, "OVERALL PERFORMANCE")
     add(f"  Total Requests: {s['total_requests']:,} (admitted {s['requests_admitted']:,}, "
         f"abandoned at stop {s['requests_abandoned']:,})")
-    add(f"  Total Tokens Generated: {s['total_tokens']:,}")
+    add(f"  Total Tokens Generated: {s['total_tokens']:,} ({s['total_tokens_decoded']:,} with decode reads; "
+        f"prefill-only requests count their planned tokens, as the original)")
     add(f"  Avg Throughput: {s['avg_throughput_tokens_per_sec']:,.2f} tok/s (generated tokens / wall time)")
     add(f"  Storage Throughput: {s['storage_throughput_tokens_per_sec']:,.2f} tok/s "
-        f"(tokens moved by cache I/O / time spent in cache I/O)")
+        f"(generated tokens / the requests' summed storage I/O time, as MLPerf Storage v3.0)")
+    add(f"  Cache I/O Throughput: {s['cache_io_throughput_tokens_per_sec']:,.2f} tok/s "
+        f"(tokens moved by cache I/O / the same summed time)")
     add(f"  Storage Tier Throughput: {cs['nvme_throughput']:,.2f} tok/s "
         f"(storage-tier tokens read + written / wall time)")
     add(f"  Storage Tier Bandwidth: read {cs['nvme_read_gib_per_sec_wall']:.3f} GB/s, "
@@ -8027,7 +8082,8 @@ def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str,
 def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
     _heading(add, "LATENCY BREAKDOWN")
     for label, key in (("End-to-End", "end_to_end"), ("Queue Wait (measured)", "queue_wait"),
-                       ("Storage I/O", "storage_io"), ("Generation (simulated)", "generation")):
+                       ("Storage I/O", "storage_io"), ("  of it, waiting for a slot", "storage_wait"),
+                       ("Generation (simulated)", "generation")):
         add(_fmt_latency(label, s[f"{key}_latency_ms"]))
     # Seed 000's summary lines, labels kept for existing parsers; values in seconds as there.
     e2e, sio = s["end_to_end_latency_ms"], s["storage_io_latency_ms"]
@@ -8253,6 +8309,9 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
         "Storage Write P95 (ms)": cs("nvme_write_p95_ms"),
         "E2E Latency Mean (ms)": s("end_to_end_latency_ms", "mean"),
         "Queue Wait Mean (ms)": s("queue_wait_latency_ms", "mean"),
+        "Storage Wait Mean (ms)": s("storage_wait_latency_ms", "mean"),
+        "Cache I/O Throughput (tok/s)": s("cache_io_throughput_tokens_per_sec"),
+        "Tokens Decoded": s("total_tokens_decoded"),
         "Multi-turn Hit Rate": s("multi_turn_stats", "hit_rate"),
         "GPU Entries": cs("gpu_entries"),
         "CPU Entries": cs("cpu_entries"),

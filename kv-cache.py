@@ -52,7 +52,7 @@ Sections, in the order data flows through the program (each uses only those abov
     PRECONDITIONING                   --precondition: the drive aged before the timer
     TRACE REPLAY                      --replay-io-trace: a trace's storage rows issued open loop
     RUN MEASUREMENTS                  RequestIO, RunMeasurements: what a run hands the results
-    ARRIVALS                          closed-loop users (ArrivalScheduler), BurstGPT rows (BurstArrivals)
+    ARRIVALS                          open-loop users (ArrivalScheduler), BurstGPT rows (BurstArrivals)
     BENCHMARK ENGINE                  workers, request flow
     RESULTS: PUT TOGETHER ONCE        assemble_results and the figures it computes
     CONSOLE REPORT                    format_report: a pure function of the results
@@ -6969,7 +6969,7 @@ def format_replay_report(r: Dict[str, Any]) -> str:
 
 
 # ============================================================================
-# ARRIVALS: WHEN REQUESTS COME (closed-loop users, BurstGPT rows)
+# ARRIVALS: WHEN REQUESTS COME (open-loop users, BurstGPT rows)
 # ============================================================================
 
 class Arrivals:

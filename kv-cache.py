@@ -997,14 +997,15 @@ class BenchmarkConfig:
             ("--num-workers", self.worker_slots, 0, 1024, "0 (the default) or between 1 and 1024"),
             ("--monitor-interval", self.monitor_interval_s, 0.1, 3600, "between 0.1 and 3600 seconds"),
             ("--storage-capacity-gb", self.storage_capacity_gb, 0, MAX_STORAGE_CAPACITY_GB,
-             "0 (95% of the free space) or a positive size in GiB"),
+             "0 (95% of the free space) or a positive size in GiB", "cannot be negative"),
             ("--seed", self.seed, 0, 2 ** 63 - 1, "a non-negative integer below 2**63"),
             ("--precondition-size-gb", self.precondition_size_gb, 0, MAX_STORAGE_CAPACITY_GB,
              "0 (twice the storage tier's capacity) or a size in GiB", "cannot be negative"),
             ("--precondition-threads", self.precondition_threads, 0, 1024, "0 (one per core) to 1024",
              "cannot be negative"),
             ("--num-gpus", self.num_gpus, 1, MAX_GPUS, f"between 1 and {MAX_GPUS:,}"),
-            ("--trace-speedup", self.trace_speedup, 1e-6, 1e6, "above 0 and at most 1,000,000"),
+            ("--trace-speedup", self.trace_speedup, 0, 1e6, "0 (no pacing: as fast as possible) or a factor up "
+             "to 1,000,000", "cannot be negative"),
             ("--replay-cycles", self.replay_cycles, 0, 10 ** 9, "0 (until the run stops) or a positive count",
              "cannot be negative"),
             ("--tensor-parallel", self.tensor_parallel, 1, MAX_GPUS, f"between 1 and {MAX_GPUS:,}")]
@@ -6803,6 +6804,7 @@ merge_precondition = functools.partial(merge_figures, sums=("target_gb", "writte
 
 REPLAY_WORKERS = STAGING_AREAS          # operations in flight at once (one staging area each)
 REPLAY_ERRORS_LOGGED = 10               # I/O errors named one by one; the rest are counted
+REPLAY_BACKLOG = 4 * REPLAY_WORKERS     # operations issued and not done, at most (memory stays bounded)
 
 
 @dataclass(frozen=True)
@@ -6840,11 +6842,13 @@ def storage_trace_ops(path: str, counts: Dict[str, int]) -> Iterator[TraceOp]:
 
 class TraceReplay:
     """Issues a trace's storage operations open loop: each at its time / --trace-speedup from the
-    start, on REPLAY_WORKERS threads. An operation on an object waits for the one before it on
-    the same object (a read needs its write done, on a drive slower than the trace's model too);
-    an operation waiting for that or for a thread is late, and its lag (start minus due time)
-    says so. A read or delete of an object the replay never wrote (the trace began with it
-    stored, or the write failed) is counted, not issued."""
+    start (0: no pacing, each as soon as a thread is free), on REPLAY_WORKERS threads. An
+    operation on an object waits for the one before it on the same object (a read needs its
+    write done, on a drive slower than the trace's model too); an operation waiting for that or
+    for a thread is late, and its lag (start minus due time) says so (none without pacing). At
+    most REPLAY_BACKLOG operations are issued and not done: the file is read no faster. A read
+    or delete of an object the replay never wrote (the trace began with it stored, or the write
+    failed) is counted, not issued."""
 
     def __init__(self, config: BenchmarkConfig, stop: threading.Event):
         self.config, self.stop = config, stop
@@ -6857,6 +6861,7 @@ class TraceReplay:
         self.lags: List[float] = []
         self._lock = threading.Lock()
         self._last: Dict[str, Any] = {}             # object -> the future of its latest operation
+        self._backlog = threading.BoundedSemaphore(REPLAY_BACKLOG)
         self.failures: List[str] = []
 
     def run(self, stop_reason: Callable[[], Optional[str]] = lambda: None) -> Dict[str, Any]:
@@ -6867,9 +6872,13 @@ class TraceReplay:
         t0 = time.perf_counter()
         try:
             with ThreadPoolExecutor(REPLAY_WORKERS, thread_name_prefix="replay") as workers:
+                speedup = self.config.trace_speedup
                 for op in storage_trace_ops(self.config.replay_io_trace, self.counts):
-                    due = t0 + op.at_s / self.config.trace_speedup
-                    while (wait := due - time.perf_counter()) > 0 and not self.stop.wait(min(wait, 0.1)):
+                    due = t0 + op.at_s / speedup if speedup else None
+                    while due is not None and (wait := due - time.perf_counter()) > 0 and not self.stop.wait(
+                            min(wait, 0.1)):
+                        pass
+                    while not self._backlog.acquire(timeout=0.1) and not self.stop.is_set():
                         pass
                     if self.stop.is_set():
                         break
@@ -6883,7 +6892,7 @@ class TraceReplay:
             self.run_dir.rmdir()
         return self._results(elapsed, device, stop_reason() or ("stopped" if self.stop.is_set() else "trace_end"))
 
-    def _issue(self, op: TraceOp, due: float, before: Any) -> None:
+    def _issue(self, op: TraceOp, due: Optional[float], before: Any) -> None:
         if before is not None:
             before.exception()                           # (issued earlier: running or done)
         try:
@@ -6893,8 +6902,10 @@ class TraceReplay:
             with self._lock:
                 self.counts["failures"] += 1
                 self.failures.append(f"{op.op} {op.key}: {type(exc).__name__}: {exc}")
+        finally:
+            self._backlog.release()
 
-    def _replay_one(self, op: TraceOp, due: float) -> None:
+    def _replay_one(self, op: TraceOp, due: Optional[float]) -> None:
         start = time.perf_counter()
         try:
             if op.op == "Delete":
@@ -6915,7 +6926,8 @@ class TraceReplay:
                                    if self.counts["io_errors"] == REPLAY_ERRORS_LOGGED else "")
             return
         with self._lock:
-            self.lags.append(start - due)
+            if due is not None:                          # (--trace-speedup 0: no schedule to be behind)
+                self.lags.append(start - due)
             if done:
                 self.samples[op.op].append(time.perf_counter() - start)
                 self.counts[f"{op.op}_bytes"] += op.nbytes if op.op != "Delete" else 0
@@ -7126,17 +7138,20 @@ class BurstArrivals(Arrivals):
     """--use-burst-trace: each trace row admitted at its timestamp / --trace-speedup, counted from
     the first row (open loop: the trace sets the pace, not the completions), as a lone request
     (no conversation, no shared prefix: as the original) of user n % users for the n-th admitted.
-    Pass after pass until --replay-cycles passes (0: until the run stops), each pass starting one
-    mean gap after the last row of the one before; once the last pass is admitted and its
-    requests completed, `on_done`."""
+    --trace-speedup 0 is no pacing (the original's "as fast as possible"): each row is admitted
+    as soon as fewer than `backlog` admitted requests are still to complete, so the workers
+    always have work and the queue stays bounded. Pass after pass until --replay-cycles passes
+    (0: until the run stops), each pass starting one mean gap after the last row of the one
+    before; once the last pass is admitted and its requests completed, `on_done`."""
 
     def __init__(self, trace: BurstTrace, plan: WorkloadPlan,
                  build_request: Callable[[int, PlannedRequest], InferenceRequest], request_queue: "queue.PriorityQueue",
-                 stop_event: threading.Event, config: BenchmarkConfig, on_done: Callable[[], None]):
+                 stop_event: threading.Event, config: BenchmarkConfig, on_done: Callable[[], None],
+                 backlog: int = 2 * MAX_IN_FLIGHT_REQUESTS):
         self.trace, self._plan, self._build, self._queue, self._stop = trace, plan, build_request, request_queue, stop_event
         self._speedup, self._passes, self._max_requests = config.trace_speedup, config.replay_cycles, config.max_requests
-        self._on_done = on_done
-        self._lock = threading.Lock()
+        self._on_done, self._backlog = on_done, backlog
+        self._lock = threading.Condition()       # a completion wakes an unpaced admission
         self._queue_seq = itertools.count()
         self._t0 = 0.0
         self._completed, self._finished = 0, False
@@ -7154,6 +7169,7 @@ class BurstArrivals(Arrivals):
         with self._lock:
             self._completed += 1
             done = self._finished and self._completed >= self.admitted
+            self._lock.notify()
         if done:
             self._on_done()
 
@@ -7163,7 +7179,8 @@ class BurstArrivals(Arrivals):
             last, rows = None, 0
             for row in self.trace.requests():
                 last, rows = row.timestamp_s, rows + 1
-                if not self._admit(row, self._t0 + (offset_s + row.timestamp_s - self.trace.start_s) / self._speedup):
+                trace_s = offset_s + row.timestamp_s - self.trace.start_s
+                if not self._admit(row, self._t0 + trace_s / self._speedup if self._speedup else None):
                     return
             if last is None:                             # nothing in the trace is a request (of this rank's)
                 break
@@ -7175,15 +7192,20 @@ class BurstArrivals(Arrivals):
         if done:
             self._on_done()
 
-    def _admit(self, row: TraceRow, due: float) -> bool:
-        """Wait for the row's time and queue it; False when the run stopped or admission closed."""
-        while (wait := due - time.perf_counter()) > 0:
+    def _admit(self, row: TraceRow, due: Optional[float]) -> bool:
+        """Wait for the row's time (None: for room in the backlog) and queue it; False when the run
+        stopped or admission closed."""
+        with self._lock:
+            while due is None and self.admitted - self._completed >= self._backlog and not self._stop.is_set():
+                self._lock.wait(0.1)
+        while due is not None and (wait := due - time.perf_counter()) > 0:
             if self._stop.wait(min(wait, 0.1)):
                 return False
         if self._stop.is_set() or (self._max_requests and self.admitted >= self._max_requests):
             return False                             # admission closed; the run ends when these complete
-        lag = time.perf_counter() - due
-        self.lag_s = [self.lag_s[0] + lag, max(self.lag_s[1], lag)]
+        if due is not None:
+            lag = time.perf_counter() - due
+            self.lag_s = [self.lag_s[0] + lag, max(self.lag_s[1], lag)]
         planned = PlannedRequest(conversation=row.index + 1, turn=0, context_tokens=row.request_tokens,
                                  generate_tokens=row.response_tokens, think_time_s=0.0, prefix_key=None,
                                  rag_draw=random.Random(derive_seed(self._plan.seed, "burst-row", row.index)).random())
@@ -7197,9 +7219,11 @@ class BurstArrivals(Arrivals):
         raise UsageError("--use-burst-trace sets the load itself: the user count cannot change")
 
     def trace_stats(self) -> Dict[str, Any]:
+        """The trace's figures; without pacing no admission has a time to be late for: lag None."""
+        paced = self._speedup > 0
         return {**self.trace.stats(), "trace_speedup": self._speedup, "replay_cycles": self._passes,
                 "requests_admitted": self.admitted, "admission_lag_mean_ms": self.lag_s[0] / self.admitted * 1000
-                if self.admitted else None, "admission_lag_max_ms": self.lag_s[1] * 1000}
+                if self.admitted and paced else None, "admission_lag_max_ms": self.lag_s[1] * 1000 if paced else None}
 
 
 def merge_trace_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
@@ -7209,10 +7233,11 @@ def merge_trace_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dic
     for p in parts:
         reasons.update(p["bad_rows_by_reason"])
     lag_total = sum((p["admission_lag_mean_ms"] or 0.0) * p["requests_admitted"] for p in parts)
-    merged = merge_figures(parts, sums=("rows", "requests_admitted"), minima=("passes_completed",),
-                           maxima=("admission_lag_max_ms",))
+    lag_max = [p["admission_lag_max_ms"] for p in parts if p["admission_lag_max_ms"] is not None]   # none unpaced
+    merged = merge_figures(parts, sums=("rows", "requests_admitted"), minima=("passes_completed",))
     return merged and {**merged, "bad_rows": sum(reasons.values()), "bad_rows_by_reason": dict(reasons),
-                       "admission_lag_mean_ms": _per(lag_total, merged["requests_admitted"])}
+                       "admission_lag_mean_ms": _per(lag_total, merged["requests_admitted"]) if lag_max else None,
+                       "admission_lag_max_ms": max(lag_max, default=None)}
 
 
 # ============================================================================
@@ -7390,7 +7415,7 @@ class IntegratedBenchmark:
             ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop, config.max_requests,
                              config.request_rate) if self.trace is None else
             BurstArrivals(self.trace, self.plan, self._build_request, self.request_queue, self._stop, config,
-                          lambda: self.request_stop("burst_trace_replayed")))
+                          lambda: self.request_stop("burst_trace_replayed"), 2 * self._worker_count(config.num_users)))
         self.device_monitor = BlockDeviceMonitor(self.cache.run_dir)
         self.device_stats: Optional[Dict[str, Any]] = None
         self.monitor = StorageMonitor(self.cache, self.recorder, self.request_queue, lambda: self.scheduler.active_users,
@@ -8212,7 +8237,7 @@ def _report_sources(add: Callable[[str], None], s: Dict[str, Any]) -> None:
         + (": " + ", ".join(f"{k} {v:,}" for k, v in sorted(t["bad_rows_by_reason"].items())) if t["bad_rows"] else ""))
     passes = f"of {t['replay_cycles']}" if t["replay_cycles"] else "(no limit)"
     lag = t["admission_lag_mean_ms"]
-    add(f"  Speedup {t['trace_speedup']:g}x; passes completed: {t['passes_completed']} {passes}; requests admitted "
+    add(f"  Speedup {t['trace_speedup']:g}x{' (no pacing)' if not t['trace_speedup'] else ''}; passes completed: {t['passes_completed']} {passes}; requests admitted "
         f"{t['requests_admitted']:,}; admission behind the trace's time: mean {_fmt_ms(lag)}, "
         f"max {_fmt_ms(t['admission_lag_max_ms'])}")
     add("  Each row is a lone request (no multi-turn conversation, no shared prefix), as in the original")
@@ -9002,7 +9027,7 @@ def _add_source_and_trace_flags(p: argparse.ArgumentParser) -> None:
                         f"(default: %(default)s)")
     d.add_argument("--trace-speedup", type=float,
                    help="replay the trace (BurstGPT, or --replay-io-trace's) this many times faster than "
-                        "recorded (default: %(default)s)")
+                        "recorded; 0: no pacing, as fast as possible (default: %(default)s)")
     d.add_argument("--replay-cycles", type=int,
                    help="passes over the trace before the run ends (0: until --duration or --max-requests)")
     d.add_argument("--enable-rag", action="store_true", help="simulate RAG document ingestion and retrieval")

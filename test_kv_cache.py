@@ -7003,8 +7003,8 @@ class TestReliability:
                      id="burst trace glob matching nothing"),
         pytest.param(["--use-burst-trace", "--burst-trace-path", "{malformed}"], "--burst-trace-path",
                      id="burst trace without its columns"),
-        pytest.param(["--use-burst-trace", "--burst-trace-path", "{burst}", "--trace-speedup", "0"], "--trace-speedup",
-                     id="trace-speedup 0"),
+        pytest.param(["--use-burst-trace", "--burst-trace-path", "{burst}", "--trace-speedup", "-1"], "--trace-speedup",
+                     id="trace-speedup -1"),
         pytest.param(["--use-burst-trace", "--burst-trace-path", "{burst}", "--replay-cycles", "-1"], "--replay-cycles",
                      id="replay-cycles -1"),
         pytest.param(["--use-burst-trace", "--burst-trace-path", "{burst}", "--enable-autoscaling"],
@@ -8363,6 +8363,93 @@ sys.exit(subprocess.run([sys.executable, script, "--config", config, "--model", 
         assert "Not a directory" in proc.stderr and "rank1" in proc.stderr
         assert "another MPI rank could not start" in proc.stderr
         assert sorted(p.name for p in cache.iterdir()) == ["rank1"] and not (tmp_path / "agg.json").exists()
+
+
+# ============================================================================
+# COMPATIBILITY: what upstream's current suite (mlcommons/storage, 240 tests) asks of the original's names
+# ============================================================================
+
+class TestUpstreamCurrentSuite:
+    """Issue 34, item 4: the assertions of upstream's current test_kv_cache.py that a user's
+    script would meet too, rewritten against this module: its words for bad values, an unpaced
+    trace, the cache's original attributes, its stats dict, the benchmark's keyword constructor."""
+
+    def test_a_negative_storage_capacity_is_refused_in_the_originals_words(self, tmp_path):
+        proc = run_forked("--storage-capacity-gb", "-1", cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stdout == "" and list(tmp_path.iterdir()) == []
+        assert proc.stderr.splitlines() == ["kv-cache.py: error: --storage-capacity-gb cannot be negative (accepted: "
+                                            "0 (95% of the free space) or a positive size in GiB), got -1"]
+        for value in (0, 100):                                    # 0: 95 % of the free space
+            assert kv.validate_args(argparse.Namespace(storage_capacity_gb=value)).storage_capacity_gb == value
+
+    def test_trace_speedup_0_is_accepted_and_a_negative_one_refused(self, tmp_path):
+        assert kv.validate_args(argparse.Namespace(trace_speedup=0)).trace_speedup == 0
+        with pytest.raises(ValueError, match=re.escape("--trace-speedup cannot be negative (accepted: 0 (no pacing: "
+                                                       "as fast as possible) or a factor up to 1,000,000), got -1")):
+            kv.validate_args(argparse.Namespace(trace_speedup=-1.0))
+
+    def test_an_unpaced_burst_trace_is_admitted_at_once_and_has_no_lag(self, tmp_path):
+        """Rows 1,000 s apart, --trace-speedup 0: both passes admitted without waiting for any time."""
+        rows = [(i * 1000.0, 10 + i, i) for i in range(5)]
+        arrivals, q, _, _ = burst_arrivals(tmp_path, rows, trace_speedup=0, replay_cycles=2)
+        admitting = threading.Thread(target=arrivals.run)
+        admitting.start()
+        admitting.join(timeout=60)                                # paced, it would wait 4,000 s
+        assert not admitting.is_alive() and arrivals.admitted == q.qsize() == 10
+        stats = arrivals.trace_stats()
+        assert stats["trace_speedup"] == 0 and stats["requests_admitted"] == 10 and stats["passes_completed"] == 2
+        assert stats["admission_lag_mean_ms"] is None and stats["admission_lag_max_ms"] is None
+        merged = kv.merge_trace_stats([stats, stats])
+        assert merged["admission_lag_mean_ms"] is None and merged["admission_lag_max_ms"] is None
+        assert merged["requests_admitted"] == 20
+
+    def test_unpaced_admissions_wait_for_room_in_the_backlog(self, tmp_path):
+        arrivals, q, _, stop = burst_arrivals(tmp_path, burst_rows(5), trace_speedup=0, backlog=3)  # endless passes
+        admitting = threading.Thread(target=arrivals.run)
+        admitting.start()
+        try:
+            wait_until(lambda: arrivals.admitted == 3)
+            time.sleep(0.2)
+            assert arrivals.admitted == 3                     # none more until one completes
+            arrivals.release(0)
+            wait_until(lambda: arrivals.admitted == 4)
+        finally:
+            stop.set()
+            admitting.join(timeout=60)
+        assert arrivals.admitted == q.qsize() == 4 and not admitting.is_alive()
+
+    def test_an_unpaced_io_trace_replay_issues_every_operation_and_has_no_lag(self, tmp_path):
+        trace = write_trace(tmp_path / "t.csv", [(t * 1000.0, op, MIB, "Tier-2", f"k{t}") for t in range(3)
+                                                 for op in ("Write", "Read")])
+        config = kv.BenchmarkConfig(model="tiny-1b", replay_io_trace=str(trace), cache_dir=str(tmp_path),
+                                    trace_speedup=0).validate()
+        r = kv.TraceReplay(config, threading.Event()).run()         # paced, 2,000 s
+        assert r["operations"]["write"]["count"] == r["operations"]["read"]["count"] == 3
+        assert r["operations"]["read"]["bytes"] == 3 * MIB and r["stop_reason"] == "trace_end"
+        assert r["lag_ms"]["count"] == 0 and r["lag_ms"]["mean"] is None
+        assert "Behind schedule (start minus due time): mean n/a" in kv.format_replay_report(r)
+        assert files_under(tmp_path) == ["t.csv"]
+
+
+def burst_arrivals(tmp_path, rows, backlog: int = 1000, **config):
+    """BurstArrivals over a CSV of `rows` for 3 users, seeded: (arrivals, its queue, its on_done
+    calls, its stop event)."""
+    trace = kv.BurstTrace(kv.burst_trace_files(str(write_burst_csv(tmp_path / "t.csv", rows))))
+    q, done, stop = queue.PriorityQueue(), [], threading.Event()
+    arrivals = kv.BurstArrivals(trace, kv.WorkloadPlan("tiny-1b", 3, 42),
+                                lambda user, planned: types.SimpleNamespace(priority=1, user=user, planned=planned),
+                                q, stop, kv.BenchmarkConfig(model="tiny-1b", **config), lambda: done.append(True),
+                                backlog)
+    arrivals.seed(time.perf_counter())
+    return arrivals, q, done, stop
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    """Poll `condition` until it holds (a failure, not a hang, if it never does)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.01)
 
 
 # ============================================================================

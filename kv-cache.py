@@ -5137,6 +5137,18 @@ class MultiTierCache:
         with self._lock:
             return self._usage[tier]
 
+    def set_storage_capacity(self, nbytes: float, source: str = "set by the caller") -> None:
+        """The storage tier's capacity from now on (inf: unbounded): the next writes evict to it."""
+        if not nbytes >= 0:
+            raise ValueError(f"the storage tier's capacity cannot be negative, got {nbytes}")
+        with self._lock:
+            self._limits["nvme"], self.storage_capacity_source = float(nbytes), source
+
+    def stored_entries(self) -> List[CacheEntry]:
+        """Copies of the entries held in a tier (written: ready, or being demoted), under the lock."""
+        with self._lock:
+            return [dataclasses.replace(e) for e in self._entries.values() if e.tier is not None and e.state != "writing"]
+
     def entry_location(self, key: str) -> Optional[str]:
         with self._lock:
             entry = self._entries.get(key)
@@ -5413,6 +5425,11 @@ class MultiTierCache:
         if retired and count_retired:               # the final clean-up's are not the reaper's work
             self.stats.count("retired_entries_deleted", retired)
         return retired
+
+    def reset_statistics(self) -> None:
+        """Forget every figure so far (the entries stay): the measurement starts now."""
+        self.stats.reset()
+        self.storage.reset_accounting()
 
     def abort_io(self) -> None:
         """The run is stopping: storage operations in flight give up at their next chunk."""
@@ -6703,8 +6720,7 @@ def fill_before_the_timer(cache: MultiTierCache, jobs: Iterator[Tuple[str, int, 
         cache.abort_io()                                # also when every writer saw the stop before writing
         raise Interrupted()
     filled["seconds"] = time.perf_counter() - t0
-    cache.stats.reset()
-    cache.storage.reset_accounting()
+    cache.reset_statistics()
     logger.info("%s: %d entries (%.2f GB) written in %.1f s", label, filled["entries"], filled["bytes"] / GIB,
                 filled["seconds"])
     return filled
@@ -8889,9 +8905,10 @@ def _allocate_cache(self: MultiTierCache, key: str, num_tokens: int, phase: Infe
 
 def _access_cache(self: MultiTierCache, key: str, phase: InferencePhase = InferencePhase.DECODE,
                   cache_type: str = "user") -> Tuple[Optional[str], float]:
-    """(tier or None on a miss, seconds) of read_entry."""
+    """(tier, seconds) of read_entry; (None, 0.0) on a miss, as the original said one in every era
+    (read_entry keeps the time a miss took)."""
     result = self.read_entry(key, phase, cache_type)
-    return result.tier, result.latency_s
+    return (result.tier, result.latency_s) if result.tier is not None else (None, 0.0)
 
 
 def _get_stats(self: MultiTierCache, duration: float, window_counters: Optional[Dict[str, int]] = None
@@ -8902,6 +8919,32 @@ def _get_stats(self: MultiTierCache, duration: float, window_counters: Optional[
                                [(window_counters if window_counters is not None else report.counters, duration)])
 
 
+def _tier_limit_or_0(tier: str) -> Callable[[MultiTierCache], float]:
+    return lambda cache: cache.tier_limit(tier) if tier in cache.backends else 0.0
+
+
+def _tier_used(tier: str) -> Callable[[MultiTierCache], int]:
+    return lambda cache: max(0, cache.tier_usage(tier)) if tier in cache.backends else 0
+
+
+def _set_nvme_limit(cache: MultiTierCache, nbytes: float) -> None:
+    cache.set_storage_capacity(nbytes, "unbounded" if math.isinf(nbytes) else "nvme_memory_limit")
+
+
+def _cache_entries(cache: MultiTierCache) -> Dict[str, Dict[str, Any]]:
+    """The original's cache_entries, read-only: each stored entry's tier and size (and tokens; no
+    access times or counts, which this cache does not keep)."""
+    return {e.key: {"location": e.tier, "size": e.size_bytes, "num_tokens": e.num_tokens}
+            for e in cache.stored_entries()}
+
+
+# The original's attributes, in bytes: the budgets (the storage tier's settable; inf: unbounded) and the usage.
+MultiTierCache.gpu_memory_limit, MultiTierCache.cpu_memory_limit = (property(_tier_limit_or_0(t)) for t in ("gpu", "cpu"))
+MultiTierCache.nvme_memory_limit = property(lambda cache: cache.tier_limit("nvme"), _set_nvme_limit)
+MultiTierCache.gpu_memory_used, MultiTierCache.cpu_memory_used, MultiTierCache.nvme_memory_used = (
+    property(_tier_used(t)) for t in TIER_NAMES)
+MultiTierCache.cache_entries = property(_cache_entries)
+MultiTierCache.reset_stats = MultiTierCache.reset_statistics
 MultiTierCache.__init__ = _original_cache
 MultiTierCache.allocate_cache, MultiTierCache.access_cache, MultiTierCache.get_stats = \
     _allocate_cache, _access_cache, _get_stats

@@ -8430,6 +8430,72 @@ class TestUpstreamCurrentSuite:
         assert "Behind schedule (start minus due time): mean n/a" in kv.format_replay_report(r)
         assert files_under(tmp_path) == ["t.csv"]
 
+    def test_the_caches_budgets_and_usage_under_the_originals_names(self, make_cache):
+        cache = make_cache(cpu_entries=2.01, storage_capacity_gb=budget_gb(3))
+        assert (cache.gpu_memory_limit, cache.cpu_memory_limit) == (0, budget_gb(2.01) * GIB)
+        assert cache.nvme_memory_limit == cache._get_tier_limit("nvme") == budget_gb(3) * GIB
+        assert (cache.gpu_memory_used, cache.cpu_memory_used, cache.nvme_memory_used) == (0, 0, 0)
+        for i in range(3):                                   # the CPU tier keeps one (80 % of 2.01), two demoted
+            assert cache.allocate_cache(f"k{i}", TOKENS)[:2] == (True, "cpu")
+        assert (cache.cpu_memory_used, cache.nvme_memory_used) == (ENTRY, 2 * ENTRY)
+
+    def test_setting_nvme_memory_limit_changes_the_capacity_the_cache_enforces(self, make_cache):
+        cache = make_cache(cpu_entries=2.01)
+        assert cache.nvme_memory_limit == float("inf")           # the original's constructor: unbounded
+        for i in range(3):
+            cache.allocate_cache(f"k{i}", TOKENS)
+        cache.nvme_memory_limit = ENTRY                          # lower than what the tier holds
+        assert cache._get_tier_limit("nvme") == ENTRY
+        cache.allocate_cache("k3", TOKENS)                       # k2 demoted: k0 and k1 leave the cache
+        assert cache.nvme_memory_used == ENTRY and cache.get_stats(1.0)["evictions"] == 2
+        assert sorted(cache.cache_entries) == ["k2", "k3"]
+        cache.nvme_memory_limit = float("inf")                   # unbounded again: nothing more leaves
+        for i in range(4, 10):
+            cache.allocate_cache(f"k{i}", TOKENS)
+        assert cache.get_stats(1.0)["evictions"] == 2 and cache.nvme_memory_used == 7 * ENTRY
+        assert sum(e["location"] == "nvme" for e in cache.cache_entries.values()) == 7
+        with pytest.raises(ValueError, match="cannot be negative"):
+            cache.nvme_memory_limit = -1
+
+    def test_a_full_storage_tier_evicts_and_still_takes_new_entries(self, make_cache):
+        """Upstream's TestNVMeEviction, smaller: a storage tier of 10 entries under 40 writes."""
+        cache = make_cache(cpu_entries=2.01, storage_capacity_gb=budget_gb(10.5))
+        assert all(cache.allocate_cache(f"entry_{i}", TOKENS)[0] for i in range(40))
+        assert cache.get_stats(1.0)["evictions"] == 40 - 11 and len(cache.cache_entries) == 11
+        assert cache.allocate_cache("after_eviction", TOKENS)[0] is True
+        loc, latency = cache.access_cache("entry_0")               # evicted: the original's miss
+        assert (loc, latency) == (None, 0.0)
+
+    def test_cache_entries_is_a_snapshot_of_the_stored_entries(self, make_cache):
+        cache = make_cache(cpu_entries=2.01)
+        for i in range(3):
+            cache.allocate_cache(f"k{i}", TOKENS)
+        entries = cache.cache_entries
+        assert entries == {"k0": {"location": "nvme", "size": ENTRY, "num_tokens": TOKENS},
+                           "k1": {"location": "nvme", "size": ENTRY, "num_tokens": TOKENS},
+                           "k2": {"location": "cpu", "size": ENTRY, "num_tokens": TOKENS}}
+        entries["k2"]["location"] = "gpu"
+        del entries["k0"]
+        assert cache.cache_entries["k2"]["location"] == "cpu" and len(cache.cache_entries) == 3
+        with pytest.raises(AttributeError):
+            cache.cache_entries = {}
+
+    def test_reset_stats_zeroes_the_figures_and_keeps_the_entries(self, make_cache):
+        cache = make_cache(cpu_entries=2.01)
+        for i in range(5):
+            cache.allocate_cache(f"entry_{i}", TOKENS)
+            cache.access_cache(f"entry_{i}")
+        cache.access_cache("nonexistent")
+        before = cache.get_stats(1.0)
+        assert (before["cache_hits"], before["cache_misses"], before["prefill_writes"]) == (5, 1, 5)
+        cache.reset_stats()
+        after = cache.get_stats(1.0)
+        assert [after[k] for k in ("cache_hits", "cache_misses", "prefill_writes", "offloads_nvme", "nvme_writes")] == [
+            0, 0, 0, 0, 0]
+        assert before["storage_requests"]["files_written"] == 4 and before["nvme_write_p50_ms"] is not None
+        assert after["storage_requests"]["files_written"] == 0 and after["nvme_write_p50_ms"] is None
+        assert len(cache.cache_entries) == 5 and cache.access_cache("entry_0")[0] == "nvme"
+
 
 def burst_arrivals(tmp_path, rows, backlog: int = 1000, **config):
     """BurstArrivals over a CSV of `rows` for 3 users, seeded: (arrivals, its queue, its on_done

@@ -95,6 +95,7 @@ import types
 import warnings
 import weakref
 import collections
+import collections.abc
 import contextlib
 import csv
 import glob
@@ -4838,7 +4839,8 @@ def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> Me
 
 
 class CacheStats:
-    """Every counter and latency sample of the cache, updated in one place under one lock."""
+    """Every counter and latency sample of the cache, updated in one place under one lock (the
+    compatibility room makes it also the original's stats dict: a read-only mapping, `read`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -4897,6 +4899,11 @@ class CacheStats:
         with self._lock:
             self.counters.clear()
             self.samples.clear()
+
+    def read(self, figure: Callable[..., Any]) -> Any:
+        """figure(counters, samples) under the lock; it changes nothing and copies what it returns."""
+        with self._lock:
+            return figure(self.counters, self.samples)
 
     def snapshot(self) -> Tuple[Dict[str, int], Dict[Tuple[str, str], Tuple[List[float], ...]]]:
         with self._lock:
@@ -8946,6 +8953,41 @@ MultiTierCache.gpu_memory_used, MultiTierCache.cpu_memory_used, MultiTierCache.n
 MultiTierCache.cache_entries = property(_cache_entries)
 MultiTierCache.reset_stats = MultiTierCache.reset_statistics
 MultiTierCache.__init__ = _original_cache
+
+
+def _original_stats_names() -> Dict[str, Callable[[Dict[str, int], Dict[Tuple[str, str], Any]], Any]]:
+    """cache.stats[name]: the seeds' and v3.0's keys of the original's stats dict, each a figure of
+    docs/metrics.md (bytes and counts; latency lists in seconds, copies)."""
+    def total(*counters: str) -> Callable[..., int]:
+        return lambda c, s: sum(c.get(name, 0) for name in counters)
+
+    def samples(tier: str, op: str, part: int) -> Callable[..., List[float]]:
+        return lambda c, s: list(s[(tier, op)][part]) if (tier, op) in s else []
+    names = {name: total(name) for name in (
+        "cache_hits", "cache_misses", "evictions", "offloads_cpu", "offloads_nvme", "prefill_writes", "decode_reads",
+        "prefill_bytes_written", "decode_bytes_read", *(_HIT_COUNTER[t] for t in ("system", "common", "user", "multi_turn")))}
+    names["offloads_storage"] = total("offloads_nvme")
+    for name, counter in (("total_read_bytes", "bytes_read"), ("total_write_bytes", "bytes_written"),
+                          ("read_operations", "reads"), ("write_operations", "writes")):
+        names[name] = total(*(f"{t}_{counter}" for t in TIER_NAMES))
+    names["nvme_tokens_processed"] = names["storage_tokens_processed"] = total("nvme_tokens_read", "nvme_tokens_written")
+    for tier, v30 in _V30_TIER_NAMES.items():
+        for op, done in (("read", "read"), ("write", "written")):
+            names[f"tier_{v30}_kv_bytes_{done}"] = total(f"{tier}_bytes_{done}")
+            for name in dict.fromkeys((tier, v30)):
+                names[f"{name}_{op}_latencies"] = samples(tier, op, 0)
+                if tier == "nvme":
+                    names[f"{name}_{op}_device_latencies"] = samples(tier, op, 1)
+                    names[f"{name}_{op}_host_latencies"] = samples(tier, op, 2)
+    return names
+
+
+_ORIGINAL_STATS = _original_stats_names()
+CacheStats.__getitem__ = lambda self, name: self.read(_ORIGINAL_STATS[name])     # KeyError for others, as a dict
+CacheStats.__iter__, CacheStats.__len__ = lambda self: iter(_ORIGINAL_STATS), lambda self: len(_ORIGINAL_STATS)
+for _name in ("keys", "items", "values", "get", "__contains__"):           # read-only: no __setitem__
+    setattr(CacheStats, _name, getattr(collections.abc.Mapping, _name))
+collections.abc.Mapping.register(CacheStats)
 MultiTierCache.allocate_cache, MultiTierCache.access_cache, MultiTierCache.get_stats = \
     _allocate_cache, _access_cache, _get_stats
 MultiTierCache._get_tier_order, MultiTierCache._get_tier_limit, MultiTierCache._get_tier_usage = \

@@ -8496,6 +8496,43 @@ class TestUpstreamCurrentSuite:
         assert after["storage_requests"]["files_written"] == 0 and after["nvme_write_p50_ms"] is None
         assert len(cache.cache_entries) == 5 and cache.access_cache("entry_0")[0] == "nvme"
 
+    def test_cache_stats_is_the_originals_stats_dict_read_only(self, make_cache):
+        cache = make_cache(cpu_entries=2.01)
+        for i in range(3):                                   # k0, k1 demoted to storage, k2 in the CPU tier
+            cache.allocate_cache(f"k{i}", TOKENS)
+        for key in ("k0", "k2", "k2", "gone"):
+            cache.access_cache(key)
+        stats, summary = cache.stats, cache.get_stats(1.0)
+        assert isinstance(stats, collections.abc.Mapping) and len(stats) == len(list(stats)) == len(stats.keys())
+        assert (stats["cache_hits"], stats["cache_misses"], stats["user_cache_hits"]) == (3, 1, 3)
+        assert (stats["prefill_writes"], stats["decode_reads"], stats["evictions"]) == (3, 3, 0)
+        assert stats["offloads_nvme"] == stats["offloads_storage"] == 2 and stats["offloads_cpu"] == 0
+        assert (stats["prefill_bytes_written"], stats["decode_bytes_read"]) == (3 * ENTRY, 3 * ENTRY)
+        assert (stats["write_operations"], stats["read_operations"]) == (3 + 2, 3)     # demotion writes included
+        assert (stats["total_write_bytes"], stats["total_read_bytes"]) == (5 * ENTRY, 3 * ENTRY)
+        assert stats["total_read_bytes"] == summary["total_read_gb"] * GIB
+        assert (stats["tier_cpu_kv_bytes_written"], stats["tier_storage_kv_bytes_written"]) == (3 * ENTRY, 2 * ENTRY)
+        assert (stats["tier_cpu_kv_bytes_read"], stats["tier_storage_kv_bytes_read"], stats["tier_gpu_kv_bytes_read"]) \
+            == (2 * ENTRY, ENTRY, 0)
+        assert stats["nvme_tokens_processed"] == stats["storage_tokens_processed"] == 3 * TOKENS == \
+            summary["nvme_tokens_processed"]
+        assert len(stats["cpu_read_latencies"]) == 2 and len(stats["gpu_write_latencies"]) == 0
+        for name in ("nvme", "storage"):
+            assert [len(stats[f"{name}_{op}_latencies"]) for op in ("read", "write")] == [1, 2]
+            assert len(stats[f"{name}_write_device_latencies"]) == len(stats[f"{name}_write_host_latencies"]) == 2
+        reads = stats["nvme_read_latencies"]
+        reads.append(99.0)                                       # a copy: the cache's samples stay
+        assert stats["storage_read_latencies"] == reads[:1] and isinstance(reads[0], float)
+        assert "cache_hits" in stats and "bogus" not in stats and stats.get("bogus", 7) == 7
+        with pytest.raises(KeyError):
+            stats["bogus"]
+        with pytest.raises(TypeError):
+            stats["cache_hits"] = 0
+        stats.count("cache_hits")                                 # our own use of it is unchanged
+        assert stats["cache_hits"] == 4 and stats.snapshot()[0]["cache_hits"] == 4
+        cache.reset_stats()
+        assert [k for k, v in stats.items() if v not in (0, [])] == []
+
 
 def burst_arrivals(tmp_path, rows, backlog: int = 1000, **config):
     """BurstArrivals over a CSV of `rows` for 3 users, seeded: (arrivals, its queue, its on_done

@@ -8897,8 +8897,11 @@ def _original_cache(self: MultiTierCache, model_config: ModelConfig, gpu_memory_
                     generator: Optional[KVCacheGenerator] = None, **options: Any) -> None:
     """MultiTierCache(model_config, gpu_memory_gb, cpu_memory_gb, ...): `options` are BenchmarkConfig
     fields (performance_profile, storage_capacity_gb, verify, tunables, ...). The storage tier is
-    unbounded unless `storage_capacity_gb` says otherwise (0: 95 % of the free space)."""
+    unbounded unless `storage_capacity_gb` says otherwise (0: 95 % of the free space). With
+    `tensor_parallel` TP and no `num_gpus`, one model instance: TP GPUs of gpu_memory_gb each
+    holding its shard of every entry, as the original's per-rank cache held 1/TP of each."""
     options.setdefault("storage_capacity_gb", None)
+    options.setdefault("num_gpus", options.get("tensor_parallel", 1))
     self._open(BenchmarkConfig(model=model_config, gpu_mem_gb=gpu_memory_gb, cpu_mem_gb=cpu_memory_gb, seed=seed,
                                cache_dir=None if cache_dir is None else str(cache_dir), **options), generator)
 

@@ -8533,6 +8533,14 @@ class TestUpstreamCurrentSuite:
         cache.reset_stats()
         assert [k for k, v in stats.items() if v not in (0, [])] == []
 
+    def test_tensor_parallel_alone_is_one_model_instance(self, make_cache):
+        cache = make_cache(cpu_entries=10.01, tensor_parallel=2)               # upstream: no num_gpus argument
+        assert (cache.config.num_gpus, cache.config.tensor_parallel, cache.config.shards.instances) == (2, 2, 1)
+        assert cache.allocate_cache("k", TOKENS)[:2] == (True, "cpu") and cache.cache_entries["k"]["size"] == ENTRY
+        assert make_cache(tensor_parallel=2, num_gpus=4).config.shards.instances == 2   # ours: a node of instances
+        with pytest.raises(kv.UsageError, match="--tensor-parallel must divide --num-gpus"):
+            make_cache(tensor_parallel=4, num_gpus=2)
+
 
 def burst_arrivals(tmp_path, rows, backlog: int = 1000, **config):
     """BurstArrivals over a CSV of `rows` for 3 users, seeded: (arrivals, its queue, its on_done

@@ -8880,6 +8880,10 @@ def _v30_user_templates() -> Dict[str, Dict[str, Tuple[Any, Any]]]:
 
 
 UserSimulator._get_user_templates = staticmethod(_v30_user_templates)
+# The built-in personas as the original's class dicts (v3.0's name, the seeds'), read-only: the
+# benchmark reads its personas from a run's tunables, never from these.
+UserSimulator.DEFAULT_USER_TEMPLATES = UserSimulator.USER_TEMPLATES = types.MappingProxyType(
+    {name: types.MappingProxyType(ranges) for name, ranges in dataclasses.asdict(BUILT_IN_TUNABLES.user_templates).items()})
 
 
 def _run_and_report(self: IntegratedBenchmark) -> Dict[str, Any]:

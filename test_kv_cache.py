@@ -8541,6 +8541,19 @@ class TestUpstreamCurrentSuite:
         with pytest.raises(kv.UsageError, match="--tensor-parallel must divide --num-gpus"):
             make_cache(tensor_parallel=4, num_gpus=2)
 
+    def test_the_built_in_personas_under_the_originals_names(self):
+        expected = {"chatbot": {"context_range": (256, 1024), "generation_range": (50, 150), "think_time_range": (0.1, 0.5)},
+                    "coding": {"context_range": (1024, 4096), "generation_range": (100, 500), "think_time_range": (0.2, 1.0)},
+                    "document": {"context_range": (2048, 8192), "generation_range": (200, 800),
+                                 "think_time_range": (0.3, 1.5)}}
+        for templates in (kv.UserSimulator.DEFAULT_USER_TEMPLATES, kv.UserSimulator.USER_TEMPLATES):
+            assert {name: dict(ranges) for name, ranges in templates.items()} == expected
+            with pytest.raises(TypeError):                       # read-only: a run's personas come from its tunables
+                templates["chatbot"]["context_range"] = (1, 2)
+        for user in kv.UserSimulator.generate_mixed_users(30, random.Random(3)):
+            ranges = expected[user.user_type]
+            assert ranges["context_range"][0] <= user.context_length <= ranges["context_range"][1]
+
 
 def burst_arrivals(tmp_path, rows, backlog: int = 1000, **config):
     """BurstArrivals over a CSV of `rows` for 3 users, seeded: (arrivals, its queue, its on_done

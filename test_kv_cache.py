@@ -8554,6 +8554,73 @@ class TestUpstreamCurrentSuite:
             ranges = expected[user.user_type]
             assert ranges["context_range"][0] <= user.context_length <= ranges["context_range"][1]
 
+    def burst_dir(self, tmp_path):
+        """Upstream's trace fixture: two BurstGPT files, 5 and 3 rows, 10 s apart."""
+        rows = [(t * 10.0, 100 * (t + 1), 20 * (t + 1)) for t in range(8)]
+        write_burst_csv(tmp_path / "BurstGPT_1.csv", rows[:5])
+        write_burst_csv(tmp_path / "BurstGPT_2.csv", rows[5:])
+        return tmp_path
+
+    def test_the_originals_keyword_constructor_runs_an_unpaced_trace(self, tmp_path):
+        bench = kv.IntegratedBenchmark(TINY, 5, gpu_memory_gb=0, cpu_memory_gb=0.01, duration_seconds=30,
+                                       use_burst_trace=True, burst_trace_path=str(self.burst_dir(tmp_path)),
+                                       generation_mode=kv.GenerationMode.NONE, trace_speedup=0, replay_cycles=1,
+                                       cache_dir=str(tmp_path / "cache"), seed=42)
+        assert [Path(f).name for f in bench.burst_trace_files] == ["BurstGPT_1.csv", "BurstGPT_2.csv"]
+        c = bench.config
+        assert (c.model, c.num_users, c.gpu_mem_gb, c.cpu_mem_gb, c.duration_s) == (TINY, 5, 0, 0.01, 30)
+        assert (c.trace_speedup, c.replay_cycles, c.seed, c.autoscaler_mode, c.progress) == (0, 1, 42, None, False)
+        results = bench.run()                                    # 80 s of trace, unpaced
+        s = results["summary"]
+        assert s["stop_reason"] == "burst_trace_replayed" and s["total_requests"] == 8
+        assert s["burst_trace"]["requests_admitted"] == 8 and s["burst_trace"]["admission_lag_max_ms"] is None
+        assert "(no pacing)" in kv.format_report(results)
+        assert files_under(tmp_path / "cache") == []
+
+    def test_the_originals_defaults_and_keywords_map_onto_the_configuration(self, tmp_path):
+        bench = kv.IntegratedBenchmark(model_config=TINY, num_users=2, gpu_memory_gb=0, cpu_memory_gb=0,
+                                       duration_seconds=5, cache_dir=str(tmp_path), tensor_parallel=2,
+                                       enable_autoscaling=True, autoscaler_mode="capacity", enable_multi_turn=False,
+                                       enable_prefix_caching=False, enable_rag=True, rag_num_docs=3,
+                                       storage_capacity_gb=1.5, max_requests=7, request_rate=2.0)
+        try:
+            c = bench.config
+            assert c.generation_mode is kv.GenerationMode.NONE and bench.burst_trace_files == []
+            assert (c.num_gpus, c.tensor_parallel, c.autoscaler_mode, c.multi_turn, c.prefix_caching) == (
+                2, 2, "capacity", False, False)
+            assert (c.enable_rag, c.rag_num_docs, c.storage_capacity_gb, c.max_requests, c.request_rate) == (
+                True, 3, 1.5, 7, 2.0)
+            assert bench.cache.nvme_memory_limit == 1.5 * GIB
+        finally:
+            bench.cache.close()
+        assert files_under(tmp_path) == []
+
+    @pytest.mark.parametrize("keywords,error", [
+        ({"num_users": 0}, "--num-users must be positive"),
+        ({"duration_seconds": 86_401}, "--duration exceeds 24 hours"),
+        ({"cpu_memory_gb": -1}, "--cpu-mem-gb cannot be negative"),
+        ({"trace_speedup": -1}, "--trace-speedup cannot be negative"),
+        ({"storage_capacity_gb": -1}, "--storage-capacity-gb cannot be negative"),
+        ({"tensor_parallel": 2, "num_gpus": 3}, "--tensor-parallel must divide --num-gpus"),
+        ({"use_burst_trace": True, "burst_trace_path": "{tmp}/none.csv"}, "--burst-trace-path"),
+        ({"validation_trace": "v.json"}, "validation_trace: the original's validation engine"),
+    ])
+    def test_the_originals_constructor_refuses_what_the_command_line_refuses(self, tmp_path, keywords, error):
+        given = {"model_config": TINY, "num_users": 2, "gpu_memory_gb": 0, "cpu_memory_gb": 0, "duration_seconds": 5,
+                 "cache_dir": str(tmp_path)}
+        given.update({k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in keywords.items()})
+        with pytest.raises(ValueError, match=re.escape(error)):
+            kv.IntegratedBenchmark(**given)
+        assert list(tmp_path.iterdir()) == []
+
+    def test_our_constructor_is_unchanged(self, tmp_path):
+        config = kv.BenchmarkConfig(model="tiny-1b", num_users=1, gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path))
+        stop = threading.Event()
+        for bench in (kv.IntegratedBenchmark(config), kv.IntegratedBenchmark(config=config, stop_event=stop)):
+            assert bench.config is config and bench.burst_trace_files == []
+            bench.cache.close()
+        assert files_under(tmp_path) == []
+
 
 def burst_arrivals(tmp_path, rows, backlog: int = 1000, **config):
     """BurstArrivals over a CSV of `rows` for 3 users, seeded: (arrivals, its queue, its on_done

@@ -8938,6 +8938,23 @@ def _either_benchmark(self: IntegratedBenchmark, *args: Any, **kwargs: Any) -> N
 
 
 IntegratedBenchmark.__init__ = _either_benchmark
+_OUR_GPU_BACKEND = GPUMemoryBackend.__init__
+
+
+def _original_gpu_backend(self: GPUMemoryBackend, *args: Any, use_torch: Optional[bool] = None,
+                          on_eviction_callback: Optional[Callable[[str, str, int], None]] = None, **kwargs: Any) -> None:
+    """The original's GPUMemoryBackend(use_torch=True, on_eviction_callback=None) beside ours:
+    use_torch False asks for CuPy. The callback is kept, and never called: this tier drops no entry
+    on its own when the device fills (the cache demotes instead: can_place)."""
+    if args and isinstance(args[0], bool):                # the original's first positional argument
+        use_torch, args = args[0], args[1:]
+    if use_torch is not None:
+        kwargs.setdefault("library", "auto" if use_torch else "cupy")
+    _OUR_GPU_BACKEND(self, *args, **kwargs)
+    self.on_eviction_callback = on_eviction_callback
+
+
+GPUMemoryBackend.__init__, GPUMemoryBackend.on_eviction_callback = _original_gpu_backend, None
 IntegratedBenchmark.burst_trace_files = property(        # the original's resolved CSV paths ([] without a trace)
     lambda bench: [str(path) for path in bench.trace.files] if bench.trace is not None else [])
 

@@ -8621,6 +8621,28 @@ class TestUpstreamCurrentSuite:
             bench.cache.close()
         assert files_under(tmp_path) == []
 
+    def test_the_gpu_tier_takes_the_originals_eviction_callback(self, monkeypatch):
+        """Upstream's TestGPUMemoryBackendEvictionCallback, over the host stand-in of a GPU."""
+        libraries = []
+
+        def open_host(device_index=0, library="auto"):
+            libraries.append(library)
+            return _HostDevice(keep_buffers=False)
+        monkeypatch.setattr(kv, "open_gpu_device", open_host)
+        evicted = []
+        backend = kv.GPUMemoryBackend(on_eviction_callback=lambda key, tier, size: evicted.append((key, tier, size)))
+        data = sample_array(5)
+        backend.write("k", data)
+        np.testing.assert_array_equal(backend.read("k")[0], data)
+        backend.close()
+        assert callable(backend.on_eviction_callback) and evicted == []      # it drops no entry on its own
+        others = [kv.GPUMemoryBackend(on_eviction_callback=None), kv.GPUMemoryBackend(use_torch=False),
+                  kv.GPUMemoryBackend(True), kv.GPUMemoryBackend()]
+        assert [b.on_eviction_callback for b in others] == [None] * 4
+        assert libraries == ["auto", "auto", "cupy", "auto", "auto"]
+        for b in others:
+            b.close()
+
 
 def burst_arrivals(tmp_path, rows, backlog: int = 1000, **config):
     """BurstArrivals over a CSV of `rows` for 3 users, seeded: (arrivals, its queue, its on_done

@@ -60,7 +60,8 @@ Sections, in the order data flows through the program (each uses only those abov
     CHARTS                            --plot
     SUITE COMPARISON                  the wrapper's closing table
     MULTI-NODE (MPI)                  ranks' shares, merging their measurements
-    COMPATIBILITY                     the original's names: v3.0's configuration API (ConfigLoader, cfg, ...)
+    COMPATIBILITY                     the original's names: v3.0's configuration API (ConfigLoader, cfg, ...),
+                                      its cache's and benchmark's constructors, attributes and stats dict
     COMMAND LINE                      parser, main, replay_main
 """
 import argparse

@@ -60,7 +60,8 @@ Sections, in the order data flows through the program (each uses only those abov
     CHARTS                            --plot
     SUITE COMPARISON                  the wrapper's closing table
     MULTI-NODE (MPI)                  ranks' shares, merging their measurements
-    COMPATIBILITY                     the original's names: v3.0's configuration API (ConfigLoader, cfg, ...)
+    COMPATIBILITY                     the original's names: v3.0's configuration API (ConfigLoader, cfg, ...),
+                                      its cache's and benchmark's constructors, attributes and stats dict
     COMMAND LINE                      parser, main, replay_main
 """
 import argparse
@@ -95,6 +96,7 @@ import types
 import warnings
 import weakref
 import collections
+import collections.abc
 import contextlib
 import csv
 import glob
@@ -997,14 +999,15 @@ class BenchmarkConfig:
             ("--num-workers", self.worker_slots, 0, 1024, "0 (the default) or between 1 and 1024"),
             ("--monitor-interval", self.monitor_interval_s, 0.1, 3600, "between 0.1 and 3600 seconds"),
             ("--storage-capacity-gb", self.storage_capacity_gb, 0, MAX_STORAGE_CAPACITY_GB,
-             "0 (95% of the free space) or a positive size in GiB"),
+             "0 (95% of the free space) or a positive size in GiB", "cannot be negative"),
             ("--seed", self.seed, 0, 2 ** 63 - 1, "a non-negative integer below 2**63"),
             ("--precondition-size-gb", self.precondition_size_gb, 0, MAX_STORAGE_CAPACITY_GB,
              "0 (twice the storage tier's capacity) or a size in GiB", "cannot be negative"),
             ("--precondition-threads", self.precondition_threads, 0, 1024, "0 (one per core) to 1024",
              "cannot be negative"),
             ("--num-gpus", self.num_gpus, 1, MAX_GPUS, f"between 1 and {MAX_GPUS:,}"),
-            ("--trace-speedup", self.trace_speedup, 1e-6, 1e6, "above 0 and at most 1,000,000"),
+            ("--trace-speedup", self.trace_speedup, 0, 1e6, "0 (no pacing: as fast as possible) or a factor up "
+             "to 1,000,000", "cannot be negative"),
             ("--replay-cycles", self.replay_cycles, 0, 10 ** 9, "0 (until the run stops) or a positive count",
              "cannot be negative"),
             ("--tensor-parallel", self.tensor_parallel, 1, MAX_GPUS, f"between 1 and {MAX_GPUS:,}")]
@@ -4837,7 +4840,8 @@ def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> Me
 
 
 class CacheStats:
-    """Every counter and latency sample of the cache, updated in one place under one lock."""
+    """Every counter and latency sample of the cache, updated in one place under one lock (the
+    compatibility room makes it also the original's stats dict: a read-only mapping, `read`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -4896,6 +4900,11 @@ class CacheStats:
         with self._lock:
             self.counters.clear()
             self.samples.clear()
+
+    def read(self, figure: Callable[..., Any]) -> Any:
+        """figure(counters, samples) under the lock; it changes nothing and copies what it returns."""
+        with self._lock:
+            return figure(self.counters, self.samples)
 
     def snapshot(self) -> Tuple[Dict[str, int], Dict[Tuple[str, str], Tuple[List[float], ...]]]:
         with self._lock:
@@ -5135,6 +5144,18 @@ class MultiTierCache:
     def tier_usage(self, tier: str) -> int:
         with self._lock:
             return self._usage[tier]
+
+    def set_storage_capacity(self, nbytes: float, source: str = "set by the caller") -> None:
+        """The storage tier's capacity from now on (inf: unbounded): the next writes evict to it."""
+        if not nbytes >= 0:
+            raise ValueError(f"the storage tier's capacity cannot be negative, got {nbytes}")
+        with self._lock:
+            self._limits["nvme"], self.storage_capacity_source = float(nbytes), source
+
+    def stored_entries(self) -> List[CacheEntry]:
+        """Copies of the entries held in a tier (written: ready, or being demoted), under the lock."""
+        with self._lock:
+            return [dataclasses.replace(e) for e in self._entries.values() if e.tier is not None and e.state != "writing"]
 
     def entry_location(self, key: str) -> Optional[str]:
         with self._lock:
@@ -5412,6 +5433,11 @@ class MultiTierCache:
         if retired and count_retired:               # the final clean-up's are not the reaper's work
             self.stats.count("retired_entries_deleted", retired)
         return retired
+
+    def reset_statistics(self) -> None:
+        """Forget every figure so far (the entries stay): the measurement starts now."""
+        self.stats.reset()
+        self.storage.reset_accounting()
 
     def abort_io(self) -> None:
         """The run is stopping: storage operations in flight give up at their next chunk."""
@@ -6702,8 +6728,7 @@ def fill_before_the_timer(cache: MultiTierCache, jobs: Iterator[Tuple[str, int, 
         cache.abort_io()                                # also when every writer saw the stop before writing
         raise Interrupted()
     filled["seconds"] = time.perf_counter() - t0
-    cache.stats.reset()
-    cache.storage.reset_accounting()
+    cache.reset_statistics()
     logger.info("%s: %d entries (%.2f GB) written in %.1f s", label, filled["entries"], filled["bytes"] / GIB,
                 filled["seconds"])
     return filled
@@ -6803,6 +6828,7 @@ merge_precondition = functools.partial(merge_figures, sums=("target_gb", "writte
 
 REPLAY_WORKERS = STAGING_AREAS          # operations in flight at once (one staging area each)
 REPLAY_ERRORS_LOGGED = 10               # I/O errors named one by one; the rest are counted
+REPLAY_BACKLOG = 4 * REPLAY_WORKERS     # operations issued and not done, at most (memory stays bounded)
 
 
 @dataclass(frozen=True)
@@ -6840,11 +6866,13 @@ def storage_trace_ops(path: str, counts: Dict[str, int]) -> Iterator[TraceOp]:
 
 class TraceReplay:
     """Issues a trace's storage operations open loop: each at its time / --trace-speedup from the
-    start, on REPLAY_WORKERS threads. An operation on an object waits for the one before it on
-    the same object (a read needs its write done, on a drive slower than the trace's model too);
-    an operation waiting for that or for a thread is late, and its lag (start minus due time)
-    says so. A read or delete of an object the replay never wrote (the trace began with it
-    stored, or the write failed) is counted, not issued."""
+    start (0: no pacing, each as soon as a thread is free), on REPLAY_WORKERS threads. An
+    operation on an object waits for the one before it on the same object (a read needs its
+    write done, on a drive slower than the trace's model too); an operation waiting for that or
+    for a thread is late, and its lag (start minus due time) says so (none without pacing). At
+    most REPLAY_BACKLOG operations are issued and not done: the file is read no faster. A read
+    or delete of an object the replay never wrote (the trace began with it stored, or the write
+    failed) is counted, not issued."""
 
     def __init__(self, config: BenchmarkConfig, stop: threading.Event):
         self.config, self.stop = config, stop
@@ -6857,6 +6885,7 @@ class TraceReplay:
         self.lags: List[float] = []
         self._lock = threading.Lock()
         self._last: Dict[str, Any] = {}             # object -> the future of its latest operation
+        self._backlog = threading.BoundedSemaphore(REPLAY_BACKLOG)
         self.failures: List[str] = []
 
     def run(self, stop_reason: Callable[[], Optional[str]] = lambda: None) -> Dict[str, Any]:
@@ -6867,9 +6896,13 @@ class TraceReplay:
         t0 = time.perf_counter()
         try:
             with ThreadPoolExecutor(REPLAY_WORKERS, thread_name_prefix="replay") as workers:
+                speedup = self.config.trace_speedup
                 for op in storage_trace_ops(self.config.replay_io_trace, self.counts):
-                    due = t0 + op.at_s / self.config.trace_speedup
-                    while (wait := due - time.perf_counter()) > 0 and not self.stop.wait(min(wait, 0.1)):
+                    due = t0 + op.at_s / speedup if speedup else None
+                    while due is not None and (wait := due - time.perf_counter()) > 0 and not self.stop.wait(
+                            min(wait, 0.1)):
+                        pass
+                    while not self._backlog.acquire(timeout=0.1) and not self.stop.is_set():
                         pass
                     if self.stop.is_set():
                         break
@@ -6883,7 +6916,7 @@ class TraceReplay:
             self.run_dir.rmdir()
         return self._results(elapsed, device, stop_reason() or ("stopped" if self.stop.is_set() else "trace_end"))
 
-    def _issue(self, op: TraceOp, due: float, before: Any) -> None:
+    def _issue(self, op: TraceOp, due: Optional[float], before: Any) -> None:
         if before is not None:
             before.exception()                           # (issued earlier: running or done)
         try:
@@ -6893,8 +6926,10 @@ class TraceReplay:
             with self._lock:
                 self.counts["failures"] += 1
                 self.failures.append(f"{op.op} {op.key}: {type(exc).__name__}: {exc}")
+        finally:
+            self._backlog.release()
 
-    def _replay_one(self, op: TraceOp, due: float) -> None:
+    def _replay_one(self, op: TraceOp, due: Optional[float]) -> None:
         start = time.perf_counter()
         try:
             if op.op == "Delete":
@@ -6915,7 +6950,8 @@ class TraceReplay:
                                    if self.counts["io_errors"] == REPLAY_ERRORS_LOGGED else "")
             return
         with self._lock:
-            self.lags.append(start - due)
+            if due is not None:                          # (--trace-speedup 0: no schedule to be behind)
+                self.lags.append(start - due)
             if done:
                 self.samples[op.op].append(time.perf_counter() - start)
                 self.counts[f"{op.op}_bytes"] += op.nbytes if op.op != "Delete" else 0
@@ -7126,17 +7162,20 @@ class BurstArrivals(Arrivals):
     """--use-burst-trace: each trace row admitted at its timestamp / --trace-speedup, counted from
     the first row (open loop: the trace sets the pace, not the completions), as a lone request
     (no conversation, no shared prefix: as the original) of user n % users for the n-th admitted.
-    Pass after pass until --replay-cycles passes (0: until the run stops), each pass starting one
-    mean gap after the last row of the one before; once the last pass is admitted and its
-    requests completed, `on_done`."""
+    --trace-speedup 0 is no pacing (the original's "as fast as possible"): each row is admitted
+    as soon as fewer than `backlog` admitted requests are still to complete, so the workers
+    always have work and the queue stays bounded. Pass after pass until --replay-cycles passes
+    (0: until the run stops), each pass starting one mean gap after the last row of the one
+    before; once the last pass is admitted and its requests completed, `on_done`."""
 
     def __init__(self, trace: BurstTrace, plan: WorkloadPlan,
                  build_request: Callable[[int, PlannedRequest], InferenceRequest], request_queue: "queue.PriorityQueue",
-                 stop_event: threading.Event, config: BenchmarkConfig, on_done: Callable[[], None]):
+                 stop_event: threading.Event, config: BenchmarkConfig, on_done: Callable[[], None],
+                 backlog: int = 2 * MAX_IN_FLIGHT_REQUESTS):
         self.trace, self._plan, self._build, self._queue, self._stop = trace, plan, build_request, request_queue, stop_event
         self._speedup, self._passes, self._max_requests = config.trace_speedup, config.replay_cycles, config.max_requests
-        self._on_done = on_done
-        self._lock = threading.Lock()
+        self._on_done, self._backlog = on_done, backlog
+        self._lock = threading.Condition()       # a completion wakes an unpaced admission
         self._queue_seq = itertools.count()
         self._t0 = 0.0
         self._completed, self._finished = 0, False
@@ -7154,6 +7193,7 @@ class BurstArrivals(Arrivals):
         with self._lock:
             self._completed += 1
             done = self._finished and self._completed >= self.admitted
+            self._lock.notify()
         if done:
             self._on_done()
 
@@ -7163,7 +7203,8 @@ class BurstArrivals(Arrivals):
             last, rows = None, 0
             for row in self.trace.requests():
                 last, rows = row.timestamp_s, rows + 1
-                if not self._admit(row, self._t0 + (offset_s + row.timestamp_s - self.trace.start_s) / self._speedup):
+                trace_s = offset_s + row.timestamp_s - self.trace.start_s
+                if not self._admit(row, self._t0 + trace_s / self._speedup if self._speedup else None):
                     return
             if last is None:                             # nothing in the trace is a request (of this rank's)
                 break
@@ -7175,15 +7216,20 @@ class BurstArrivals(Arrivals):
         if done:
             self._on_done()
 
-    def _admit(self, row: TraceRow, due: float) -> bool:
-        """Wait for the row's time and queue it; False when the run stopped or admission closed."""
-        while (wait := due - time.perf_counter()) > 0:
+    def _admit(self, row: TraceRow, due: Optional[float]) -> bool:
+        """Wait for the row's time (None: for room in the backlog) and queue it; False when the run
+        stopped or admission closed."""
+        with self._lock:
+            while due is None and self.admitted - self._completed >= self._backlog and not self._stop.is_set():
+                self._lock.wait(0.1)
+        while due is not None and (wait := due - time.perf_counter()) > 0:
             if self._stop.wait(min(wait, 0.1)):
                 return False
         if self._stop.is_set() or (self._max_requests and self.admitted >= self._max_requests):
             return False                             # admission closed; the run ends when these complete
-        lag = time.perf_counter() - due
-        self.lag_s = [self.lag_s[0] + lag, max(self.lag_s[1], lag)]
+        if due is not None:
+            lag = time.perf_counter() - due
+            self.lag_s = [self.lag_s[0] + lag, max(self.lag_s[1], lag)]
         planned = PlannedRequest(conversation=row.index + 1, turn=0, context_tokens=row.request_tokens,
                                  generate_tokens=row.response_tokens, think_time_s=0.0, prefix_key=None,
                                  rag_draw=random.Random(derive_seed(self._plan.seed, "burst-row", row.index)).random())
@@ -7197,9 +7243,11 @@ class BurstArrivals(Arrivals):
         raise UsageError("--use-burst-trace sets the load itself: the user count cannot change")
 
     def trace_stats(self) -> Dict[str, Any]:
+        """The trace's figures; without pacing no admission has a time to be late for: lag None."""
+        paced = self._speedup > 0
         return {**self.trace.stats(), "trace_speedup": self._speedup, "replay_cycles": self._passes,
                 "requests_admitted": self.admitted, "admission_lag_mean_ms": self.lag_s[0] / self.admitted * 1000
-                if self.admitted else None, "admission_lag_max_ms": self.lag_s[1] * 1000}
+                if self.admitted and paced else None, "admission_lag_max_ms": self.lag_s[1] * 1000 if paced else None}
 
 
 def merge_trace_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
@@ -7209,10 +7257,11 @@ def merge_trace_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dic
     for p in parts:
         reasons.update(p["bad_rows_by_reason"])
     lag_total = sum((p["admission_lag_mean_ms"] or 0.0) * p["requests_admitted"] for p in parts)
-    merged = merge_figures(parts, sums=("rows", "requests_admitted"), minima=("passes_completed",),
-                           maxima=("admission_lag_max_ms",))
+    lag_max = [p["admission_lag_max_ms"] for p in parts if p["admission_lag_max_ms"] is not None]   # none unpaced
+    merged = merge_figures(parts, sums=("rows", "requests_admitted"), minima=("passes_completed",))
     return merged and {**merged, "bad_rows": sum(reasons.values()), "bad_rows_by_reason": dict(reasons),
-                       "admission_lag_mean_ms": _per(lag_total, merged["requests_admitted"])}
+                       "admission_lag_mean_ms": _per(lag_total, merged["requests_admitted"]) if lag_max else None,
+                       "admission_lag_max_ms": max(lag_max, default=None)}
 
 
 # ============================================================================
@@ -7390,7 +7439,7 @@ class IntegratedBenchmark:
             ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop, config.max_requests,
                              config.request_rate) if self.trace is None else
             BurstArrivals(self.trace, self.plan, self._build_request, self.request_queue, self._stop, config,
-                          lambda: self.request_stop("burst_trace_replayed")))
+                          lambda: self.request_stop("burst_trace_replayed"), 2 * self._worker_count(config.num_users)))
         self.device_monitor = BlockDeviceMonitor(self.cache.run_dir)
         self.device_stats: Optional[Dict[str, Any]] = None
         self.monitor = StorageMonitor(self.cache, self.recorder, self.request_queue, lambda: self.scheduler.active_users,
@@ -8212,7 +8261,7 @@ def _report_sources(add: Callable[[str], None], s: Dict[str, Any]) -> None:
         + (": " + ", ".join(f"{k} {v:,}" for k, v in sorted(t["bad_rows_by_reason"].items())) if t["bad_rows"] else ""))
     passes = f"of {t['replay_cycles']}" if t["replay_cycles"] else "(no limit)"
     lag = t["admission_lag_mean_ms"]
-    add(f"  Speedup {t['trace_speedup']:g}x; passes completed: {t['passes_completed']} {passes}; requests admitted "
+    add(f"  Speedup {t['trace_speedup']:g}x{' (no pacing)' if not t['trace_speedup'] else ''}; passes completed: {t['passes_completed']} {passes}; requests admitted "
         f"{t['requests_admitted']:,}; admission behind the trace's time: mean {_fmt_ms(lag)}, "
         f"max {_fmt_ms(t['admission_lag_max_ms'])}")
     add("  Each row is a lone request (no multi-turn conversation, no shared prefix), as in the original")
@@ -8832,6 +8881,10 @@ def _v30_user_templates() -> Dict[str, Dict[str, Tuple[Any, Any]]]:
 
 
 UserSimulator._get_user_templates = staticmethod(_v30_user_templates)
+# The built-in personas as the original's class dicts (v3.0's name, the seeds'), read-only: the
+# benchmark reads its personas from a run's tunables, never from these.
+UserSimulator.DEFAULT_USER_TEMPLATES = UserSimulator.USER_TEMPLATES = types.MappingProxyType(
+    {name: types.MappingProxyType(ranges) for name, ranges in dataclasses.asdict(BUILT_IN_TUNABLES.user_templates).items()})
 
 
 def _run_and_report(self: IntegratedBenchmark) -> Dict[str, Any]:
@@ -8842,6 +8895,71 @@ def _run_and_report(self: IntegratedBenchmark) -> Dict[str, Any]:
 IntegratedBenchmark.run = _run_and_report
 
 
+def _original_benchmark_config(model_config: Any, num_users: int, gpu_memory_gb: float, cpu_memory_gb: float,
+                               duration_seconds: float, *, enable_autoscaling: bool = False,
+                               autoscaler_mode: str = "qos", enable_multi_turn: bool = True,
+                               enable_prefix_caching: bool = True, generation_mode: Any = GenerationMode.NONE,
+                               burst_trace_path: Optional[str] = None, num_gpus: Optional[int] = None,
+                               tensor_parallel: int = 1, validation_trace: Optional[str] = None,
+                               enable_latency_tracing: bool = False, **fields: Any) -> BenchmarkConfig:
+    """The original IntegratedBenchmark's arguments as a validated BenchmarkConfig (UsageError as
+    its checks say): gpu_memory_gb per GPU, generation 'none' and no progress line by default, as
+    the original; num_gpus, when not given, TP (one model instance). Its other keywords (cache_dir,
+    target_saturation, enable_rag, rag_num_docs, performance_profile, use_burst_trace, dataset_path,
+    max_conversations, seed, max_concurrent_allocs, request_rate, max_requests, storage_capacity_gb,
+    precondition, precondition_size_gb, precondition_threads, trace_speedup, replay_cycles,
+    prefill_only, decode_only, io_trace_log) are BenchmarkConfig fields of the same name."""
+    for name, given in (("validation_trace", validation_trace), ("enable_latency_tracing", enable_latency_tracing)):
+        if given:
+            raise UsageError(f"{name}: the original's validation engine and bpftrace tracing are not part of "
+                             f"this benchmark")
+    if burst_trace_path is not None:
+        fields["burst_trace_path"] = burst_trace_path
+    fields.setdefault("progress", False)
+    return BenchmarkConfig(
+        model=model_config, num_users=num_users, gpu_mem_gb=gpu_memory_gb, cpu_mem_gb=cpu_memory_gb,
+        duration_s=duration_seconds, num_gpus=num_gpus or tensor_parallel, tensor_parallel=tensor_parallel,
+        autoscaler_mode=autoscaler_mode if enable_autoscaling else None, multi_turn=enable_multi_turn,
+        prefix_caching=enable_prefix_caching, generation_mode=generation_mode, **fields).validate()
+
+
+_OUR_BENCHMARK = IntegratedBenchmark.__init__
+
+
+def _either_benchmark(self: IntegratedBenchmark, *args: Any, **kwargs: Any) -> None:
+    """IntegratedBenchmark(config, stop_event=None), ours; or the original's IntegratedBenchmark(
+    model_config, num_users, gpu_memory_gb, cpu_memory_gb, duration_seconds, **keywords), which
+    makes a missing cache_dir as the original did."""
+    if (args and isinstance(args[0], BenchmarkConfig)) or "config" in kwargs:
+        return _OUR_BENCHMARK(self, *args, **kwargs)
+    config = _original_benchmark_config(*args, **kwargs)
+    if config.cache_dir is not None:                       # the original made a missing one
+        Path(config.cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
+    _OUR_BENCHMARK(self, config)
+
+
+IntegratedBenchmark.__init__ = _either_benchmark
+_OUR_GPU_BACKEND = GPUMemoryBackend.__init__
+
+
+def _original_gpu_backend(self: GPUMemoryBackend, *args: Any, use_torch: Optional[bool] = None,
+                          on_eviction_callback: Optional[Callable[[str, str, int], None]] = None, **kwargs: Any) -> None:
+    """The original's GPUMemoryBackend(use_torch=True, on_eviction_callback=None) beside ours:
+    use_torch False asks for CuPy. The callback is kept, and never called: this tier drops no entry
+    on its own when the device fills (the cache demotes instead: can_place)."""
+    if args and isinstance(args[0], bool):                # the original's first positional argument
+        use_torch, args = args[0], args[1:]
+    if use_torch is not None:
+        kwargs.setdefault("library", "auto" if use_torch else "cupy")
+    _OUR_GPU_BACKEND(self, *args, **kwargs)
+    self.on_eviction_callback = on_eviction_callback
+
+
+GPUMemoryBackend.__init__, GPUMemoryBackend.on_eviction_callback = _original_gpu_backend, None
+IntegratedBenchmark.burst_trace_files = property(        # the original's resolved CSV paths ([] without a trace)
+    lambda bench: [str(path) for path in bench.trace.files] if bench.trace is not None else [])
+
+
 # --- MultiTierCache and ConversationManager: the original's constructor and methods ---
 
 def _original_cache(self: MultiTierCache, model_config: ModelConfig, gpu_memory_gb: float, cpu_memory_gb: float,
@@ -8849,8 +8967,11 @@ def _original_cache(self: MultiTierCache, model_config: ModelConfig, gpu_memory_
                     generator: Optional[KVCacheGenerator] = None, **options: Any) -> None:
     """MultiTierCache(model_config, gpu_memory_gb, cpu_memory_gb, ...): `options` are BenchmarkConfig
     fields (performance_profile, storage_capacity_gb, verify, tunables, ...). The storage tier is
-    unbounded unless `storage_capacity_gb` says otherwise (0: 95 % of the free space)."""
+    unbounded unless `storage_capacity_gb` says otherwise (0: 95 % of the free space). With
+    `tensor_parallel` TP and no `num_gpus`, one model instance: TP GPUs of gpu_memory_gb each
+    holding its shard of every entry, as the original's per-rank cache held 1/TP of each."""
     options.setdefault("storage_capacity_gb", None)
+    options.setdefault("num_gpus", options.get("tensor_parallel", 1))
     self._open(BenchmarkConfig(model=model_config, gpu_mem_gb=gpu_memory_gb, cpu_mem_gb=cpu_memory_gb, seed=seed,
                                cache_dir=None if cache_dir is None else str(cache_dir), **options), generator)
 
@@ -8864,9 +8985,10 @@ def _allocate_cache(self: MultiTierCache, key: str, num_tokens: int, phase: Infe
 
 def _access_cache(self: MultiTierCache, key: str, phase: InferencePhase = InferencePhase.DECODE,
                   cache_type: str = "user") -> Tuple[Optional[str], float]:
-    """(tier or None on a miss, seconds) of read_entry."""
+    """(tier, seconds) of read_entry; (None, 0.0) on a miss, as the original said one in every era
+    (read_entry keeps the time a miss took)."""
     result = self.read_entry(key, phase, cache_type)
-    return result.tier, result.latency_s
+    return (result.tier, result.latency_s) if result.tier is not None else (None, 0.0)
 
 
 def _get_stats(self: MultiTierCache, duration: float, window_counters: Optional[Dict[str, int]] = None
@@ -8877,7 +8999,68 @@ def _get_stats(self: MultiTierCache, duration: float, window_counters: Optional[
                                [(window_counters if window_counters is not None else report.counters, duration)])
 
 
+def _tier_limit_or_0(tier: str) -> Callable[[MultiTierCache], float]:
+    return lambda cache: cache.tier_limit(tier) if tier in cache.backends else 0.0
+
+
+def _tier_used(tier: str) -> Callable[[MultiTierCache], int]:
+    return lambda cache: max(0, cache.tier_usage(tier)) if tier in cache.backends else 0
+
+
+def _set_nvme_limit(cache: MultiTierCache, nbytes: float) -> None:
+    cache.set_storage_capacity(nbytes, "unbounded" if math.isinf(nbytes) else "nvme_memory_limit")
+
+
+def _cache_entries(cache: MultiTierCache) -> Dict[str, Dict[str, Any]]:
+    """The original's cache_entries, read-only: each stored entry's tier and size (and tokens; no
+    access times or counts, which this cache does not keep)."""
+    return {e.key: {"location": e.tier, "size": e.size_bytes, "num_tokens": e.num_tokens}
+            for e in cache.stored_entries()}
+
+
+# The original's attributes, in bytes: the budgets (the storage tier's settable; inf: unbounded) and the usage.
+MultiTierCache.gpu_memory_limit, MultiTierCache.cpu_memory_limit = (property(_tier_limit_or_0(t)) for t in ("gpu", "cpu"))
+MultiTierCache.nvme_memory_limit = property(lambda cache: cache.tier_limit("nvme"), _set_nvme_limit)
+MultiTierCache.gpu_memory_used, MultiTierCache.cpu_memory_used, MultiTierCache.nvme_memory_used = (
+    property(_tier_used(t)) for t in TIER_NAMES)
+MultiTierCache.cache_entries = property(_cache_entries)
+MultiTierCache.reset_stats = MultiTierCache.reset_statistics
 MultiTierCache.__init__ = _original_cache
+
+
+def _original_stats_names() -> Dict[str, Callable[[Dict[str, int], Dict[Tuple[str, str], Any]], Any]]:
+    """cache.stats[name]: the seeds' and v3.0's keys of the original's stats dict, each a figure of
+    docs/metrics.md (bytes and counts; latency lists in seconds, copies)."""
+    def total(*counters: str) -> Callable[..., int]:
+        return lambda c, s: sum(c.get(name, 0) for name in counters)
+
+    def samples(tier: str, op: str, part: int) -> Callable[..., List[float]]:
+        return lambda c, s: list(s[(tier, op)][part]) if (tier, op) in s else []
+    names = {name: total(name) for name in (
+        "cache_hits", "cache_misses", "evictions", "offloads_cpu", "offloads_nvme", "prefill_writes", "decode_reads",
+        "prefill_bytes_written", "decode_bytes_read", *(_HIT_COUNTER[t] for t in ("system", "common", "user", "multi_turn")))}
+    names["offloads_storage"] = total("offloads_nvme")
+    for name, counter in (("total_read_bytes", "bytes_read"), ("total_write_bytes", "bytes_written"),
+                          ("read_operations", "reads"), ("write_operations", "writes")):
+        names[name] = total(*(f"{t}_{counter}" for t in TIER_NAMES))
+    names["nvme_tokens_processed"] = names["storage_tokens_processed"] = total("nvme_tokens_read", "nvme_tokens_written")
+    for tier, v30 in _V30_TIER_NAMES.items():
+        for op, done in (("read", "read"), ("write", "written")):
+            names[f"tier_{v30}_kv_bytes_{done}"] = total(f"{tier}_bytes_{done}")
+            for name in dict.fromkeys((tier, v30)):
+                names[f"{name}_{op}_latencies"] = samples(tier, op, 0)
+                if tier == "nvme":
+                    names[f"{name}_{op}_device_latencies"] = samples(tier, op, 1)
+                    names[f"{name}_{op}_host_latencies"] = samples(tier, op, 2)
+    return names
+
+
+_ORIGINAL_STATS = _original_stats_names()
+CacheStats.__getitem__ = lambda self, name: self.read(_ORIGINAL_STATS[name])     # KeyError for others, as a dict
+CacheStats.__iter__, CacheStats.__len__ = lambda self: iter(_ORIGINAL_STATS), lambda self: len(_ORIGINAL_STATS)
+for _name in ("keys", "items", "values", "get", "__contains__"):           # read-only: no __setitem__
+    setattr(CacheStats, _name, getattr(collections.abc.Mapping, _name))
+collections.abc.Mapping.register(CacheStats)
 MultiTierCache.allocate_cache, MultiTierCache.access_cache, MultiTierCache.get_stats = \
     _allocate_cache, _access_cache, _get_stats
 MultiTierCache._get_tier_order, MultiTierCache._get_tier_limit, MultiTierCache._get_tier_usage = \
@@ -9002,7 +9185,7 @@ def _add_source_and_trace_flags(p: argparse.ArgumentParser) -> None:
                         f"(default: %(default)s)")
     d.add_argument("--trace-speedup", type=float,
                    help="replay the trace (BurstGPT, or --replay-io-trace's) this many times faster than "
-                        "recorded (default: %(default)s)")
+                        "recorded; 0: no pacing, as fast as possible (default: %(default)s)")
     d.add_argument("--replay-cycles", type=int,
                    help="passes over the trace before the run ends (0: until --duration or --max-requests)")
     d.add_argument("--enable-rag", action="store_true", help="simulate RAG document ingestion and retrieval")

@@ -7003,8 +7003,8 @@ class TestReliability:
                      id="burst trace glob matching nothing"),
         pytest.param(["--use-burst-trace", "--burst-trace-path", "{malformed}"], "--burst-trace-path",
                      id="burst trace without its columns"),
-        pytest.param(["--use-burst-trace", "--burst-trace-path", "{burst}", "--trace-speedup", "0"], "--trace-speedup",
-                     id="trace-speedup 0"),
+        pytest.param(["--use-burst-trace", "--burst-trace-path", "{burst}", "--trace-speedup", "-1"], "--trace-speedup",
+                     id="trace-speedup -1"),
         pytest.param(["--use-burst-trace", "--burst-trace-path", "{burst}", "--replay-cycles", "-1"], "--replay-cycles",
                      id="replay-cycles -1"),
         pytest.param(["--use-burst-trace", "--burst-trace-path", "{burst}", "--enable-autoscaling"],
@@ -8383,6 +8383,306 @@ sys.exit(subprocess.run([sys.executable, script, "--config", config, "--model", 
         assert "Not a directory" in proc.stderr and "rank1" in proc.stderr
         assert "another MPI rank could not start" in proc.stderr
         assert sorted(p.name for p in cache.iterdir()) == ["rank1"] and not (tmp_path / "agg.json").exists()
+
+
+# ============================================================================
+# COMPATIBILITY: what upstream's current suite (mlcommons/storage, 240 tests) asks of the original's names
+# ============================================================================
+
+class TestUpstreamCurrentSuite:
+    """Issue 34, item 4: the assertions of upstream's current test_kv_cache.py that a user's
+    script would meet too, rewritten against this module: its words for bad values, an unpaced
+    trace, the cache's original attributes, its stats dict, the benchmark's keyword constructor."""
+
+    def test_a_negative_storage_capacity_is_refused_in_the_originals_words(self, tmp_path):
+        proc = run_forked("--storage-capacity-gb", "-1", cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stdout == "" and list(tmp_path.iterdir()) == []
+        assert proc.stderr.splitlines() == ["kv-cache.py: error: --storage-capacity-gb cannot be negative (accepted: "
+                                            "0 (95% of the free space) or a positive size in GiB), got -1"]
+        for value in (0, 100):                                    # 0: 95 % of the free space
+            assert kv.validate_args(argparse.Namespace(storage_capacity_gb=value)).storage_capacity_gb == value
+
+    def test_trace_speedup_0_is_accepted_and_a_negative_one_refused(self, tmp_path):
+        assert kv.validate_args(argparse.Namespace(trace_speedup=0)).trace_speedup == 0
+        with pytest.raises(ValueError, match=re.escape("--trace-speedup cannot be negative (accepted: 0 (no pacing: "
+                                                       "as fast as possible) or a factor up to 1,000,000), got -1")):
+            kv.validate_args(argparse.Namespace(trace_speedup=-1.0))
+
+    def test_an_unpaced_burst_trace_is_admitted_at_once_and_has_no_lag(self, tmp_path):
+        """Rows 1,000 s apart, --trace-speedup 0: both passes admitted without waiting for any time."""
+        rows = [(i * 1000.0, 10 + i, i) for i in range(5)]
+        arrivals, q, _, _ = burst_arrivals(tmp_path, rows, trace_speedup=0, replay_cycles=2)
+        admitting = threading.Thread(target=arrivals.run)
+        admitting.start()
+        admitting.join(timeout=60)                                # paced, it would wait 4,000 s
+        assert not admitting.is_alive() and arrivals.admitted == q.qsize() == 10
+        stats = arrivals.trace_stats()
+        assert stats["trace_speedup"] == 0 and stats["requests_admitted"] == 10 and stats["passes_completed"] == 2
+        assert stats["admission_lag_mean_ms"] is None and stats["admission_lag_max_ms"] is None
+        merged = kv.merge_trace_stats([stats, stats])
+        assert merged["admission_lag_mean_ms"] is None and merged["admission_lag_max_ms"] is None
+        assert merged["requests_admitted"] == 20
+
+    def test_unpaced_admissions_wait_for_room_in_the_backlog(self, tmp_path):
+        arrivals, q, _, stop = burst_arrivals(tmp_path, burst_rows(5), trace_speedup=0, backlog=3)  # endless passes
+        admitting = threading.Thread(target=arrivals.run)
+        admitting.start()
+        try:
+            wait_until(lambda: arrivals.admitted == 3)
+            time.sleep(0.2)
+            assert arrivals.admitted == 3                     # none more until one completes
+            arrivals.release(0)
+            wait_until(lambda: arrivals.admitted == 4)
+        finally:
+            stop.set()
+            admitting.join(timeout=60)
+        assert arrivals.admitted == q.qsize() == 4 and not admitting.is_alive()
+
+    def test_an_unpaced_io_trace_replay_issues_every_operation_and_has_no_lag(self, tmp_path):
+        trace = write_trace(tmp_path / "t.csv", [(t * 1000.0, op, MIB, "Tier-2", f"k{t}") for t in range(3)
+                                                 for op in ("Write", "Read")])
+        config = kv.BenchmarkConfig(model="tiny-1b", replay_io_trace=str(trace), cache_dir=str(tmp_path),
+                                    trace_speedup=0).validate()
+        r = kv.TraceReplay(config, threading.Event()).run()         # paced, 2,000 s
+        assert r["operations"]["write"]["count"] == r["operations"]["read"]["count"] == 3
+        assert r["operations"]["read"]["bytes"] == 3 * MIB and r["stop_reason"] == "trace_end"
+        assert r["lag_ms"]["count"] == 0 and r["lag_ms"]["mean"] is None
+        assert "Behind schedule (start minus due time): mean n/a" in kv.format_replay_report(r)
+        assert files_under(tmp_path) == ["t.csv"]
+
+    def test_the_caches_budgets_and_usage_under_the_originals_names(self, make_cache):
+        cache = make_cache(cpu_entries=2.01, storage_capacity_gb=budget_gb(3))
+        assert (cache.gpu_memory_limit, cache.cpu_memory_limit) == (0, budget_gb(2.01) * GIB)
+        assert cache.nvme_memory_limit == cache._get_tier_limit("nvme") == budget_gb(3) * GIB
+        assert (cache.gpu_memory_used, cache.cpu_memory_used, cache.nvme_memory_used) == (0, 0, 0)
+        for i in range(3):                                   # the CPU tier keeps one (80 % of 2.01), two demoted
+            assert cache.allocate_cache(f"k{i}", TOKENS)[:2] == (True, "cpu")
+        assert (cache.cpu_memory_used, cache.nvme_memory_used) == (ENTRY, 2 * ENTRY)
+
+    def test_setting_nvme_memory_limit_changes_the_capacity_the_cache_enforces(self, make_cache):
+        cache = make_cache(cpu_entries=2.01)
+        assert cache.nvme_memory_limit == float("inf")           # the original's constructor: unbounded
+        for i in range(3):
+            cache.allocate_cache(f"k{i}", TOKENS)
+        cache.nvme_memory_limit = ENTRY                          # lower than what the tier holds
+        assert cache._get_tier_limit("nvme") == ENTRY
+        cache.allocate_cache("k3", TOKENS)                       # k2 demoted: k0 and k1 leave the cache
+        assert cache.nvme_memory_used == ENTRY and cache.get_stats(1.0)["evictions"] == 2
+        assert sorted(cache.cache_entries) == ["k2", "k3"]
+        cache.nvme_memory_limit = float("inf")                   # unbounded again: nothing more leaves
+        for i in range(4, 10):
+            cache.allocate_cache(f"k{i}", TOKENS)
+        assert cache.get_stats(1.0)["evictions"] == 2 and cache.nvme_memory_used == 7 * ENTRY
+        assert sum(e["location"] == "nvme" for e in cache.cache_entries.values()) == 7
+        with pytest.raises(ValueError, match="cannot be negative"):
+            cache.nvme_memory_limit = -1
+
+    def test_a_full_storage_tier_evicts_and_still_takes_new_entries(self, make_cache):
+        """Upstream's TestNVMeEviction, smaller: a storage tier of 10 entries under 40 writes."""
+        cache = make_cache(cpu_entries=2.01, storage_capacity_gb=budget_gb(10.5))
+        assert all(cache.allocate_cache(f"entry_{i}", TOKENS)[0] for i in range(40))
+        assert cache.get_stats(1.0)["evictions"] == 40 - 11 and len(cache.cache_entries) == 11
+        assert cache.allocate_cache("after_eviction", TOKENS)[0] is True
+        loc, latency = cache.access_cache("entry_0")               # evicted: the original's miss
+        assert (loc, latency) == (None, 0.0)
+
+    def test_cache_entries_is_a_snapshot_of_the_stored_entries(self, make_cache):
+        cache = make_cache(cpu_entries=2.01)
+        for i in range(3):
+            cache.allocate_cache(f"k{i}", TOKENS)
+        entries = cache.cache_entries
+        assert entries == {"k0": {"location": "nvme", "size": ENTRY, "num_tokens": TOKENS},
+                           "k1": {"location": "nvme", "size": ENTRY, "num_tokens": TOKENS},
+                           "k2": {"location": "cpu", "size": ENTRY, "num_tokens": TOKENS}}
+        entries["k2"]["location"] = "gpu"
+        del entries["k0"]
+        assert cache.cache_entries["k2"]["location"] == "cpu" and len(cache.cache_entries) == 3
+        with pytest.raises(AttributeError):
+            cache.cache_entries = {}
+
+    def test_reset_stats_zeroes_the_figures_and_keeps_the_entries(self, make_cache):
+        cache = make_cache(cpu_entries=2.01)
+        for i in range(5):
+            cache.allocate_cache(f"entry_{i}", TOKENS)
+            cache.access_cache(f"entry_{i}")
+        cache.access_cache("nonexistent")
+        before = cache.get_stats(1.0)
+        assert (before["cache_hits"], before["cache_misses"], before["prefill_writes"]) == (5, 1, 5)
+        cache.reset_stats()
+        after = cache.get_stats(1.0)
+        assert [after[k] for k in ("cache_hits", "cache_misses", "prefill_writes", "offloads_nvme", "nvme_writes")] == [
+            0, 0, 0, 0, 0]
+        assert before["storage_requests"]["files_written"] == 4 and before["nvme_write_p50_ms"] is not None
+        assert after["storage_requests"]["files_written"] == 0 and after["nvme_write_p50_ms"] is None
+        assert len(cache.cache_entries) == 5 and cache.access_cache("entry_0")[0] == "nvme"
+
+    def test_cache_stats_is_the_originals_stats_dict_read_only(self, make_cache):
+        cache = make_cache(cpu_entries=2.01)
+        for i in range(3):                                   # k0, k1 demoted to storage, k2 in the CPU tier
+            cache.allocate_cache(f"k{i}", TOKENS)
+        for key in ("k0", "k2", "k2", "gone"):
+            cache.access_cache(key)
+        stats, summary = cache.stats, cache.get_stats(1.0)
+        assert isinstance(stats, collections.abc.Mapping) and len(stats) == len(list(stats)) == len(stats.keys())
+        assert (stats["cache_hits"], stats["cache_misses"], stats["user_cache_hits"]) == (3, 1, 3)
+        assert (stats["prefill_writes"], stats["decode_reads"], stats["evictions"]) == (3, 3, 0)
+        assert stats["offloads_nvme"] == stats["offloads_storage"] == 2 and stats["offloads_cpu"] == 0
+        assert (stats["prefill_bytes_written"], stats["decode_bytes_read"]) == (3 * ENTRY, 3 * ENTRY)
+        assert (stats["write_operations"], stats["read_operations"]) == (3 + 2, 3)     # demotion writes included
+        assert (stats["total_write_bytes"], stats["total_read_bytes"]) == (5 * ENTRY, 3 * ENTRY)
+        assert stats["total_read_bytes"] == summary["total_read_gb"] * GIB
+        assert (stats["tier_cpu_kv_bytes_written"], stats["tier_storage_kv_bytes_written"]) == (3 * ENTRY, 2 * ENTRY)
+        assert (stats["tier_cpu_kv_bytes_read"], stats["tier_storage_kv_bytes_read"], stats["tier_gpu_kv_bytes_read"]) \
+            == (2 * ENTRY, ENTRY, 0)
+        assert stats["nvme_tokens_processed"] == stats["storage_tokens_processed"] == 3 * TOKENS == \
+            summary["nvme_tokens_processed"]
+        assert len(stats["cpu_read_latencies"]) == 2 and len(stats["gpu_write_latencies"]) == 0
+        for name in ("nvme", "storage"):
+            assert [len(stats[f"{name}_{op}_latencies"]) for op in ("read", "write")] == [1, 2]
+            assert len(stats[f"{name}_write_device_latencies"]) == len(stats[f"{name}_write_host_latencies"]) == 2
+        reads = stats["nvme_read_latencies"]
+        reads.append(99.0)                                       # a copy: the cache's samples stay
+        assert stats["storage_read_latencies"] == reads[:1] and isinstance(reads[0], float)
+        assert "cache_hits" in stats and "bogus" not in stats and stats.get("bogus", 7) == 7
+        with pytest.raises(KeyError):
+            stats["bogus"]
+        with pytest.raises(TypeError):
+            stats["cache_hits"] = 0
+        stats.count("cache_hits")                                 # our own use of it is unchanged
+        assert stats["cache_hits"] == 4 and stats.snapshot()[0]["cache_hits"] == 4
+        cache.reset_stats()
+        assert [k for k, v in stats.items() if v not in (0, [])] == []
+
+    def test_tensor_parallel_alone_is_one_model_instance(self, make_cache):
+        cache = make_cache(cpu_entries=10.01, tensor_parallel=2)               # upstream: no num_gpus argument
+        assert (cache.config.num_gpus, cache.config.tensor_parallel, cache.config.shards.instances) == (2, 2, 1)
+        assert cache.allocate_cache("k", TOKENS)[:2] == (True, "cpu") and cache.cache_entries["k"]["size"] == ENTRY
+        assert make_cache(tensor_parallel=2, num_gpus=4).config.shards.instances == 2   # ours: a node of instances
+        with pytest.raises(kv.UsageError, match="--tensor-parallel must divide --num-gpus"):
+            make_cache(tensor_parallel=4, num_gpus=2)
+
+    def test_the_built_in_personas_under_the_originals_names(self):
+        expected = {"chatbot": {"context_range": (256, 1024), "generation_range": (50, 150), "think_time_range": (0.1, 0.5)},
+                    "coding": {"context_range": (1024, 4096), "generation_range": (100, 500), "think_time_range": (0.2, 1.0)},
+                    "document": {"context_range": (2048, 8192), "generation_range": (200, 800),
+                                 "think_time_range": (0.3, 1.5)}}
+        for templates in (kv.UserSimulator.DEFAULT_USER_TEMPLATES, kv.UserSimulator.USER_TEMPLATES):
+            assert {name: dict(ranges) for name, ranges in templates.items()} == expected
+            with pytest.raises(TypeError):                       # read-only: a run's personas come from its tunables
+                templates["chatbot"]["context_range"] = (1, 2)
+        for user in kv.UserSimulator.generate_mixed_users(30, random.Random(3)):
+            ranges = expected[user.user_type]
+            assert ranges["context_range"][0] <= user.context_length <= ranges["context_range"][1]
+
+    def burst_dir(self, tmp_path):
+        """Upstream's trace fixture: two BurstGPT files, 5 and 3 rows, 10 s apart."""
+        rows = [(t * 10.0, 100 * (t + 1), 20 * (t + 1)) for t in range(8)]
+        write_burst_csv(tmp_path / "BurstGPT_1.csv", rows[:5])
+        write_burst_csv(tmp_path / "BurstGPT_2.csv", rows[5:])
+        return tmp_path
+
+    def test_the_originals_keyword_constructor_runs_an_unpaced_trace(self, tmp_path):
+        bench = kv.IntegratedBenchmark(TINY, 5, gpu_memory_gb=0, cpu_memory_gb=0.01, duration_seconds=30,
+                                       use_burst_trace=True, burst_trace_path=str(self.burst_dir(tmp_path)),
+                                       generation_mode=kv.GenerationMode.NONE, trace_speedup=0, replay_cycles=1,
+                                       cache_dir=str(tmp_path / "cache"), seed=42)
+        assert [Path(f).name for f in bench.burst_trace_files] == ["BurstGPT_1.csv", "BurstGPT_2.csv"]
+        c = bench.config
+        assert (c.model, c.num_users, c.gpu_mem_gb, c.cpu_mem_gb, c.duration_s) == (TINY, 5, 0, 0.01, 30)
+        assert (c.trace_speedup, c.replay_cycles, c.seed, c.autoscaler_mode, c.progress) == (0, 1, 42, None, False)
+        results = bench.run()                                    # 80 s of trace, unpaced
+        s = results["summary"]
+        assert s["stop_reason"] == "burst_trace_replayed" and s["total_requests"] == 8
+        assert s["burst_trace"]["requests_admitted"] == 8 and s["burst_trace"]["admission_lag_max_ms"] is None
+        assert "(no pacing)" in kv.format_report(results)
+        assert files_under(tmp_path / "cache") == []
+
+    def test_the_originals_defaults_and_keywords_map_onto_the_configuration(self, tmp_path):
+        bench = kv.IntegratedBenchmark(model_config=TINY, num_users=2, gpu_memory_gb=0, cpu_memory_gb=0,
+                                       duration_seconds=5, cache_dir=str(tmp_path), tensor_parallel=2,
+                                       enable_autoscaling=True, autoscaler_mode="capacity", enable_multi_turn=False,
+                                       enable_prefix_caching=False, enable_rag=True, rag_num_docs=3,
+                                       storage_capacity_gb=1.5, max_requests=7, request_rate=2.0)
+        try:
+            c = bench.config
+            assert c.generation_mode is kv.GenerationMode.NONE and bench.burst_trace_files == []
+            assert (c.num_gpus, c.tensor_parallel, c.autoscaler_mode, c.multi_turn, c.prefix_caching) == (
+                2, 2, "capacity", False, False)
+            assert (c.enable_rag, c.rag_num_docs, c.storage_capacity_gb, c.max_requests, c.request_rate) == (
+                True, 3, 1.5, 7, 2.0)
+            assert bench.cache.nvme_memory_limit == 1.5 * GIB
+        finally:
+            bench.cache.close()
+        assert files_under(tmp_path) == []
+
+    @pytest.mark.parametrize("keywords,error", [
+        ({"num_users": 0}, "--num-users must be positive"),
+        ({"duration_seconds": 86_401}, "--duration exceeds 24 hours"),
+        ({"cpu_memory_gb": -1}, "--cpu-mem-gb cannot be negative"),
+        ({"trace_speedup": -1}, "--trace-speedup cannot be negative"),
+        ({"storage_capacity_gb": -1}, "--storage-capacity-gb cannot be negative"),
+        ({"tensor_parallel": 2, "num_gpus": 3}, "--tensor-parallel must divide --num-gpus"),
+        ({"use_burst_trace": True, "burst_trace_path": "{tmp}/none.csv"}, "--burst-trace-path"),
+        ({"validation_trace": "v.json"}, "validation_trace: the original's validation engine"),
+    ])
+    def test_the_originals_constructor_refuses_what_the_command_line_refuses(self, tmp_path, keywords, error):
+        given = {"model_config": TINY, "num_users": 2, "gpu_memory_gb": 0, "cpu_memory_gb": 0, "duration_seconds": 5,
+                 "cache_dir": str(tmp_path)}
+        given.update({k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in keywords.items()})
+        with pytest.raises(ValueError, match=re.escape(error)):
+            kv.IntegratedBenchmark(**given)
+        assert list(tmp_path.iterdir()) == []
+
+    def test_our_constructor_is_unchanged(self, tmp_path):
+        config = kv.BenchmarkConfig(model="tiny-1b", num_users=1, gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path))
+        stop = threading.Event()
+        for bench in (kv.IntegratedBenchmark(config), kv.IntegratedBenchmark(config=config, stop_event=stop)):
+            assert bench.config is config and bench.burst_trace_files == []
+            bench.cache.close()
+        assert files_under(tmp_path) == []
+
+    def test_the_gpu_tier_takes_the_originals_eviction_callback(self, monkeypatch):
+        """Upstream's TestGPUMemoryBackendEvictionCallback, over the host stand-in of a GPU."""
+        libraries = []
+
+        def open_host(device_index=0, library="auto"):
+            libraries.append(library)
+            return _HostDevice(keep_buffers=False)
+        monkeypatch.setattr(kv, "open_gpu_device", open_host)
+        evicted = []
+        backend = kv.GPUMemoryBackend(on_eviction_callback=lambda key, tier, size: evicted.append((key, tier, size)))
+        data = sample_array(5)
+        backend.write("k", data)
+        np.testing.assert_array_equal(backend.read("k")[0], data)
+        backend.close()
+        assert callable(backend.on_eviction_callback) and evicted == []      # it drops no entry on its own
+        others = [kv.GPUMemoryBackend(on_eviction_callback=None), kv.GPUMemoryBackend(use_torch=False),
+                  kv.GPUMemoryBackend(True), kv.GPUMemoryBackend()]
+        assert [b.on_eviction_callback for b in others] == [None] * 4
+        assert libraries == ["auto", "auto", "cupy", "auto", "auto"]
+        for b in others:
+            b.close()
+
+
+def burst_arrivals(tmp_path, rows, backlog: int = 1000, **config):
+    """BurstArrivals over a CSV of `rows` for 3 users, seeded: (arrivals, its queue, its on_done
+    calls, its stop event)."""
+    trace = kv.BurstTrace(kv.burst_trace_files(str(write_burst_csv(tmp_path / "t.csv", rows))))
+    q, done, stop = queue.PriorityQueue(), [], threading.Event()
+    arrivals = kv.BurstArrivals(trace, kv.WorkloadPlan("tiny-1b", 3, 42),
+                                lambda user, planned: types.SimpleNamespace(priority=1, user=user, planned=planned),
+                                q, stop, kv.BenchmarkConfig(model="tiny-1b", **config), lambda: done.append(True),
+                                backlog)
+    arrivals.seed(time.perf_counter())
+    return arrivals, q, done, stop
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    """Poll `condition` until it holds (a failure, not a hang, if it never does)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.01)
 
 
 # ============================================================================

@@ -1264,9 +1264,25 @@ def _check_outputs(config: "BenchmarkConfig") -> None:
 # is not a regular file of ours (a link's target is written; a device is written through).
 
 def write_json(results: Dict[str, Any], path: str) -> str:
-    """Write the results whole or not at all (see _write_text_file)."""
-    return _write_text_file(path, json.dumps(json_safe(results), indent=2, allow_nan=False,
-                                             default=_json_default) + "\n")
+    """Write the results whole or not at all (see _write_text_file), strict JSON (json_safe) with
+    no statistic over no samples (without_empty_statistics)."""
+    return _write_text_file(path, json.dumps(without_empty_statistics(json_safe(results)), indent=2,
+                                             allow_nan=False, default=_json_default) + "\n")
+
+
+_STATISTIC_KEY = re.compile(r"(?:^|_)(?:mean|max|p\d+)(?:_ms)?$")       # mean, p95, read_p95_ms, lag_max_ms...
+
+
+def without_empty_statistics(value: Any) -> Any:
+    """The results without the statistics that no sample gave (a mean, maximum or percentile
+    whose value is None): the original writes no summary when no request completed, so readers
+    that default a missing figure (MLPerf Storage's harness: 0) must find it missing, not null."""
+    if isinstance(value, dict):
+        return {k: without_empty_statistics(v) for k, v in value.items()
+                if not (v is None and isinstance(k, str) and _STATISTIC_KEY.search(k))}
+    if isinstance(value, list):
+        return [without_empty_statistics(v) for v in value]
+    return value
 
 
 def _umask() -> int:
@@ -7970,8 +7986,8 @@ def _heading(add: Callable[[str], None], title: str) -> None:
 
 
 def _fmt_latency(name: str, s: Dict[str, Any]) -> str:
-    return (f"  {name}: mean {_fmt_ms(s['mean'])}, P50 {_fmt_ms(s['p50'])}, "
-            f"P95 {_fmt_ms(s['p95'])}, P99 {_fmt_ms(s['p99'])}")
+    return (f"  {name}: mean {_fmt_ms(s.get('mean'))}, P50 {_fmt_ms(s.get('p50'))}, "
+            f"P95 {_fmt_ms(s.get('p95'))}, P99 {_fmt_ms(s.get('p99'))}")
 
 
 def headline_not_measured(results: Dict[str, Any]) -> Optional[str]:
@@ -8136,11 +8152,11 @@ def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
         add(_fmt_latency(label, s[f"{key}_latency_ms"]))
     # Seed 000's summary lines, labels kept for existing parsers; values in seconds as there.
     e2e, sio = s["end_to_end_latency_ms"], s["storage_io_latency_ms"]
-    add(f"  End-to-end latency: mean {_fmt_s(e2e['mean'])}, P50 {_fmt_s(e2e['p50'])}, P95 {_fmt_s(e2e['p95'])}, "
-        f"P99 {_fmt_s(e2e['p99'])}")
-    add(f"  Approximate mean queue wait: {_fmt_s(s['queue_wait_latency_ms']['mean'])} "
+    add(f"  End-to-end latency: mean {_fmt_s(e2e.get('mean'))}, P50 {_fmt_s(e2e.get('p50'))}, P95 {_fmt_s(e2e.get('p95'))}, "
+        f"P99 {_fmt_s(e2e.get('p99'))}")
+    add(f"  Approximate mean queue wait: {_fmt_s(s['queue_wait_latency_ms'].get('mean'))} "
         f"(measured per request, not approximated)")
-    add(f"  Storage I/O latency: mean {_fmt_s(sio['mean'])}, P95 {_fmt_s(sio['p95'])}, P99 {_fmt_s(sio['p99'])}")
+    add(f"  Storage I/O latency: mean {_fmt_s(sio.get('mean'))}, P95 {_fmt_s(sio.get('p95'))}, P99 {_fmt_s(sio.get('p99'))}")
     add("  Potential bottlenecks:")
     for note in s["bottlenecks"]:
         add(f"    - {note}")
@@ -8167,12 +8183,12 @@ def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any], given: Dict[st
     add("  (each operation's total time; the device and host shares of it in brackets)")
     for tier, op in itertools.product(TIER_NAMES, ("read", "write")):
         k = f"{tier}_{op}"
-        if cs[f"{k}_p50_ms"] is None:
+        if cs.get(f"{k}_p50_ms") is None:
             continue
         # "NVME Read P95: 12390.15 ms" is the original's line; ours follows on the same line.
-        add(f"  {tier.upper()} {op.capitalize()} P95: {cs[f'{k}_p95_ms']:.2f} ms (P50 {_fmt_ms(cs[f'{k}_p50_ms'])}, "
-            f"P99 {_fmt_ms(cs[f'{k}_p99_ms'])}; device P95 {_fmt_ms(cs[f'{k}_device_p95_ms'])}, "
-            f"host P95 {_fmt_ms(cs[f'{k}_host_p95_ms'])}) [{cs[f'{k}s']:,} ops]")
+        add(f"  {tier.upper()} {op.capitalize()} P95: {cs.get(f'{k}_p95_ms'):.2f} ms (P50 {_fmt_ms(cs.get(f'{k}_p50_ms'))}, "
+            f"P99 {_fmt_ms(cs.get(f'{k}_p99_ms'))}; device P95 {_fmt_ms(cs.get(f'{k}_device_p95_ms'))}, "
+            f"host P95 {_fmt_ms(cs.get(f'{k}_host_p95_ms'))}) [{cs[f'{k}s']:,} ops]")
 
 
 def _byte_size(n: float) -> str:
@@ -8244,7 +8260,7 @@ def _report_qos(add: Callable[[str], None], qos: Dict[str, Any]) -> None:
         if not q["total_requests"]:
             add(f"  {level}: no requests")
             continue
-        add(f"  {level}: {q['total_requests']:,} requests, P95 {_fmt_ms(sla['actual_p95_ms'])} "
+        add(f"  {level}: {q['total_requests']:,} requests, P95 {_fmt_ms(sla.get('actual_p95_ms'))} "
             f"(target {sla['target_p95_ms']:.0f}ms), compliance {sla['compliance'] * 100:.1f}% "
             f"[{'MET' if sla['met'] else 'MISSED'}]")
 
@@ -8260,10 +8276,10 @@ def _report_sources(add: Callable[[str], None], s: Dict[str, Any]) -> None:
     add(f"  {', '.join(t['files'])}: {t['rows']:,} rows, {t['bad_rows']:,} not requests (skipped)"
         + (": " + ", ".join(f"{k} {v:,}" for k, v in sorted(t["bad_rows_by_reason"].items())) if t["bad_rows"] else ""))
     passes = f"of {t['replay_cycles']}" if t["replay_cycles"] else "(no limit)"
-    lag = t["admission_lag_mean_ms"]
+    lag = t.get("admission_lag_mean_ms")
     add(f"  Speedup {t['trace_speedup']:g}x{' (no pacing)' if not t['trace_speedup'] else ''}; passes completed: {t['passes_completed']} {passes}; requests admitted "
         f"{t['requests_admitted']:,}; admission behind the trace's time: mean {_fmt_ms(lag)}, "
-        f"max {_fmt_ms(t['admission_lag_max_ms'])}")
+        f"max {_fmt_ms(t.get('admission_lag_max_ms'))}")
     add("  Each row is a lone request (no multi-turn conversation, no shared prefix), as in the original")
 
 
@@ -8617,8 +8633,8 @@ def _suite_row(name: str, status: str, results: Optional[Dict[str, Any]]) -> Dic
     cs = s["cache_stats"]
     row.update({"Throughput tok/s": s["avg_throughput_tokens_per_sec"],
                 "Storage tok/s": s["nvme_throughput"],
-                "E2E P95 ms": s["end_to_end_latency_ms"]["p95"],
-                "Storage P95 ms": s["storage_io_latency_ms"]["p95"],
+                "E2E P95 ms": s["end_to_end_latency_ms"].get("p95"),       # absent: no request completed
+                "Storage P95 ms": s["storage_io_latency_ms"].get("p95"),
                 "Hit rate": cs["cache_hit_rate"],
                 "GPU/CPU/Storage entries": f"{cs['gpu_entries']}/{cs['cpu_entries']}/{cs['nvme_entries']}"})
     return row
@@ -8820,7 +8836,7 @@ def format_rank_table(results: Dict[str, Any]) -> str:
         s = r["summary"]
         lines.append(f"  {r['rank']:>4} {r['config']['num_users']:>6} {s['total_requests']:>9,} "
                      f"{s['avg_throughput_tokens_per_sec']:>10,.1f} {s['nvme_throughput']:>14,.1f} "
-                     f"{_fmt_ms(s['end_to_end_latency_ms']['p95']):>11} {_fmt_ms(s['storage_io_latency_ms']['p95']):>15}"
+                     f"{_fmt_ms(s['end_to_end_latency_ms'].get('p95')):>11} {_fmt_ms(s['storage_io_latency_ms'].get('p95')):>15}"
                      f"  {r['config']['cache_dir']}")
     for rank in results.get("ranks_without_results") or []:
         lines.append(f"  {rank:>4} stopped before its workload began: no results")

@@ -928,6 +928,7 @@ class BenchmarkConfig:
     fio_compare: bool = False
     # I/O traces
     io_trace_log: Optional[str] = None            # trace mode: no I/O, every operation a row of this CSV
+    io_trace_deletes: bool = False                # the trace also has a Delete row per deletion (our replay's)
     trace_bandwidth_gbps: str = ""                # the latency model's GB/s per tier over TRACE_BANDWIDTH_GBPS
     trace_latency_us: str = ""                    # and its microseconds per operation over TRACE_LATENCY_US
     replay_io_trace: Optional[str] = None         # replay a trace's storage rows in --cache-dir, nothing else
@@ -1029,10 +1030,11 @@ class BenchmarkConfig:
         if self.replay_io_trace is not None:
             _check_trace_file(self.replay_io_trace)
         if self.io_trace_log is None:
-            for flag, given in (("--trace-bandwidth-gbps", self.trace_bandwidth_gbps),
-                                ("--trace-latency-us", self.trace_latency_us)):
+            for flag, given, what in (("--trace-bandwidth-gbps", self.trace_bandwidth_gbps, "sets the latency model of"),
+                                      ("--trace-latency-us", self.trace_latency_us, "sets the latency model of"),
+                                      ("--io-trace-deletes", self.io_trace_deletes, "adds Delete rows to")):
                 if given:
-                    raise UsageError(f"{flag} sets the latency model of --io-trace-log: give --io-trace-log FILE too")
+                    raise UsageError(f"{flag} {what} --io-trace-log: give --io-trace-log FILE too")
             return
         for flag, given in (("--replay-io-trace", self.replay_io_trace), ("--fio-compare", self.fio_compare),
                             ("--fio-job", self.fio_job), ("--verify", self.verify), ("--io-baseline", self.io_baseline),
@@ -4437,12 +4439,14 @@ class LatencyModel:
 
 
 class TraceLog:
-    """The trace file: '#' lines stating what made it and the latency model, the header
-    TRACE_COLUMNS, then one row per operation (Unix time, 6 decimals). Written to a temporary
-    file beside PATH and renamed to it at the end; PATH.zst is zstd-compressed."""
+    """The trace file in upstream's format, which its consumers read (awk 'NR>1', pandas,
+    sai3-bench): the header TRACE_COLUMNS, then one row per operation (Unix time, 6 decimals),
+    Write and Read; Delete rows too with `deletes` (--io-trace-deletes). What made it and the
+    latency model are in the results (cache_stats.storage_io_mode). Written to a temporary file
+    beside PATH and renamed to it at the end; PATH.zst is zstd-compressed."""
 
-    def __init__(self, path: str, model: LatencyModel):
-        self.path, self.model, self.rows = Path(path).expanduser(), model, 0
+    def __init__(self, path: str, model: LatencyModel, deletes: bool = False):
+        self.path, self.model, self.deletes, self.rows = Path(path).expanduser(), model, deletes, 0
         self._lock = threading.Lock()
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         self._tmp = Path(tmp)
@@ -4454,13 +4458,11 @@ class TraceLog:
         self._text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
         self._csv = csv.writer(self._text, lineterminator="\n")
         self._epoch = time.time() - time.perf_counter()
-        self._text.write(f"# kv-cache.py {__version__} I/O trace (--io-trace-log): no I/O was done; Timestamp is "
-                         f"Unix time from the latency model\n# latency model: {model.describe()}\n")
         self._csv.writerow(TRACE_COLUMNS)
 
     def row(self, at: float, op: str, nbytes: int, tier: str, key: str, phase: str) -> None:
         with self._lock:
-            if self._text.closed:
+            if self._text.closed or (op == "Delete" and not self.deletes):
                 return
             self._csv.writerow((f"{self._epoch + at:.6f}", op, nbytes, TRACE_TIER_LABELS[tier], key, phase))
             self.rows += 1
@@ -4478,8 +4480,8 @@ class TracedTier(StorageTier):
     """A tier in trace mode: it knows what it holds (key, size, shape) and holds no bytes. Each
     read or write takes the latency model's time (slept, so the run is paced as the model says,
     and timed as the operation's device time) and writes its rows: a demotion both halves (the
-    source tier's Read and this tier's Write, phase Evict), a deletion a Delete row (Evict after
-    a demotion, Cleanup at the end). A storage tier of --tensor-parallel TP writes a row per
+    source tier's Read and this tier's Write, phase Evict), with --io-trace-deletes a deletion
+    a Delete row (Evict after a demotion, Cleanup at the end). A storage tier of --tensor-parallel TP writes a row per
     shard, named as the files would be (shard_objects)."""
 
     trace_mode = True
@@ -4555,7 +4557,7 @@ class TracedTier(StorageTier):
 def open_traced_tiers(config: BenchmarkConfig) -> MemoryTiers:
     """Trace mode's GPU and CPU tiers, at their budgets as asked (nothing is allocated), and
     the trace they and the storage tier write to."""
-    log = TraceLog(config.io_trace_log, LatencyModel.for_run(config))
+    log = TraceLog(config.io_trace_log, LatencyModel.for_run(config), config.io_trace_deletes)
     tiers = MemoryTiers({}, {}, cpu_memory="none (trace mode)", trace=log,
                         open_storage=lambda directory, shards: TracedTier("nvme", log, shards))
     for tier, gb in (("gpu", config.gpu_mem_gb * config.num_gpus), ("cpu", config.cpu_mem_gb)):
@@ -9216,6 +9218,9 @@ def _add_source_and_trace_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--trace-latency-us", metavar="TIER=US,...",
                    help="the latency model's microseconds per operation over its defaults "
                         + ", ".join(f"{k}={v:g}" for k, v in TRACE_LATENCY_US.items()))
+    t.add_argument("--io-trace-deletes", action="store_true",
+                   help="also write a Delete row for each deletion (for --replay-io-trace, which then keeps the "
+                        "trace's capacity); without it the trace has upstream's Write and Read rows only")
     t.add_argument("--replay-io-trace", metavar="FILE",
                    help="replay a trace's storage-tier (Tier-2) rows in --cache-dir with the storage tier's "
                         "I/O, each at its time / --trace-speedup, and report their latencies")

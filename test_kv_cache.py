@@ -6455,10 +6455,8 @@ class TestBurstTrace:
 
 
 def read_trace(path: Path):
-    """An --io-trace-log file: its '#' lines and its rows as dicts."""
-    lines = path.read_text().splitlines()
-    notes = [line for line in lines if line.startswith("#")]
-    return notes, list(csv.DictReader(line for line in lines if not line.startswith("#")))
+    """An --io-trace-log file's rows as dicts (the first line is the header, as upstream's)."""
+    return list(csv.DictReader(path.read_text().splitlines()))
 
 
 def write_trace(path: Path, rows) -> Path:
@@ -6484,7 +6482,7 @@ def traced_run(tmp_path_factory):
             raise AssertionError("trace mode opened the storage tier")
         with pytest.MonkeyPatch.context() as m:
             m.setattr(kv.NVMeBackend, "__init__", no_files)
-            run = run_in_process(*small_run(workdir, *TRACE_RUN, "--io-trace-log", trace))
+            run = run_in_process(*small_run(workdir, *TRACE_RUN, "--io-trace-log", trace, "--io-trace-deletes"))
         run.bench = None                                 # (the tests read its status, output and results)
         return run, workdir, trace
     return once_per_session(tmp_path_factory, "traced_run", make)
@@ -6501,8 +6499,9 @@ class TestIOTrace:
         assert run.results["summary"]["device_stats"]["available"] is False   # no I/O of ours for it to show
         assert "TRACE MODE (--io-trace-log): no byte was read or written" in run.stdout
         assert not (workdir / "cache").exists() or files_under(workdir / "cache") == []
-        notes, rows = read_trace(trace)
-        assert "latency model: Tier-0 (gpu) 50 GB/s + 10 us; Tier-1 (cpu) 20 GB/s + 1 us; Tier-2 (nvme) 6 GB/s" in notes[1]
+        rows = read_trace(trace)
+        assert "latency model: Tier-0 (gpu) 50 GB/s + 10 us; Tier-1 (cpu) 20 GB/s + 1 us; Tier-2 (nvme) 6 GB/s" in cs[
+            "storage_io_mode"]
         ops = collections.Counter((r["Operation"], r["Tier"]) for r in rows)
         assert ops[("Write", "Tier-2")] == cs["nvme_writes"]
         assert ops[("Read", "Tier-2")] >= cs["nvme_reads"] > 0     # issued; a read of an entry rewritten meanwhile is retried
@@ -6512,7 +6511,7 @@ class TestIOTrace:
 
     def test_a_demotion_is_both_halves_and_every_deletion_a_row(self, traced_run):
         _, _, trace = traced_run
-        _, rows = read_trace(trace)
+        rows = read_trace(trace)
         demoted = [r for r in rows if r["Operation"] == "Write" and r["Tier"] == "Tier-2" and r["Phase"] == "Evict"]
         assert demoted
         for w in demoted:
@@ -6529,7 +6528,7 @@ class TestIOTrace:
 
     def test_the_storage_capacity_holds_in_the_trace(self, traced_run):
         _, _, trace = traced_run
-        _, rows = read_trace(trace)
+        rows = read_trace(trace)
         stored = peak = 0
         for r in rows:
             if r["Tier"] == "Tier-2" and r["Operation"] in ("Write", "Delete"):
@@ -6537,6 +6536,29 @@ class TestIOTrace:
                 peak = max(peak, stored)
         assert 0 < peak <= 0.1 * GIB
         assert any(r["Tier"] == "Tier-2" and r["Operation"] == "Delete" and r["Phase"] == "Delete" for r in rows)
+
+    def test_the_trace_is_upstreams_format_by_default(self, tmp_path):
+        """Upstream's consumers read the first line as the header (pandas' defaults, awk 'NR>1')
+        and know Write and Read rows only; Delete rows come with --io-trace-deletes."""
+        trace = tmp_path / "t.csv"
+        run = run_in_process(*small_run(tmp_path, *TRACE_RUN, "--io-trace-log", trace))
+        assert run.status == 0, run.stderr[-2000:]
+        rows = read_trace(trace)
+        assert trace.read_text().splitlines()[0] == ",".join(kv.TRACE_COLUMNS)
+        assert {r["Operation"] for r in rows} == {"Write", "Read"}            # evictions happened, unwritten
+        awk = subprocess.run(["awk", "-F,", "NR>1 {n++; b += $3} END {printf \"%d %.0f\\n\", n, b}", str(trace)],
+                             capture_output=True, text=True, check=True)
+        assert awk.stdout.split() == [str(len(rows)), str(sum(int(r["Object_Size_Bytes"]) for r in rows))]
+        if kv.PANDAS_AVAILABLE:
+            import pandas as pd
+            frame = pd.read_csv(trace)
+            assert list(frame.columns) == list(kv.TRACE_COLUMNS) and len(frame) == len(rows)
+            assert frame["Object_Size_Bytes"].dtype.kind == "i" and frame["Timestamp"].dtype.kind == "f"
+
+    def test_io_trace_deletes_needs_a_trace(self, tmp_path):
+        proc = run_forked(*small_run(tmp_path, "--io-trace-deletes"), cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+            "kv-cache.py: error: --io-trace-deletes adds Delete rows to --io-trace-log: give --io-trace-log FILE too"]
 
     def test_the_model_serves_a_tier_one_operation_after_another(self):
         model = kv.LatencyModel({"gpu": 50, "cpu": 20, "nvme": 1}, {"gpu": 0, "cpu": 0, "nvme": 100})
@@ -6555,8 +6577,8 @@ class TestIOTrace:
         assert run.status == 0, run.stderr[-2000:]
         import zstandard
         text = zstandard.ZstdDecompressor().stream_reader(trace.open("rb")).read().decode()
-        assert "Tier-2 (nvme) 2.5 GB/s" in text
-        rows = list(csv.DictReader(line for line in text.splitlines() if not line.startswith("#")))
+        assert "Tier-2 (nvme) 2.5 GB/s" in run.results["summary"]["cache_stats"]["storage_io_mode"]
+        rows = list(csv.DictReader(text.splitlines()))
         writes = [r for r in rows if r["Operation"] == "Write"]
         assert writes and len(writes) % 4 == 0
         assert {r["Key"].rsplit(".", 1)[1] for r in writes} == {"tp0", "tp1", "tp2", "tp3"}
@@ -6564,7 +6586,7 @@ class TestIOTrace:
     @pytest.mark.slow
     def test_a_replayed_trace_moves_the_bytes_it_says(self, traced_run, tmp_path):
         _, _, trace = traced_run
-        _, rows = read_trace(trace)
+        rows = read_trace(trace)
         want = {op: sum(int(r["Object_Size_Bytes"]) for r in rows if r["Tier"] == "Tier-2" and r["Operation"] == op)
                 for op in ("Write", "Read")}
         proc = run_cli("--replay-io-trace", trace, "--cache-dir", tmp_path / "cache", "--output", tmp_path / "r.json",
@@ -6662,7 +6684,7 @@ class TestStorageTierFace:
         for tier in (nvme, traced):
             tier.write("k", data)
         log.close()
-        _, rows = read_trace(tmp_path / "trace.csv")
+        rows = read_trace(tmp_path / "trace.csv")
         files = {f.name.removesuffix(".npy"): f.stat().st_size - kv.NPY_DATA_OFFSET
                  for f in (tmp_path / "files").iterdir()}
         assert files == {r["Key"]: int(r["Object_Size_Bytes"]) for r in rows}

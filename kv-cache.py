@@ -43,6 +43,7 @@ Sections, in the order data flows through the program (each uses only those abov
     METRIC MATH                       pure functions over counters and samples, saturation_score
     MULTI-TIER CACHE                  the run's tiers, EvictionPolicy, waterfall LRU over the tiers
     THE DRIVE'S OWN VIEW              block-layer counters of the cache directory's device
+    BLOCK-LAYER LATENCY               --enable-latency-tracing: bpftrace's D2C histograms of that device
     RAW BANDWIDTH                     --io-baseline
     FIO                               --fio-job, --fio-compare: the storage tier's I/O replayed by fio
     REQUEST RECORDS                   RequestRecord, RunRecorder
@@ -84,10 +85,12 @@ import platform
 import queue
 import random
 import re
+import select
 import shlex
 import shutil
 import signal
 import stat as stat_module
+import subprocess
 import sys
 import tempfile
 import threading
@@ -900,6 +903,7 @@ class BenchmarkConfig:
     max_concurrent_allocs: int = 0
     storage_capacity_gb: Optional[float] = 0.0    # 0: 95 % of the free space at the start; None: unbounded
     io_baseline: bool = False                     # measure the cache directory's raw bandwidth first
+    latency_tracing: bool = False                 # --enable-latency-tracing: bpftrace's D2C histograms of the window
     precondition: bool = False                    # age the storage tier before the timer (precondition_storage)
     precondition_size_gb: float = 0.0             # GiB to write; 0: twice the storage tier's capacity
     precondition_threads: int = 0                 # 0: one per core
@@ -1038,7 +1042,7 @@ class BenchmarkConfig:
             return
         for flag, given in (("--replay-io-trace", self.replay_io_trace), ("--fio-compare", self.fio_compare),
                             ("--fio-job", self.fio_job), ("--verify", self.verify), ("--io-baseline", self.io_baseline),
-                            ("--precondition", self.precondition)):
+                            ("--precondition", self.precondition), ("--enable-latency-tracing", self.latency_tracing)):
             if given:
                 raise UsageError(f"--io-trace-log and {flag} cannot be combined (trace mode moves no bytes)")
         _check_zstd("--io-trace-log", self.io_trace_log)
@@ -5877,6 +5881,160 @@ def merge_device_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Di
 
 
 # ============================================================================
+# BLOCK-LAYER LATENCY (--enable-latency-tracing)
+# ============================================================================
+# The original's option: bpftrace times each request of the cache directory's disk from its issue
+# to its completion (D2C: the device's own time, queueing in the drive included) over the
+# measured window, a histogram per direction. Without bpftrace or the privilege to trace, one
+# warning and the run goes on. The tracer is its own process group, killed with us.
+
+LATENCY_TRACE_ATTACH_S = 10.0           # bpftrace must have attached its probes by then
+LATENCY_TRACE_SCRIPT = """
+tracepoint:block:block_rq_issue /args.dev == DEV/ { @issued[args.sector] = nsecs; }
+tracepoint:block:block_rq_complete /args.dev == DEV && @issued[args.sector]/ {
+    $us = (nsecs - @issued[args.sector]) / 1000;
+    if (args.rwbs[0] == 82 || (args.rwbs[0] == 70 && args.rwbs[1] == 82)) { @d2c_read_us = hist($us); }
+    if (args.rwbs[0] == 87 || (args.rwbs[0] == 70 && args.rwbs[1] == 87)) { @d2c_write_us = hist($us); }
+    delete(@issued[args.sector]);
+}
+END { clear(@issued); }
+"""
+LATENCY_HISTOGRAMS = {"d2c_read_us": "D2C Read (device hardware time)",
+                      "d2c_write_us": "D2C Write (device hardware time)"}      # the original's names
+_HIST_NAME = re.compile(r"^\s*@(\w+):\s*$")
+_HIST_BUCKET = re.compile(r"^\[(\d+)([KMG]?)(?:,\s*(\d+)([KMG]?)\)|\])\s+(\d+)\s")
+_HIST_UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_bpftrace_histograms(text: str) -> Dict[str, List[Tuple[int, int, int]]]:
+    """bpftrace's printed histograms: name -> [(low, high, count)] (a one-value bucket [v] is
+    [v, v + 1)); lines of anything else are skipped."""
+    found: Dict[str, List[Tuple[int, int, int]]] = {}
+    name = None
+    for line in text.splitlines():
+        if (m := _HIST_NAME.match(line)):
+            name = m.group(1)
+            found[name] = []
+        elif name is not None and (b := _HIST_BUCKET.match(line)):
+            low = int(b.group(1)) * _HIST_UNIT[b.group(2)]
+            high = int(b.group(3)) * _HIST_UNIT[b.group(4)] if b.group(3) else low + 1
+            found[name].append((low, high, int(b.group(5))))
+    return found
+
+
+def histogram_figures(buckets: List[Tuple[int, int, int]]) -> Dict[str, Any]:
+    """A histogram's samples, buckets and the buckets holding its P50, P95 and P99 (as the
+    original reports them: a range, not a number)."""
+    total = sum(c for _, _, c in buckets)
+
+    def holding(pct: float) -> Optional[List[int]]:
+        running = 0
+        for low, high, count in buckets:
+            running += count
+            if total and running >= total * pct / 100:
+                return [low, high]
+        return None
+    return {"samples": total, "buckets": [{"range_us": [lo, hi], "count": c} for lo, hi, c in buckets],
+            **{f"p{p}_range_us": holding(p) for p in (50, 95, 99)}}
+
+
+class BlockLatencyTracer:
+    """bpftrace over the cache directory's disk from start() to finish(). Never raises: a tracer
+    that cannot run leaves a reason, logged once as a warning, and the run goes on."""
+
+    def __init__(self, directory: Union[str, os.PathLike], bpftrace: Optional[str] = None):
+        self.process: Optional[subprocess.Popen] = None
+        self.device, described = find_block_device(directory)
+        self.bpftrace = bpftrace or shutil.which("bpftrace")
+        self.reason = (None if self.device and self.bpftrace else
+                       f"no block device to trace ({described})" if not self.device else "bpftrace is not installed")
+        self._kill = weakref.finalize(self, _kill_group, None)
+
+    def start(self) -> None:
+        if self.reason is None:
+            try:
+                self.process = self._spawn()
+                self._kill = weakref.finalize(self, _kill_group, self.process)
+                self._wait_attached()
+            except OSError as exc:
+                self.reason = f"bpftrace could not start: {exc}"
+        if self.reason is not None:
+            logger.warning("--enable-latency-tracing: %s; the run goes on without it", self.reason)
+            self.finish()
+
+    def _spawn(self) -> subprocess.Popen:
+        disk = (SYS_ROOT / "class" / "block" / self.device.disk / "dev").read_text().split(":")
+        dev = (int(disk[0]) << 20) | int(disk[1])                   # the kernel's dev_t in block tracepoints
+        command = [self.bpftrace, "-e", LATENCY_TRACE_SCRIPT.replace("DEV", str(dev))]
+        if os.geteuid() != 0:
+            command = ["sudo", "-n", *command]                     # the original's sudo, never a prompt
+        if shutil.which("setpriv"):
+            command = ["setpriv", "--pdeathsig", "KILL", *command]  # dies with this process, however it ends
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def _wait_attached(self) -> None:
+        """Until bpftrace says it attached its probes; else `reason` (its first words)."""
+        deadline, seen = time.monotonic() + LATENCY_TRACE_ATTACH_S, []
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.process.stdout], [], [], 0.1)
+            line = self.process.stdout.readline() if ready else ""
+            if line.startswith("Attaching"):
+                return
+            if line:
+                seen.append(line.strip())
+            elif ready or self.process.poll() is not None:
+                break
+        self.reason = f"bpftrace did not attach: {'; '.join(seen[:2])[:200] or 'no output'}"
+
+    def finish(self) -> Dict[str, Any]:
+        """Stop tracing (SIGINT: bpftrace prints its histograms) and return the figures."""
+        text = ""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                text = self.process.communicate(timeout=10)[0] or ""
+            except subprocess.TimeoutExpired:
+                self._kill()
+            self._kill()
+            self.process = None
+        histograms = parse_bpftrace_histograms(text)
+        return {"available": self.reason is None, "reason": self.reason,
+                "device": self.device.disk if self.device else None,
+                **{name: {"label": label, **histogram_figures(histograms.get(name, []))}
+                   for name, label in LATENCY_HISTOGRAMS.items() if self.reason is None}}
+
+
+def merge_latency_tracing(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """The world's: the first rank's that traced (the ranks of a node trace the same disk), else
+    the first rank's reason."""
+    return next((p for p in parts if p and p.get("available")), next((p for p in parts if p), None))
+
+
+def _kill_group(process: Optional[subprocess.Popen]) -> None:
+    if process is not None and process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def format_latency_tracing(t: Dict[str, Any]) -> List[str]:
+    """The report's DEVICE LATENCY TRACING section (pure), as the original prints it."""
+    lines = ["### DEVICE LATENCY TRACING (bpftrace) ###"]
+    if not t.get("available"):
+        return lines + [f"  not traced: {t.get('reason')}"]
+    for name, label in LATENCY_HISTOGRAMS.items():
+        h = t.get(name) or {}
+        lines += [f"  {label} on {t['device']}: Samples: {h.get('samples', 0):,}"]
+        for p in (50, 95, 99):
+            if h.get(f"p{p}_range_us"):
+                lo, hi = h[f"p{p}_range_us"]
+                lines.append(f"    P{p}: [{lo:,}, {hi:,}) us")
+    return lines
+
+
+# ============================================================================
 # RAW BANDWIDTH (--io-baseline)
 # ============================================================================
 
@@ -7351,6 +7509,7 @@ class RunMeasurements:
     decode_contexts: Optional[Dict[str, Any]] = merged_by(merge_decode_contexts)  # --decode-only (write_decode_contexts)
     precondition: Optional[Dict[str, Any]] = merged_by(merge_precondition)    # --precondition (precondition_storage)
     burst_trace: Optional[Dict[str, Any]] = merged_by(merge_trace_stats)      # --use-burst-trace (trace_stats)
+    latency_tracing: Optional[Dict[str, Any]] = merged_by(merge_latency_tracing)  # --enable-latency-tracing
 
     @property
     def interrupted(self) -> bool:
@@ -7460,6 +7619,7 @@ class IntegratedBenchmark:
                           lambda: self.request_stop("burst_trace_replayed"), 2 * self._worker_count(config.num_users)))
         self.device_monitor = BlockDeviceMonitor(self.cache.run_dir)
         self.device_stats: Optional[Dict[str, Any]] = None
+        self.latency_tracing: Optional[Dict[str, Any]] = None      # --enable-latency-tracing's figures
         self.monitor = StorageMonitor(self.cache, self.recorder, self.request_queue, lambda: self.scheduler.active_users,
                                       self.device_monitor, config.tunables.saturation_detection)
         self.autoscaler = (WorkloadAutoscaler(config.autoscaler_mode, config.target_saturation, config.num_users,
@@ -7512,7 +7672,18 @@ class IntegratedBenchmark:
 
     def _drive(self) -> float:
         """Run the workload; returns the measured window (start to stop) in seconds. The shutdown
-        tail (in-flight work giving up) is kept apart in `shutdown_tail_s`."""
+        tail (in-flight work giving up) is kept apart in `shutdown_tail_s`. With
+        --enable-latency-tracing, bpftrace attaches before the window and stops at its end."""
+        tracer = BlockLatencyTracer(self.cache.run_dir) if self.config.latency_tracing else None
+        try:
+            if tracer is not None:
+                tracer.start()
+            return self._drive_traced(tracer)
+        finally:
+            if tracer is not None and self.latency_tracing is None:     # a failure on the way: never left running
+                self.latency_tracing = tracer.finish()
+
+    def _drive_traced(self, tracer: Optional[BlockLatencyTracer]) -> float:
         config = self.config
         t0 = time.perf_counter()
         self.device_monitor.start()
@@ -7538,6 +7709,8 @@ class IntegratedBenchmark:
         while not self._stop.is_set():             # polled, never waited on: the signal handler sets it, and
             time.sleep(0.02)                       # Event.set inside a wait on the same event can deadlock
         elapsed = time.perf_counter() - t0         # the measured window ends at the stop
+        if tracer is not None:
+            self.latency_tracing = tracer.finish()
         for thread in threads:
             thread.join()
         self.workers.join()
@@ -7746,7 +7919,7 @@ class IntegratedBenchmark:
             dataset_stats=self.dataset.stats() if self.dataset else None,
             device_stats=None if self.cache.tiers.trace else self.device_stats,      # trace mode: no I/O to see
             decode_contexts=self.decode_contexts, precondition=self.precondition,
-            burst_trace=self.scheduler.trace_stats())
+            burst_trace=self.scheduler.trace_stats(), latency_tracing=self.latency_tracing)
 
 
 # ============================================================================
@@ -7881,6 +8054,8 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "multi_turn_cache_misses": multi_misses,
         "summary": summary,
     }
+    if m.latency_tracing is not None:
+        results["device_latency_tracing"] = m.latency_tracing        # the original's key and place
     if m.ranks:
         results["world_size"] = len(m.ranks) + len(m.ranks_without_results)
         results["ranks_without_results"] = m.ranks_without_results
@@ -8048,6 +8223,8 @@ def format_report(results: Dict[str, Any]) -> str:
     _report_latency(add, s)
     _report_tiers(add, cs, given)
     lines += ["", *format_device_section(s.get("device_stats") or {}, s.get("device_comparison"))]
+    if results.get("device_latency_tracing"):
+        lines += ["", *format_latency_tracing(results["device_latency_tracing"])]
     if s.get("fio_comparison"):
         _report_fio(add, s["fio_comparison"])
     _report_cache_types(add, s, cs)
@@ -8394,7 +8571,14 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
         "Num GPUs": given.get("num_gpus"),
         "Tensor Parallel": given.get("tensor_parallel"),
         "Storage Objects Written": _dig(cs("storage_requests"), "files_written"),
+        **{f"Traced {label.split(' (')[0]} P95 (us)": _fmt_range(_dig(results, "device_latency_tracing", name,
+                                                                      "p95_range_us"))
+           for name, label in LATENCY_HISTOGRAMS.items()},
     }
+
+
+def _fmt_range(bounds: Optional[List[int]]) -> Optional[str]:
+    return f"[{bounds[0]:,}, {bounds[1]:,})" if bounds else None
 
 
 _PERCENT_COLUMNS = ("Cache Hit Rate", "Multi-turn Hit Rate", "SLA Compliance")
@@ -8926,11 +9110,10 @@ def _original_benchmark_config(model_config: Any, num_users: int, gpu_memory_gb:
     target_saturation, enable_rag, rag_num_docs, performance_profile, use_burst_trace, dataset_path,
     max_conversations, seed, max_concurrent_allocs, request_rate, max_requests, storage_capacity_gb,
     precondition, precondition_size_gb, precondition_threads, trace_speedup, replay_cycles,
-    prefill_only, decode_only, io_trace_log) are BenchmarkConfig fields of the same name."""
-    for name, given in (("validation_trace", validation_trace), ("enable_latency_tracing", enable_latency_tracing)):
-        if given:
-            raise UsageError(f"{name}: the original's validation engine and bpftrace tracing are not part of "
-                             f"this benchmark")
+    prefill_only, decode_only, io_trace_log) are BenchmarkConfig fields of the same name;
+    enable_latency_tracing is `latency_tracing`."""
+    if validation_trace:
+        raise UsageError("validation_trace: the original's validation engine is not part of this benchmark")
     if burst_trace_path is not None:
         fields["burst_trace_path"] = burst_trace_path
     fields.setdefault("progress", False)
@@ -8938,7 +9121,8 @@ def _original_benchmark_config(model_config: Any, num_users: int, gpu_memory_gb:
         model=model_config, num_users=num_users, gpu_mem_gb=gpu_memory_gb, cpu_mem_gb=cpu_memory_gb,
         duration_s=duration_seconds, num_gpus=num_gpus or tensor_parallel, tensor_parallel=tensor_parallel,
         autoscaler_mode=autoscaler_mode if enable_autoscaling else None, multi_turn=enable_multi_turn,
-        prefix_caching=enable_prefix_caching, generation_mode=generation_mode, **fields).validate()
+        prefix_caching=enable_prefix_caching, generation_mode=generation_mode, latency_tracing=enable_latency_tracing,
+        **fields).validate()
 
 
 _OUR_BENCHMARK = IntegratedBenchmark.__init__
@@ -9177,6 +9361,10 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--storage-capacity-gb", type=float,
                    help="cap on the storage tier in GiB; its LRU entries leave the cache when full "
                         "(0: 95%% of the file system's free space at the start)")
+    m.add_argument("--enable-latency-tracing", action="store_true", dest="latency_tracing",
+                   help="trace the cache directory's disk with bpftrace over the measured window: each request's "
+                        "issue-to-completion (D2C) latency histogram (needs bpftrace and root or sudo -n; "
+                        "otherwise a warning and the run goes on)")
     m.add_argument("--io-baseline", action="store_true",
                    help="first measure the cache directory's raw direct-I/O bandwidth (a few seconds) "
                         "and report the workload's storage efficiency against it")

@@ -5975,6 +5975,78 @@ def seeded_runs(tmp_path_factory):
     return once_per_session(tmp_path_factory, "seeded_runs", make)
 
 
+FAKE_BPFTRACE = """#!/usr/bin/env python3
+# bpftrace as the benchmark sees it: attaches, traces until SIGINT, then prints its histograms.
+import os, signal, sys, time
+open(os.environ["FAKE_BPFTRACE_PID"], "w").write(str(os.getpid()))
+open(os.environ["FAKE_BPFTRACE_PID"] + ".args", "w").write("\\0".join(sys.argv[1:]))
+def done(*_):
+    print("\\n@d2c_read_us:\\n[64, 128)  3 |@@@ |\\n[128, 256)  17 |@@@@@@@@@@@@@@@@@@@@|\\n[1K, 2K)  1 | |\\n")
+    print("@d2c_write_us:\\n[512, 1K)  9 |@@@@@@@@@@@@@@@@@@@@|\\n", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGINT, done)
+print("Attaching 2 probes...", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+class TestLatencyTracing:
+    """--enable-latency-tracing: bpftrace's D2C histograms of the cache directory's disk."""
+
+    def test_histograms_as_bpftrace_prints_them(self):
+        text = ("Attaching 2 probes...\n\n@d2c_read_us:\n[0]                    2 |@@     |\n"
+                "[64, 128)             12 |@@@@@  |\n[128, 256)            40 |@@@@@@@|\n[1K, 2K)   3 |  |\n\n"
+                "@d2c_write_us:\n[256, 512)   5 |@@@@@@@|\n")
+        h = kv.parse_bpftrace_histograms(text)
+        assert h == {"d2c_read_us": [(0, 1, 2), (64, 128, 12), (128, 256, 40), (1024, 2048, 3)],
+                     "d2c_write_us": [(256, 512, 5)]}
+        figures = kv.histogram_figures(h["d2c_read_us"])
+        assert figures["samples"] == 57 and figures["p50_range_us"] == [128, 256]      # the 29th of 57
+        assert figures["p95_range_us"] == figures["p99_range_us"] == [1024, 2048]       # the 55th
+        assert kv.histogram_figures([])["p95_range_us"] is None
+
+    def test_without_a_working_bpftrace_one_warning_and_the_run_goes_on(self, tmp_path):
+        env = fake_nvidia_smi(tmp_path / "bin", "exit 0")            # (PATH with a bin dir first)
+        (tmp_path / "bin" / "bpftrace").write_text("#!/bin/sh\necho 'ERROR: tracepoint not found' >&2\nexit 1\n")
+        (tmp_path / "bin" / "bpftrace").chmod(0o755)
+        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "4", "--cpu-mem-gb", "0.05",
+                                  "--seed", "3", "--enable-latency-tracing", "--quiet"), cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        warnings = [line for line in proc.stderr.splitlines() if "--enable-latency-tracing" in line]
+        assert len(warnings) == 1 and "tracepoint not found" in warnings[0] and "the run goes on" in warnings[0]
+        r = json.loads((tmp_path / "r.json").read_text())
+        assert r["device_latency_tracing"]["available"] is False and r["summary"]["total_requests"] == 4
+
+    def test_a_run_reports_the_histograms_and_leaves_no_tracer(self, tmp_path):
+        env = fake_nvidia_smi(tmp_path / "bin", "exit 0")
+        (tmp_path / "bin" / "bpftrace").write_text(FAKE_BPFTRACE.replace("#!/usr/bin/env python3", f"#!{sys.executable}"))
+        (tmp_path / "bin" / "bpftrace").chmod(0o755)
+        env["FAKE_BPFTRACE_PID"] = str(tmp_path / "bpftrace.pid")
+        device, _ = kv.find_block_device(tmp_path)
+        proc = run_cli(*small_run(tmp_path, "--num-users", "2", "--max-requests", "4", "--cpu-mem-gb", "0.05",
+                                  "--seed", "3", "--enable-latency-tracing", "--xlsx-output", tmp_path / "r.csv"),
+                       cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        if device is None:                                            # tmpfs and the like: nothing to trace
+            assert "no block device to trace" in proc.stderr
+            return
+        args = (tmp_path / "bpftrace.pid.args").read_text().split("\0")
+        disk = (Path("/sys/class/block") / device.disk / "dev").read_text().split(":")
+        assert args[0] == "-e" and f"args.dev == {(int(disk[0]) << 20) | int(disk[1])}" in args[1]
+        t = json.loads((tmp_path / "r.json").read_text())["device_latency_tracing"]
+        assert t["available"] is True and t["device"] == device.disk
+        assert (t["d2c_read_us"]["samples"], t["d2c_read_us"]["p95_range_us"]) == (21, [128, 256])
+        assert (t["d2c_write_us"]["samples"], t["d2c_write_us"]["p50_range_us"]) == (9, [512, 1024])
+        assert "### DEVICE LATENCY TRACING (bpftrace) ###" in proc.stdout and "P95: [128, 256) us" in proc.stdout
+        pid = int((tmp_path / "bpftrace.pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)                                           # stopped and reaped: no tracer left
+        if kv.PANDAS_AVAILABLE:
+            import pandas as pd
+            assert pd.read_csv(tmp_path / "r.csv")["Traced D2C Read P95 (us)"][0] == "[128, 256)"
+
+
 @pytest.mark.slow
 class TestDriveViewEndToEnd:
     """The DEVICE section, --fio-job and --fio-compare through the command line."""

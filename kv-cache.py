@@ -7792,8 +7792,8 @@ class IntegratedBenchmark:
             else:                                  # a resume: the whole conversation so far is context
                 previous = tuple(self.conversations.get_previous_cache_keys(conv_id))
             turn, cache_key = self.conversations.add_turn(conv_id, planned.context_tokens, planned.generate_tokens)
-        elif not planned.turn:                     # a lone request (a trace row): its own entry, as the original
-            cache_key = f"{user.user_id}_req_{self._request_numbers[user_index]}"
+        else:                                      # multi-turn off, or a lone request (a trace row): its own
+            cache_key = f"{user.user_id}_req_{self._request_numbers[user_index]}"    # entry, as the original
         prefix = self.plan.matcher.lookup(planned.prefix_key) if planned.prefix_key else None
         prefill_only = planned.context_tokens >= PREFILL_ONLY_CONTEXT_TOKENS
         rag_chunks: Tuple[Tuple[str, int], ...] = ()

@@ -5559,6 +5559,7 @@ class TestTheOriginalsWorkload:
         cs = s["cache_stats"]
         assert cs["decode_reads"] + cs["user_cache_misses"] == sum(1 + -(-r.generate_tokens // 32) for r in records)
         assert s["total_tokens_decoded"] == s["total_tokens"] == sum(r.generate_tokens for r in records)
+        assert sum(cs[f"{tier}_entries"] for tier in ("gpu", "cpu", "nvme")) == 16    # each its own <user>_req_<k>
 
     def test_prefill_only_requests_count_their_planned_tokens(self, tmp_path):
         records, s = self.run(tmp_path, 40_000, 64)                    # every context 10,000 tokens or more

@@ -9162,6 +9162,30 @@ IntegratedBenchmark.burst_trace_files = property(        # the original's resolv
     lambda bench: [str(path) for path in bench.trace.files] if bench.trace is not None else [])
 
 
+def _burst_trace_iterator(self: IntegratedBenchmark) -> Iterator[Tuple[float, int, int, int]]:
+    """The original's stream of the trace, one pass: (timestamp, request tokens, response tokens,
+    their sum) of each row in file order; rows that are no request are skipped, as BurstTrace does."""
+    trace = BurstTrace(self.burst_trace_files, self.config.trace_share)
+    return ((r.timestamp_s, r.request_tokens, r.response_tokens, r.request_tokens + r.response_tokens)
+            for r in trace.requests())
+
+
+def _generate_requests_from_trace(self: IntegratedBenchmark, stop_event: threading.Event) -> None:
+    """The original's trace generator: the rows queued into request_queue as BurstArrivals admits
+    them (at their times / trace_speedup; 0: at once), pass after pass, without waiting for any to
+    complete (no worker need run); then stop_event is set, once replay_cycles passes are queued
+    (0: it runs until stop_event), as the original did."""
+    arrivals = BurstArrivals(BurstTrace(self.burst_trace_files, self.config.trace_share), self.plan,
+                             self._build_request, self.request_queue, stop_event, self.config, lambda: None, math.inf)
+    arrivals.seed(time.perf_counter())
+    arrivals.run()
+    stop_event.set()
+
+
+IntegratedBenchmark._burst_trace_iterator = _burst_trace_iterator
+IntegratedBenchmark._generate_requests_from_trace = _generate_requests_from_trace
+
+
 # --- MultiTierCache and ConversationManager: the original's constructor and methods ---
 
 def _original_cache(self: MultiTierCache, model_config: ModelConfig, gpu_memory_gb: float, cpu_memory_gb: float,
@@ -9209,6 +9233,13 @@ def _tier_used(tier: str) -> Callable[[MultiTierCache], int]:
     return lambda cache: max(0, cache.tier_usage(tier)) if tier in cache.backends else 0
 
 
+def _fixed_budget(tier: str) -> Callable[[MultiTierCache, float], None]:
+    def refuse(cache: MultiTierCache, nbytes: float) -> None:
+        raise AttributeError(f"{tier}_memory_limit is fixed when the cache opens (give {tier}_memory_gb): a memory "
+                             "tier is set up for its budget; nvme_memory_limit, the storage tier's capacity, can change")
+    return refuse
+
+
 def _set_nvme_limit(cache: MultiTierCache, nbytes: float) -> None:
     cache.set_storage_capacity(nbytes, "unbounded" if math.isinf(nbytes) else "nvme_memory_limit")
 
@@ -9221,7 +9252,8 @@ def _cache_entries(cache: MultiTierCache) -> Dict[str, Dict[str, Any]]:
 
 
 # The original's attributes, in bytes: the budgets (the storage tier's settable; inf: unbounded) and the usage.
-MultiTierCache.gpu_memory_limit, MultiTierCache.cpu_memory_limit = (property(_tier_limit_or_0(t)) for t in ("gpu", "cpu"))
+MultiTierCache.gpu_memory_limit, MultiTierCache.cpu_memory_limit = (
+    property(_tier_limit_or_0(t), _fixed_budget(t)) for t in ("gpu", "cpu"))
 MultiTierCache.nvme_memory_limit = property(lambda cache: cache.tier_limit("nvme"), _set_nvme_limit)
 MultiTierCache.gpu_memory_used, MultiTierCache.cpu_memory_used, MultiTierCache.nvme_memory_used = (
     property(_tier_used(t)) for t in TIER_NAMES)

@@ -8589,6 +8589,9 @@ class TestUpstreamCurrentSuite:
         for i in range(3):                                   # the CPU tier keeps one (80 % of 2.01), two demoted
             assert cache.allocate_cache(f"k{i}", TOKENS)[:2] == (True, "cpu")
         assert (cache.cpu_memory_used, cache.nvme_memory_used) == (ENTRY, 2 * ENTRY)
+        for tier in ("gpu", "cpu"):                          # upstream's suite sets them beside a fake GPU tier
+            with pytest.raises(AttributeError, match=f"{tier}_memory_limit is fixed when the cache opens"):
+                setattr(cache, f"{tier}_memory_limit", GIB)
 
     def test_setting_nvme_memory_limit_changes_the_capacity_the_cache_enforces(self, make_cache):
         cache = make_cache(cpu_entries=2.01)
@@ -8727,6 +8730,34 @@ class TestUpstreamCurrentSuite:
         assert s["burst_trace"]["requests_admitted"] == 8 and s["burst_trace"]["admission_lag_max_ms"] is None
         assert "(no pacing)" in kv.format_report(results)
         assert files_under(tmp_path / "cache") == []
+
+    def trace_bench(self, tmp_path, replay_cycles):
+        return kv.IntegratedBenchmark(TINY, 5, gpu_memory_gb=0, cpu_memory_gb=0, duration_seconds=60,
+                                      use_burst_trace=True, burst_trace_path=str(self.burst_dir(tmp_path)),
+                                      trace_speedup=0, replay_cycles=replay_cycles, cache_dir=str(tmp_path / "c"))
+
+    def test_the_originals_trace_stream_is_one_pass_over_the_files_in_order(self, tmp_path):
+        bench = self.trace_bench(tmp_path, replay_cycles=1)
+        try:
+            rows = list(bench._burst_trace_iterator())
+            assert rows == [(t * 10.0, 100 * (t + 1), 20 * (t + 1), 120 * (t + 1)) for t in range(8)]
+            assert list(bench._burst_trace_iterator()) == rows and bench.request_queue.empty()
+        finally:
+            bench.cache.close()
+
+    @pytest.mark.parametrize("cycles", [1, 2])
+    def test_the_originals_trace_generator_queues_its_passes_then_sets_the_stop(self, tmp_path, cycles):
+        """No worker runs: unpaced, every row is queued without waiting for a completion (a run's
+        backlog bound is for its workers), pass after pass; then the stop is set."""
+        bench, stop = self.trace_bench(tmp_path, replay_cycles=cycles), threading.Event()
+        try:
+            bench._generate_requests_from_trace(stop)
+            queued = [bench.request_queue.get_nowait()[-1] for _ in range(bench.request_queue.qsize())]
+        finally:
+            bench.cache.close()
+        assert stop.is_set() and sorted(r.context_tokens for r in queued) == sorted(
+            [100 * (t + 1) for t in range(8)] * cycles)
+        assert len({r.request_id for r in queued}) == 8 * cycles and all(r.conversation_id is None for r in queued)
 
     def test_the_originals_defaults_and_keywords_map_onto_the_configuration(self, tmp_path):
         bench = kv.IntegratedBenchmark(model_config=TINY, num_users=2, gpu_memory_gb=0, cpu_memory_gb=0,

@@ -4395,12 +4395,13 @@ def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
 STORAGE_FREE_SHARE = 0.95               # --storage-capacity-gb 0: the share of the free space the tier may fill
 
 
-def storage_capacity(capacity_gb: Optional[float], directory: Path) -> Tuple[float, str]:
+def storage_capacity(capacity_gb: Optional[float], directory: Path, traced: bool = False) -> Tuple[float, str]:
     """The storage tier's capacity in bytes, and where it comes from: given, or (0) STORAGE_FREE_SHARE
     of the file system's free space at the start, as the original, so that a long run evicts
-    instead of filling the disk; None: unbounded."""
-    if capacity_gb is None:
-        return float("inf"), "unbounded"
+    instead of filling the disk; None, or 0 in trace mode (`traced`: nothing is written here, and
+    the drive the trace models is not this one, as upstream's trace mode): unbounded."""
+    if capacity_gb is None or (traced and not capacity_gb):
+        return float("inf"), "trace mode: nothing is written here" if traced else "unbounded"
     if capacity_gb > 0:
         return capacity_gb * GIB, "--storage-capacity-gb"
     free, ranks = shutil.disk_usage(directory).free, node_slot()[1]     # the ranks on a node share it
@@ -4498,7 +4499,9 @@ class TracedTier(StorageTier):
         super().__init__(shards)
 
     def _operate(self, transfer: Transfer, rows: List[Tuple[str, str]], key: str, nbytes: int) -> None:
-        """rows: (operation, tier) each; they start together and end when the model says."""
+        """rows: (operation, tier) each; they start together and end when the model says. Nothing
+        is issued (reserved or written to the trace) once the run stopped."""
+        transfer.check_stop()
         start, end = self.model.reserve([tier for _, tier in rows], nbytes)
         phase = TRACE_PHASES.get(transfer.reason, transfer.reason.capitalize())
         for op, tier in rows:                              # the other tier of a demotion holds it whole
@@ -5149,7 +5152,8 @@ class MultiTierCache:
         # Where reads end: in GPU memory with a GPU tier, else in host memory (the staging area).
         self._sink: ReadSink = self.tiers.delivery if self.tiers.delivery is not None else HostSink()
         self._retired: set = set()
-        self._limits["nvme"], self.storage_capacity_source = storage_capacity(config.storage_capacity_gb, self.run_dir)
+        self._limits["nvme"], self.storage_capacity_source = storage_capacity(config.storage_capacity_gb, self.run_dir,
+                                                                              self.tiers.trace is not None)
         self._usage: Dict[str, int] = {t: 0 for t in self.backends}
         self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
         self._policy = EvictionPolicy.for_run(config.tunables)

@@ -6615,6 +6615,26 @@ class TestIOTrace:
         assert 0 < peak <= 0.1 * GIB
         assert any(r["Tier"] == "Tier-2" and r["Operation"] == "Delete" and r["Phase"] == "Delete" for r in rows)
 
+    def test_nothing_is_issued_into_the_trace_after_the_stop(self, tmp_path):
+        _, traced, log = open_storage_tiers(tmp_path, 1)
+        stop = threading.Event()
+        data = np.zeros(4096, dtype=np.uint8)
+        source = kv.EntrySource.of_array(data)
+        with kv.Transfer("write", data.size, tier="nvme", stop=stop) as transfer:
+            traced.write_from("before", source, transfer)
+        stop.set()                                                  # the run stopped: workers still come
+        with pytest.raises(kv.IOAborted), kv.Transfer("write", data.size, tier="nvme", stop=stop) as transfer:
+            traced.write_from("after", source, transfer)
+        log.close()
+        assert [r["Key"] for r in read_trace(tmp_path / "trace.csv")] == ["before"]
+
+    def test_trace_mode_storage_is_unbounded_unless_capped(self, traced_run, tmp_path):
+        run = run_in_process(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0.05",
+                                        "--seed", "1", "--io-trace-log", tmp_path / "t.csv"))
+        cs = run.results["summary"]["cache_stats"]
+        assert cs["storage_capacity_gb"] is None and cs["storage_capacity_source"] == "trace mode: nothing is written here"
+        assert traced_run[0].results["summary"]["cache_stats"]["storage_capacity_gb"] == 0.1      # capped: as asked
+
     def test_the_trace_is_upstreams_format_by_default(self, tmp_path):
         """Upstream's consumers read the first line as the header (pandas' defaults, awk 'NR>1')
         and know Write and Read rows only; Delete rows come with --io-trace-deletes."""
@@ -8219,6 +8239,21 @@ class TestMPI:
                 "device_read_p95_ms": max(get(s, "cache_stats", "storage_read_device_p95_ms") for s in summaries),
                 "device_write_p95_ms": max(get(s, "cache_stats", "storage_write_device_p95_ms") for s in summaries),
                 "storage_io_p95_ms": max(get(s, "storage_io_latency_ms", "p95") for s in summaries)}
+
+    @pytest.mark.slow
+    def test_the_harness_open_run_with_every_knob(self, tmp_path):
+        """MLPerf Storage's harness forwards, in OPEN, every knob below (--enable-latency-tracing
+        included, which warns here: no bpftrace that can attach); the rank's file has the figures it sums."""
+        run = run_in_process(*small_run(tmp_path, "--num-users", "4", "--duration", "3", "--cpu-mem-gb", "0.05",
+                                        "--max-concurrent-allocs", "4", "--enable-rag", "--rag-num-docs", "2",
+                                        "--enable-autoscaling", "--autoscaler-mode", "qos",
+                                        "--performance-profile", "throughput", "--disable-multi-turn",
+                                        "--disable-prefix-caching", "--enable-latency-tracing", "--seed", "42"))
+        totals = self.harness_aggregate([tmp_path / "r.json"])
+        assert run.status == 0, run.stderr[-2000:]
+        assert totals["tokens_per_sec"] > 0 and totals["read_gbps"] > 0 and totals["write_gbps"] > 0
+        assert totals["device_write_p95_ms"] > 0
+        assert json.loads((tmp_path / "r.json").read_text())["device_latency_tracing"]["available"] in (True, False)
 
     @pytest.mark.slow
     def test_ranks_that_complete_nothing_do_not_stop_the_harness(self, tmp_path):

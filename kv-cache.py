@@ -4953,7 +4953,8 @@ class CacheResult:
     latency_s: float
     tokens: int
     aborted: bool = False
-    wait_s: float = 0.0          # of latency_s: waiting for a slot (--max-concurrent-allocs) or a staging area
+    wait_s: float = 0.0          # of latency_s: waiting for a staging area (one of the storage operations in flight)
+    admission_s: float = 0.0     # before latency_s: waiting for an allocation slot (--max-concurrent-allocs)
 
 
 @dataclass
@@ -5209,20 +5210,21 @@ class MultiTierCache:
     def write_entry(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
                     first_tier: int = 0) -> "CacheResult":
         """Write a new entry of `num_tokens` tokens into the fastest tier that takes it (`first_tier`:
-        the fastest allowed): its tier, the seconds spent (demotions included) and the tokens moved
-        (its own and its demotions'). An entry another worker is writing right now is left to it."""
+        the fastest allowed): its tier, the seconds spent (demotions included; the wait for an
+        allocation slot apart, as the original times the write after it) and the tokens moved (its
+        own and its demotions'). An entry another worker is writing right now is left to it."""
         t0 = time.perf_counter()
         if num_tokens <= 0:
             return CacheResult(False, None, 0.0, 0)
         if self._alloc_slots is not None:
             self._alloc_slots.acquire()
-        slot_wait_s = time.perf_counter() - t0
+        t_slot = time.perf_counter()
         try:
             success, tier, tokens, aborted, area_wait_s = self._allocate(key, num_tokens, phase, first_tier)
         finally:
             if self._alloc_slots is not None:
                 self._alloc_slots.release()
-        return CacheResult(success, tier, time.perf_counter() - t0, tokens, aborted, slot_wait_s + area_wait_s)
+        return CacheResult(success, tier, time.perf_counter() - t_slot, tokens, aborted, area_wait_s, t_slot - t0)
 
     def _allocate(self, key: str, num_tokens: int, phase: InferencePhase,
                   first_tier: int) -> Tuple[bool, Optional[str], int, bool, float]:
@@ -6519,7 +6521,8 @@ class RequestRecord:
     generation_s: float
     tokens_moved: int = 0         # tokens this request's cache operations read or wrote (demotions included)
     decoded_tokens: int = 0       # generated with decode reads (a prefill-only request's count 0)
-    storage_wait_s: float = 0.0   # of storage_s: waiting for a slot or a staging area
+    storage_wait_s: float = 0.0   # of storage_s: waiting for a staging area
+    allocation_wait_s: float = 0.0  # not in storage_s: waiting for an allocation slot (--max-concurrent-allocs)
 
 
 class RunRecorder:
@@ -7457,10 +7460,12 @@ class RequestIO:
     tokens: int = 0
     aborted: bool = False
     wait_s: float = 0.0
+    admission_s: float = 0.0
 
     def add(self, phase: str, result: CacheResult) -> CacheResult:
         self.storage_s += result.latency_s
         self.wait_s += result.wait_s
+        self.admission_s += result.admission_s
         if phase == "decode":
             self.decode_s += result.latency_s
         else:
@@ -7858,7 +7863,8 @@ class IntegratedBenchmark:
         decoded = 0 if self.role == "prefill-only" or req.phase is InferencePhase.PREFILL else generated
         return RequestRecord(req.qos_level.value, req.context_tokens, generated,
                              req.complete_time - req.submit_time, req.start_time - req.submit_time,
-                             io.storage_s, io.prefill_s, io.decode_s, generation_s, io.tokens, decoded, io.wait_s)
+                             io.storage_s, io.prefill_s, io.decode_s, generation_s, io.tokens, decoded, io.wait_s,
+                             io.admission_s)
 
     def _prefill(self, req: InferenceRequest, io: RequestIO) -> None:
         """The prefill: shared prefix, multi-turn resume (every earlier turn), RAG chunks, then the
@@ -8013,7 +8019,7 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
     latencies = {key: latency_summary_ms([getattr(r, field) for r in records]) for key, field in
                  (("end_to_end_latency_ms", "end_to_end_s"), ("storage_io_latency_ms", "storage_s"),
                   ("generation_latency_ms", "generation_s"), ("queue_wait_latency_ms", "queue_wait_s"),
-                  ("storage_wait_latency_ms", "storage_wait_s"))}
+                  ("storage_wait_latency_ms", "storage_wait_s"), ("allocation_wait_latency_ms", "allocation_wait_s"))}
     multi_hits, multi_misses = cache_stats["multi_turn_hits"], cache_stats["multi_turn_misses"]
     summary = {
         **_request_figures(m),
@@ -8330,7 +8336,8 @@ def _report_overall(add: Callable[[str], None], s: Dict[str, Any], cs: Dict[str,
 def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
     _heading(add, "LATENCY BREAKDOWN")
     for label, key in (("End-to-End", "end_to_end"), ("Queue Wait (measured)", "queue_wait"),
-                       ("Storage I/O", "storage_io"), ("  of it, waiting for a slot", "storage_wait"),
+                       ("Storage I/O", "storage_io"), ("  of it, waiting for a staging area", "storage_wait"),
+                       ("Allocation slot wait", "allocation_wait"),
                        ("Generation (simulated)", "generation")):
         add(_fmt_latency(label, s[f"{key}_latency_ms"]))
     # Seed 000's summary lines, labels kept for existing parsers; values in seconds as there.
@@ -8558,6 +8565,7 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
         "E2E Latency Mean (ms)": s("end_to_end_latency_ms", "mean"),
         "Queue Wait Mean (ms)": s("queue_wait_latency_ms", "mean"),
         "Storage Wait Mean (ms)": s("storage_wait_latency_ms", "mean"),
+        "Allocation Wait Mean (ms)": s("allocation_wait_latency_ms", "mean"),
         "Cache I/O Throughput (tok/s)": s("cache_io_throughput_tokens_per_sec"),
         "Tokens Decoded": s("total_tokens_decoded"),
         "Multi-turn Hit Rate": s("multi_turn_stats", "hit_rate"),

@@ -5561,6 +5561,24 @@ class TestTheOriginalsWorkload:
         assert s["total_tokens_decoded"] == s["total_tokens"] == sum(r.generate_tokens for r in records)
         assert sum(cs[f"{tier}_entries"] for tier in ("gpu", "cpu", "nvme")) == 16    # each its own <user>_req_<k>
 
+    def test_the_allocation_slot_wait_is_apart_from_storage_time(self, tmp_path):
+        """As the original times a write after --max-concurrent-allocs' semaphore: 8 users due at
+        once, one slot, each write 48 ms in the model: they wait, and that wait is not storage time."""
+        ranges = "{context_range: [100, 100], generation_range: [8, 8], think_time_range: [0.01, 0.01]}"
+        config = config_file(tmp_path, "user_templates:\n" + "".join(f"  {p}: {ranges}\n" for p in kv.PERSONA_NAMES))
+        run = run_in_process(*small_run(tmp_path, "--config", config, "--num-users", "8", "--max-requests", "16",
+                                        "--cpu-mem-gb", "0", "--seed", "7", "--max-concurrent-allocs", "1",
+                                        "--disable-multi-turn", "--disable-prefix-caching", "--quiet",
+                                        "--io-trace-log", tmp_path / "t.csv", "--trace-bandwidth-gbps", "nvme=0.05"))
+        assert run.status == 0, run.stderr[-2000:]
+        records = run.bench.recorder.records
+        assert sum(r.allocation_wait_s for r in records) > 0
+        for r in records:                                  # the parts of a request's time never overlap
+            assert r.queue_wait_s + r.allocation_wait_s + r.storage_s + r.generation_s <= r.end_to_end_s + 1e-6
+            assert r.storage_wait_s <= r.storage_s
+        s = run.results["summary"]
+        assert s["allocation_wait_latency_ms"]["count"] == len(records)
+
     def test_prefill_only_requests_count_their_planned_tokens(self, tmp_path):
         records, s = self.run(tmp_path, 40_000, 64)                    # every context 10,000 tokens or more
         assert len(records) == 16 and all(r.context_tokens >= kv.PREFILL_ONLY_CONTEXT_TOKENS for r in records)

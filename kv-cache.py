@@ -2498,14 +2498,20 @@ class BusyClock:
             return self._inflight_area / busy if busy > 0 else None
 
 
+_MAKE_ONE = object()                    # handed to a waiter instead of an area: make one
+
+
 class StagingPool:
     """A bounded set of page-aligned staging areas (IO_DEPTH chunks each) shared by every request.
 
     A server has a fixed amount of bounce-buffer memory however many users it serves: a
     transfer beyond it waits here for an area, and that wait is part of the operation's
-    storage time, as it would be there. Areas are made on first need (small runs stay small);
-    `on_create` may prepare each new one (the GPU tier pins them). The same pool holds device
-    scratch areas when `factory` makes device buffers (GPUDelivery).
+    storage time, as it would be there. Waiters are served first come, first served, as a
+    device queue serves them: a released area goes to the longest waiting, never to one that
+    came later, so no operation starves and the storage times of the requests that complete
+    are not biased towards the lucky ones. Areas are made on first need (small runs stay
+    small); `on_create` may prepare each new one (the GPU tier pins them). The same pool holds
+    device scratch areas when `factory` makes device buffers (GPUDelivery).
     """
 
     def __init__(self, count: int, nbytes: int, factory: Callable[[int], Any] = aligned_empty):
@@ -2514,7 +2520,8 @@ class StagingPool:
         self._factory = factory
         self._free: List[Any] = []
         self._made = 0
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._waiting: "collections.deque[List[Any]]" = collections.deque()   # [event, area] in arrival order
         self.waits = 0                    # leases that had to wait for an area
 
     @contextlib.contextmanager
@@ -2524,41 +2531,62 @@ class StagingPool:
         try:
             yield area
         finally:
-            with self._cond:
+            self._give_back(area)
+
+    def _give_back(self, area: Any) -> None:
+        with self._lock:
+            if self._waiting:                             # straight to the longest waiting
+                waiter = self._waiting.popleft()
+                waiter[1] = area
+                waiter[0].set()
+            else:
                 self._free.append(area)
-                self._cond.notify()
 
     def _acquire(self, stop: Optional[threading.Event] = None) -> Any:
-        with self._cond:
-            if not self._free and self._made >= self.count:
-                self.waits += 1
-            while not self._free and self._made >= self.count:
-                if stop is not None and stop.is_set():
-                    raise IOAborted(0)
-                self._cond.wait(0.05)
-            if self._free:
+        with self._lock:
+            if self._free and not self._waiting:
                 return self._free.pop()
-            self._made += 1
+            make = self._made < self.count and not self._waiting
+            if make:
+                self._made += 1
+            else:
+                self.waits += 1
+                waiter = [threading.Event(), None]
+                self._waiting.append(waiter)
+        if make:
+            return self._make()
+        while not waiter[0].wait(0.05):
+            if stop is not None and stop.is_set():
+                with self._lock:
+                    if waiter[1] is None:                 # (handed an area meanwhile: it is ours)
+                        self._waiting.remove(waiter)
+                        raise IOAborted(0)
+        return waiter[1] if waiter[1] is not _MAKE_ONE else self._make()
+
+    def _make(self) -> Any:
         try:                                              # outside the lock: a fresh mapping takes a moment
             area = self._factory(self.nbytes)
             if self.on_create is not None:
                 self.on_create(area)
-        except BaseException:                             # no memory: the slot is free for a later try
-            with self._cond:
-                self._made -= 1
-                self._cond.notify()
+        except BaseException:                             # no memory: the slot goes to the next in line
+            with self._lock:
+                if self._waiting:
+                    waiter = self._waiting.popleft()
+                    waiter[1] = _MAKE_ONE
+                    waiter[0].set()
+                else:
+                    self._made -= 1
             raise
         return area
 
     def prefill(self) -> None:
         """Make every area now (device memory: no allocation inside a timed operation)."""
-        areas = [self._acquire() for _ in range(self.count - self._made)]
-        with self._cond:
-            self._free.extend(areas)
+        for area in [self._acquire() for _ in range(self.count - self._made)]:
+            self._give_back(area)
 
     def drop(self) -> None:
         """Forget the free areas (their memory goes back once nothing else holds them)."""
-        with self._cond:
+        with self._lock:
             self._made -= len(self._free)
             self._free.clear()
 

@@ -1569,6 +1569,37 @@ class TestStagingPool:
         t.join(10)
         assert len(got) == 1 and (got[0] is a or got[0] is b)      # ... for one of the two
 
+    def test_waiters_are_served_first_come_first_served(self):
+        """As a device queue: a released area goes to the longest waiting, never to a later one."""
+        pool, order = kv.StagingPool(1, 4096), []
+
+        def lease(name):
+            with pool.lease():
+                order.append(name)
+        with pool.lease():
+            threads = []
+            for i, name in enumerate("abcd"):                     # each starts waiting after the one before
+                threads.append(threading.Thread(target=lease, args=(name,)))
+                threads[-1].start()
+                deadline = time.monotonic() + 10
+                while pool.waits < i + 1 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+        for t in threads:
+            t.join(10)
+        assert order == ["a", "b", "c", "d"] and pool.waits == 4
+        held = pool.lease()
+        held.__enter__()
+        waiter = threading.Thread(target=lease, args=("e",))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while pool.waits < 5 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        held.__exit__(None, None, None)                           # released: "e" waited, so it is "e"'s ...
+        with pool.lease():                                        # ... not this later lease's, however quick
+            order.append("later")
+        waiter.join(10)
+        assert order[4:] == ["e", "later"]
+
     def test_a_failed_allocation_gives_its_slot_back(self):
         calls = []
 

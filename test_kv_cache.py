@@ -8295,7 +8295,8 @@ class TestMPI:
     def test_the_harness_open_run_with_every_knob(self, tmp_path):
         """MLPerf Storage's harness forwards, in OPEN, every knob below (--enable-latency-tracing
         included, which warns here: no bpftrace that can attach); the rank's file has the figures it sums."""
-        run = run_in_process(*small_run(tmp_path, "--num-users", "4", "--duration", "3", "--cpu-mem-gb", "0.05",
+        run = run_in_process(*small_run(tmp_path, "--num-users", "4", "--duration", "60", "--max-requests", "6",
+                                        "--cpu-mem-gb", "0.05",
                                         "--max-concurrent-allocs", "4", "--enable-rag", "--rag-num-docs", "2",
                                         "--enable-autoscaling", "--autoscaler-mode", "qos",
                                         "--performance-profile", "throughput", "--disable-multi-turn",

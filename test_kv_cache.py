@@ -4313,7 +4313,7 @@ class TestTimeline:
         assert len(timeline) >= 10 and timeline == r["throughput_timeline"]
         for i, p in enumerate(timeline):
             missing = TIMELINE_KEYS - (set(p) - DEVICE_TIMELINE_KEYS)     # a window without samples: no statistic
-            assert set(p) - DEVICE_TIMELINE_KEYS <= TIMELINE_KEYS and all(kv._STATISTIC_KEY.search(k) for k in missing)
+            assert set(p) - DEVICE_TIMELINE_KEYS <= TIMELINE_KEYS and all(kv.STATISTIC_KEY.search(k) for k in missing)
             assert list(p["tier_usage_gb"]) == ["cpu", "nvme"] and p["active_users"] == 8
             assert isinstance(p["queue_depth"], int) and p["queue_depth"] >= 0
             assert p["saturation"] == pytest.approx(kv.saturation_score(

@@ -4024,15 +4024,15 @@ class TestAutoscaler:
         h.scheduler.set_active_users(5)
         assert h.scheduler.active_users == 5
         assert h.take(3) == [2, 3, 4]
-        time.sleep(0.1)                                  # 10 think times: a backlog of 10 per user ...
-        assert h.queued_users() == [0, 1, 2, 3, 4]        # ... held as one waiting request each
+        wait_until(lambda: h.queued_users() == [0, 1, 2, 3, 4])   # every user's next request waits ...
+        time.sleep(0.1)                                   # ... and 10 think times later, a backlog of 10 each
+        assert h.queued_users() == [0, 1, 2, 3, 4]        # is still one waiting request per user
 
     def test_retired_users_send_no_more(self, scheduler_harness):
-        h = scheduler_harness(StubWorkloadPlan(5, think_s=0.2))
+        h = scheduler_harness(StubWorkloadPlan(5, think_s=1.0))
         assert h.take(5) == [0, 1, 2, 3, 4]              # all five taken: their next ones are planned
         h.scheduler.set_active_users(2)                   # ... and users 2-4 retired before those fall due
-        time.sleep(0.5)
-        assert h.queued_users() == [0, 1]
+        wait_until(lambda: h.queued_users() == [0, 1])
         assert h.take(2) == [0, 1]
         assert [i for _, i in h.built].count(2) == 1      # user 2's one request, none since
         h.scheduler.set_active_users(4)                   # retired users can come back
@@ -4043,18 +4043,21 @@ class TestAutoscaler:
         time.sleep(0.2)                                   # both backlogged, one request each waiting
         h.scheduler.set_active_users(1)
         assert h.take(2) == [0, 1]                        # user 1's waiting request is still served
+        wait_until(lambda: h.queued_users() == [0])       # user 0's backlog goes on ...
         time.sleep(0.1)
-        assert h.queued_users() == [0]                    # user 1 sends no more; user 0's backlog goes on
+        assert h.queued_users() == [0] and [i for _, i in h.built].count(1) == 1    # ... user 1 sent no more
 
     # --- open loop (the original's arrivals) --------------------------------------------
     def test_requests_fall_due_on_the_think_timer_whatever_the_service(self, scheduler_harness):
         h = scheduler_harness(StubWorkloadPlan(1, think_s=0.01))
-        time.sleep(0.3)                                   # nobody serves: 30 requests fall due ...
+        wait_until(lambda: len(h.built) == 1)
+        time.sleep(0.3)                                   # nobody serves: 30 more requests fall due ...
         assert len(h.built) == 1                          # ... one is built and waits; the backlog costs nothing
         assert h.take(10) == [0] * 10                     # served back to back, each due 10 ms after the last
+        taken_by = time.perf_counter()
         due = [r.submit_time for r in h.taken_requests]
         assert np.diff(due) == pytest.approx([0.01] * 9)  # the timer, not the service, set these
-        assert due[-1] < time.perf_counter() - 0.1        # all were overdue: the queue wait includes the backlog
+        assert due[-1] <= taken_by and len(h.built) == 11  # all overdue (the wait includes the backlog); one waits
 
     def test_workers_take_by_priority_then_due_time(self, scheduler_harness):
         h = scheduler_harness(StubWorkloadPlan(3, think_s=0.01), interactive_user=2)
@@ -8305,7 +8308,8 @@ class TestMPI:
         assert run.status == 0, run.stderr[-2000:]
         assert totals["tokens_per_sec"] > 0 and totals["read_gbps"] > 0 and totals["write_gbps"] > 0
         assert totals["device_write_p95_ms"] > 0
-        assert json.loads((tmp_path / "r.json").read_text())["device_latency_tracing"]["available"] in (True, False)
+        traced = json.loads((tmp_path / "r.json").read_text())["device_latency_tracing"]
+        assert traced["available"] or traced["reason"]                       # traced, or said why not
 
     @pytest.mark.slow
     def test_ranks_that_complete_nothing_do_not_stop_the_harness(self, tmp_path):

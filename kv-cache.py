@@ -1628,9 +1628,11 @@ def draw_think_time(user: UserProfile, rng: random.Random) -> float:
 
 
 def first_arrival_s(user: UserProfile, rng: random.Random) -> float:
-    """When `user`'s first request falls due: uniformly within its longest think pause, so that
-    users start spread out (the original's users all think first, from 0.8 of their pause on)."""
-    return rng.uniform(0.0, 1.2 * user.think_time)
+    """When `user`'s first request falls due: after one think pause, as the original's users,
+    which think before every request. (Spreading first arrivals over [0, 1.2 x think) instead let
+    the long-pause personas' large requests take the idle workers at the start, and under
+    saturation ours then served 17 % fewer requests of 17 % more bytes than the original.)"""
+    return draw_think_time(user, rng)
 
 
 class UserPlan(Protocol):
@@ -1674,7 +1676,7 @@ class SyntheticUserPlan:
         return self._plan_one()
 
     def first_arrival_s(self) -> float:
-        """Users do not all arrive at t=0: each starts within its longest think pause."""
+        """Each user thinks before its first request, as before every other one."""
         return first_arrival_s(self.profile, random.Random(derive_seed(self._seed, "first-arrival", self.user_index)))
 
     def _plan_one(self) -> PlannedRequest:

@@ -650,7 +650,7 @@ class TestWorkloadPlan:
         plan = kv.WorkloadPlan("tiny-1b", 8, 3)
         for user, up in zip(plan.users, plan.plans):
             persona = user.persona
-            assert 0 <= up.first_arrival_s() <= 1.2 * user.think_time
+            assert 0.8 * user.think_time <= up.first_arrival_s() <= 1.2 * user.think_time   # thinks first
             previous = None
             for _ in range(40):
                 r = up.next_request()

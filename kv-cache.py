@@ -864,6 +864,17 @@ def _trace_lines(text: Any) -> Iterator[List[str]]:
     return csv.reader(line for line in text if not line.startswith("#"))
 
 
+def is_io_trace(path: str) -> bool:
+    """Whether `path` is a regular file (not a link) whose first line is an I/O trace's header."""
+    try:
+        if not stat_module.S_ISREG(os.lstat(Path(path).expanduser()).st_mode):
+            return False
+        with _open_trace(path) as text:
+            return text.readline(1024).rstrip("\r\n") == ",".join(TRACE_COLUMNS)
+    except Exception:                                # unreadable, not UTF-8, not zstd: not a trace of ours
+        return False
+
+
 def trace_columns(path: str) -> List[str]:
     with _open_trace(path) as text:
         return next(_trace_lines(text), [])
@@ -1191,7 +1202,8 @@ def _input_files(config: "BenchmarkConfig") -> Tuple[Tuple[str, Optional[str]], 
     if config.use_burst_trace:
         with contextlib.suppress(UsageError):        # said by _check_burst_trace
             traces = burst_trace_files(config.burst_trace_path)
-    return (("--dataset-path", config.dataset_path), ("--replay-io-trace", config.replay_io_trace),
+    return (("--config", config.config_file), ("--dataset-path", config.dataset_path),
+            ("--replay-io-trace", config.replay_io_trace),
             *(("--burst-trace-path", str(t)) for t in traces))
 
 
@@ -1307,32 +1319,59 @@ def _write_text_file(path: str, text: str) -> str:
 
 
 def _write_file(path: str, data: bytes) -> str:
-    """Write an output file without replacing anything that is not ours to replace.
+    """Write an output file whole, without replacing anything that is not ours (OutputFile)."""
+    out = OutputFile(path)
+    try:
+        out.file.write(data)
+        out.commit()
+    except BaseException:
+        out.discard()
+        raise
+    return str(path)
+
+
+class OutputFile:
+    """An output being written, put in place by commit() or dropped by discard().
 
     A symbolic link is followed to the file it names. Anything that is not a regular file
     (/dev/null, /dev/stdout, a FIFO) is written through, never replaced. A regular file is
-    written whole or not at all (a temporary file beside it, then a rename) and keeps the
-    mode it had; a new file gets the permissions the umask gives.
+    written whole or not at all (a temporary file beside it, renamed over it by commit) and
+    keeps the mode it had; a new file gets the permissions the umask gives.
     """
-    target = Path(os.path.realpath(Path(path).expanduser()))
-    try:
-        st = os.stat(target)
-    except FileNotFoundError:
-        st = None
-    if st is not None and not stat_module.S_ISREG(st.st_mode):
-        with open(target, "wb") as f:
-            f.write(data)
-        return str(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        os.fchmod(fd, stat_module.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return str(path)
+
+    def __init__(self, path: str):
+        self.target = Path(os.path.realpath(Path(path).expanduser()))
+        try:
+            st: Optional[os.stat_result] = os.stat(self.target)
+        except FileNotFoundError:
+            st = None
+        self._tmp: Optional[Path] = None
+        if st is not None and not stat_module.S_ISREG(st.st_mode):
+            self.file: Any = open(self.target, "wb")
+            return
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=".tmp", dir=self.target.parent)
+        self._tmp = Path(tmp)
+        try:
+            os.fchmod(fd, stat_module.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask())
+        except BaseException:
+            os.close(fd)
+            self._tmp.unlink(missing_ok=True)
+            raise
+        self.file = os.fdopen(fd, "wb")
+
+    def commit(self) -> None:
+        self.file.close()
+        if self._tmp is not None:
+            os.replace(self._tmp, self.target)
+            self._tmp = None
+
+    def discard(self) -> None:
+        """What was at the path stays as it was (a device was written through already)."""
+        with contextlib.suppress(OSError, ValueError):
+            self.file.close()
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+            self._tmp = None
 
 
 def default_output_path(directory: str = ".") -> str:
@@ -4475,16 +4514,15 @@ class TraceLog:
     """The trace file in upstream's format, which its consumers read (awk 'NR>1', pandas,
     sai3-bench): the header TRACE_COLUMNS, then one row per operation (Unix time, 6 decimals),
     Write and Read; Delete rows too with `deletes` (--io-trace-deletes). What made it and the
-    latency model are in the results (cache_stats.storage_io_mode). Written to a temporary file
-    beside PATH and renamed to it at the end; PATH.zst is zstd-compressed."""
+    latency model are in the results (cache_stats.storage_io_mode). Written as an OutputFile, put
+    in place by close() and dropped by discard() (a run stopped before it began); PATH.zst is
+    zstd-compressed."""
 
     def __init__(self, path: str, model: LatencyModel, deletes: bool = False):
         self.path, self.model, self.deletes, self.rows = Path(path).expanduser(), model, deletes, 0
         self._lock = threading.Lock()
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        self._tmp = Path(tmp)
-        os.fchmod(fd, 0o666 & ~_umask())
-        raw: Any = os.fdopen(fd, "wb")
+        self._out = OutputFile(str(self.path))          # a link followed, a device written through, the mode kept
+        raw: Any = self._out.file
         if self.path.name.endswith(".zst"):
             import zstandard                           # checked by --io-trace-log's validation
             raw = zstandard.ZstdCompressor(level=3).stream_writer(raw)
@@ -4505,8 +4543,17 @@ class TraceLog:
             if self._text.closed:
                 return
             self._text.close()
-        os.replace(self._tmp, self.path)
+        self._out.commit()
         logger.info("I/O trace: %d operations written to %s", self.rows, self.path)
+
+    def discard(self) -> None:
+        """The run never began: whatever was at PATH stays as it was."""
+        with self._lock:
+            if self._text.closed:
+                return
+            with contextlib.suppress(OSError, ValueError):
+                self._text.close()
+        self._out.discard()
 
 
 class TracedTier(StorageTier):
@@ -7689,6 +7736,10 @@ class IntegratedBenchmark:
             elapsed = self._drive()
             self.process_cpu_s = time.process_time() - cpu0
             report = self.cache.report()
+        except Interrupted:                            # nothing measured: a trace of the set-up is not written
+            if self.cache.tiers.trace is not None:
+                self.cache.tiers.trace.discard()
+            raise
         finally:
             t0 = time.perf_counter()
             self.cache.close()
@@ -8962,7 +9013,7 @@ def independent_run_reason(output: Optional[str], launch: Optional[Tuple[int, in
     (exactly its own --output, --cache-dir, --seed and --num-users; no merging), or None:
     it is a rank's child (the harness), or each rank was given its own --output (mpirun's
     `-n 1 ... --output a.json : -n 1 ... --output b.json`). Ranks sharing one --output (or
-    none) make one merged run."""
+    none) make one merged run; a mix of the two is a UsageError on every rank."""
     if launch is None:
         return None
     if not started_by_mpi_launcher():
@@ -8970,8 +9021,13 @@ def independent_run_reason(output: Optional[str], launch: Optional[Tuple[int, in
     if _installed("mpi4py"):
         from mpi4py import MPI                       # initialises MPI: every rank comes here at its start
         outputs = MPI.COMM_WORLD.allgather(os.path.realpath(output) if output else None)
-        if len(set(outputs)) > 1:
+        if len(set(outputs)) == len(outputs) and None not in outputs:
             return "each rank was given its own --output"
+        if len(set(outputs)) > 1:                    # every rank sees the same list: all refuse alike
+            shared = sorted({o for o in outputs if outputs.count(o) > 1}, key=str)
+            raise UsageError(f"the {len(outputs)} MPI ranks share some --output files and not others "
+                             f"({', '.join(map(str, shared))} by several); give every rank its own --output "
+                             f"(independent runs) or all the same one (one merged run)")
     return None
 
 
@@ -9000,6 +9056,27 @@ def rank_trace_path(path: Optional[str], rank: int) -> Optional[str]:
     p = Path(path)
     suffixes = "".join(p.suffixes[-2:]) if p.name.endswith(".csv.zst") else p.suffix
     return str(p.with_name(f"{p.name[:len(p.name) - len(suffixes)]}.rank{rank}{suffixes}"))
+
+
+def _check_rank_traces(config: BenchmarkConfig, size: int) -> None:
+    """--io-trace-log under MPI writes NAME.rankR.csv, names the user did not give: none may name
+    another file of the run, nor replace anything but an earlier I/O trace (a regular file whose
+    first line is the trace's header)."""
+    if config.io_trace_log is None:
+        return
+    others = {os.path.realpath(Path(value).expanduser()): flag for flag, value in
+              (("--output", config.output), ("--xlsx-output", config.xlsx_output), ("--fio-job", config.fio_job),
+               *_input_files(config)) if value}
+    for rank in range(size):
+        path = rank_trace_path(config.io_trace_log, rank)
+        assert path is not None
+        clash = others.get(os.path.realpath(Path(path).expanduser()))
+        if clash:
+            raise UsageError(f"--io-trace-log {config.io_trace_log}: rank {rank}'s trace {path} names the same file "
+                             f"as {clash}; give each its own file")
+        if os.path.lexists(Path(path).expanduser()) and not is_io_trace(path):
+            raise UsageError(f"--io-trace-log {config.io_trace_log}: rank {rank}'s trace {path} exists and is not "
+                             f"an I/O trace; move it or give --io-trace-log another name")
 
 
 def _sum_timelines(timelines: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
@@ -9710,6 +9787,7 @@ def _mpi_config(config: BenchmarkConfig, launch: Tuple[int, int]) -> BenchmarkCo
         raise UsageError(f"--num-users {config.num_users} must be at least the number of MPI ranks ({size})")
     if config.max_requests and config.max_requests < size:
         raise UsageError(f"--max-requests {config.max_requests} must be 0 or at least the number of MPI ranks ({size})")
+    _check_rank_traces(config, size)
     return rank_config(config, rank, size)
 
 
@@ -9833,7 +9911,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     _limit_malloc_arenas()
     _widen_cuda_work_queues()
-    launch = _launch_and_logging(args)
+    try:
+        launch = _launch_and_logging(args)
+    except UsageError as exc:                        # said once, by rank 0; every rank refuses
+        if (mpi_launch() or (0, 1))[0] == 0:
+            print(f"kv-cache.py: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     rank = launch[0] if launch else 0
     stop = StopRequest()
     if args.replay_io_trace is not None:
@@ -9845,6 +9928,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"kv-cache.py: error: {setup.error or 'another MPI rank could not start; see its error'}",
                   file=sys.stderr)
         if bench is not None:
+            if bench.cache.tiers.trace is not None:  # nothing ran: what was at --io-trace-log stays
+                bench.cache.tiers.trace.discard()
             bench.cache.close()                      # its empty run directory
         _remove_created_dirs(created_dirs, comm)
         return EXIT_SIGNAL.get(stop.signal_name or "", EXIT_USAGE)

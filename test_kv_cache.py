@@ -7827,6 +7827,89 @@ def suite_table(stdout: str):
     return rows
 
 
+class TestForeignFilesAndHostileInputs:
+    """Issue 32: the newer inputs (YAML, traces, BurstGPT files) and outputs (the I/O trace,
+    per-rank files) tried as a careless or hostile user would."""
+
+    # --- outputs over what is not the run's (class 1) ---
+    def test_the_trace_follows_a_link_writes_through_a_device_and_keeps_the_mode(self, tmp_path):
+        target, link = tmp_path / "kept.csv", tmp_path / "link.csv"
+        target.write_text("old\n")
+        os.chmod(target, 0o600)
+        os.symlink(target, link)
+        run = run_in_process(*small_run(tmp_path, "--num-users", "1", "--max-requests", "1", "--seed", "1",
+                                        "--io-trace-log", link))
+        assert run.status == 0, run.stderr[-2000:]
+        assert link.is_symlink() and os.readlink(link) == str(target)
+        assert read_trace(target) and stat.S_IMODE(target.stat().st_mode) == 0o600
+        if os.geteuid() != 0:
+            return
+        device = tmp_path / "null"                               # a device node of our own: /dev/null's numbers
+        os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        run = run_in_process(*small_run(tmp_path, "--num-users", "1", "--max-requests", "1", "--seed", "1",
+                                        "--io-trace-log", device))
+        assert run.status == 0, run.stderr[-2000:]
+        assert stat.S_ISCHR(device.stat().st_mode)              # written through, not replaced by a file
+
+    @pytest.mark.parametrize("flag", ["--output", "--io-trace-log"])
+    def test_an_output_naming_the_config_file_is_refused(self, tmp_path, flag):
+        config = tmp_path / "c.yaml"
+        config.write_text("decode:\n  batch_size: 32\n")
+        args = [a.format(tmp=tmp_path) for a in HARMLESS_RUN] + ["--config", config, flag, config]
+        proc = run_forked(*args, cwd=tmp_path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"kv-cache.py: error: --config {config} names the same file as {flag}; give each its own file"]
+        assert config.read_text() == "decode:\n  batch_size: 32\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+            "c.yaml"]
+
+    def test_a_run_stopped_in_its_set_up_leaves_the_trace_that_was_there(self, tmp_path):
+        trace = tmp_path / "t.csv"
+        trace.write_text("a trace of an earlier run\n")
+        stop = threading.Event()
+        config = kv.BenchmarkConfig(model=TINY, num_users=1, duration_s=5, gpu_mem_gb=0, cpu_mem_gb=0,
+                                    cache_dir=str(tmp_path), seed=1, io_trace_log=str(trace)).validate()
+        bench = kv.IntegratedBenchmark(config, stop)
+        stop.set()                                               # SIGINT before the workload began
+        with pytest.raises(kv.Interrupted):
+            bench.measure()
+        assert trace.read_text() == "a trace of an earlier run\n"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv"]
+
+    @pytest.mark.parametrize("case", ["a file of the user's", "output names a rank's trace"])
+    def test_per_rank_trace_names_never_replace_what_is_not_a_trace(self, tmp_path, case):
+        mpiexec, env = _mpi_launcher()
+        (tmp_path / "t.rank0.csv").write_text(",".join(kv.TRACE_COLUMNS) + "\n")     # an earlier trace: replaceable
+        mine = tmp_path / ("t.rank1.csv" if case == "a file of the user's" else "keep.txt")
+        mine.write_text("the user's\n")
+        output = tmp_path / ("r.json" if case == "a file of the user's" else "t.rank1.csv")
+        proc = run_cli(*SMALL_RUN, "--num-users", "2", "--max-requests", "2", "--cache-dir", tmp_path / "cache",
+                       "--output", output, "--io-trace-log", tmp_path / "t.csv", "--quiet", cwd=tmp_path, timeout=60,
+                       env=env, launcher=[mpiexec, "-n", "2", "--oversubscribe"])
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        why = "exists and is not an I/O trace" if case == "a file of the user's" else "names the same file as --output"
+        assert f"rank 1's trace {tmp_path / 't.rank1.csv'} {why}" in proc.stderr
+        assert mine.read_text() == "the user's\n" and not (tmp_path / "cache").exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["t.rank0.csv", mine.name])
+
+    # --- MPI ranks that share some outputs and not others (class 2) ---
+    def test_ranks_sharing_some_outputs_and_not_others_are_refused(self, tmp_path):
+        mpiexec, env = _mpi_launcher()
+
+        def rank(output):                                 # mpirun's MPMD form: one command per rank
+            return ["-n", "1", sys.executable, str(SCRIPT), *SMALL_RUN, "--num-users", "3", "--max-requests", "3",
+                    "--cpu-mem-gb", "0", "--output", str(tmp_path / output), "--cache-dir", str(tmp_path / "cache"),
+                    "--quiet"]
+        proc = subprocess.run([mpiexec, "--oversubscribe", *rank("a.json"), ":", *rank("a.json"), ":", *rank("b.json")],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("kv-cache.py: error:")]
+        assert errors == [f"kv-cache.py: error: the 3 MPI ranks share some --output files and not others "
+                          f"({tmp_path / 'a.json'} by several); give every rank its own --output (independent "
+                          f"runs) or all the same one (one merged run)"]
+        assert list(tmp_path.iterdir()) == []
+
+
 @pytest.fixture(scope="class")
 def wrapper_run(tmp_path_factory):
     """The wrapper for real: two 2 s scenarios (a 1 GiB CPU tier: -C), then its comparison."""

@@ -424,7 +424,10 @@ YAML_AVAILABLE = _installed("yaml")
 
 
 def _config_error(path: str, problem: str) -> UsageError:
-    return UsageError(f"--config: {path} {problem}")
+    return UsageError(f"--config: {_shorter(path, 200)} {_shorter(problem)}")
+
+
+CONFIG_MAX_NUMBER = 2 ** 53             # beyond any count, size or time a run can use (and exact as a float)
 
 
 def _number(path: str, value: Any) -> float:
@@ -441,6 +444,8 @@ def _at_least(low: float, integer: bool = False) -> Callable[[str, Any], Any]:
             raise _config_error(path, f"must be an integer, got {value!r}")
         if _number(path, value) < low:
             raise _config_error(path, f"must be at least {low:g}, got {_shown(value)}")
+        if value > CONFIG_MAX_NUMBER:
+            raise _config_error(path, f"must be at most {CONFIG_MAX_NUMBER:,} (2**53), got {_shown(value)}")
         return value
     return check
 
@@ -500,10 +505,19 @@ MODEL_CONFIG_KEYS: Dict[str, Callable[[str, Any], Any]] = {
 def _check_models(path: str, models: Any) -> Dict[str, Dict[str, Any]]:
     if not isinstance(models, dict):
         raise _config_error(path, f"must be a mapping of model keys, got {models!r}")
+    for key in models:
+        if not isinstance(key, str):
+            raise _config_error(f"{path}.{key}", f"must be named by text (what --model gives), got {key!r}")
     checked = {key: _check_model(f"{path}.{key}", spec) for key, spec in models.items()}
     for key, spec in checked.items():
-        model_from_config(key, spec)                  # a new model must be complete
+        per_token = model_from_config(key, spec).kv_cache_size_per_token      # a new model must be complete
+        if not 1 <= per_token <= MODEL_MAX_BYTES_PER_TOKEN:
+            raise _config_error(f"{path}.{key}", f"has {_shown(per_token)} bytes of KV cache per token; must be "
+                                f"from 1 to {MODEL_MAX_BYTES_PER_TOKEN:,} (hidden_dim / num_heads is the head size)")
     return checked
+
+
+MODEL_MAX_BYTES_PER_TOKEN = 64 * MIB    # 200x the largest model here: beyond it a token outgrows any tier
 
 
 def _check_model(path: str, spec: Any) -> Dict[str, Any]:
@@ -571,9 +585,9 @@ PERSONA_NAMES = tuple(f.name for f in dataclasses.fields(UserTemplates))
 @dataclass(frozen=True)
 class GenerationTiming:
     """generation_timing: simulated seconds per generated token, per --generation-mode."""
-    none: float = _key(_NON_NEGATIVE, GENERATION_TIMING[GenerationMode.NONE])
-    fast: float = _key(_NON_NEGATIVE, GENERATION_TIMING[GenerationMode.FAST])
-    realistic: float = _key(_NON_NEGATIVE, GENERATION_TIMING[GenerationMode.REALISTIC])
+    none: float = _key(_between(0, 60), GENERATION_TIMING[GenerationMode.NONE])
+    fast: float = _key(_between(0, 60), GENERATION_TIMING[GenerationMode.FAST])
+    realistic: float = _key(_between(0, 60), GENERATION_TIMING[GenerationMode.REALISTIC])
 
 
 @dataclass(frozen=True)
@@ -773,20 +787,79 @@ def _check_consistency(tunables: Tunables) -> None:
                                      f"{high} ({_shown(_value_at(tunables, high))})")
 
 
+CONFIG_MAX_BYTES = MIB                  # the whole schema with comments is a few KB
+CONFIG_MAX_DEPTH = 16                   # the schema's deepest key is 4 levels down
+CONFIG_MAX_NODES = 100_000              # values, counted as aliases expand them ("billion laughs")
+
+
+def _load_yaml(path: str, raw: bytes) -> Any:
+    """The file's YAML, parsed within bounds: nesting (PyYAML's composer recurses), the values an
+    alias expands to, no key twice in a mapping (a strict file says each once). UsageError
+    naming the file, and the line where the parser knows it."""
+    import yaml
+    try:
+        depth, too_deep = 0, None
+        for event in yaml.parse(raw, Loader=yaml.SafeLoader):      # events: no recursion, no expansion
+            depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+            if depth > CONFIG_MAX_DEPTH:
+                too_deep = event.start_mark.line + 1
+                break
+        data = None if too_deep else yaml.load(raw, Loader=_strict_yaml_loader())
+    except (yaml.YAMLError, ValueError) as exc:      # ValueError: an integer of more digits than Python converts
+        raise UsageError(f"--config {path}: not valid YAML ({_shorter(' '.join(str(exc).split()))})") from None
+    if too_deep:
+        raise UsageError(f"--config {path}: line {too_deep}: nested deeper than {CONFIG_MAX_DEPTH} levels (the "
+                         f"schema's keys are at most 4 down)")
+    stack, seen = [data], 0
+    while stack:                                     # what the checks will walk, with aliases expanded
+        value = stack.pop()
+        seen += 1
+        if seen > CONFIG_MAX_NODES:
+            raise UsageError(f"--config {path}: over {CONFIG_MAX_NODES:,} values once its aliases are expanded")
+        stack.extend(value.values() if isinstance(value, dict) else value if isinstance(value, list) else ())
+    return data
+
+
+def _shorter(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+@functools.lru_cache(maxsize=None)
+def _strict_yaml_loader() -> type:
+    """PyYAML's safe loader refusing a key given twice in one mapping (merged keys may be overridden)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                seen = set()
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    if not isinstance(key, collections.abc.Hashable):
+                        continue                     # (refused by the safe loader itself)
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(None, None, f"key {_shorter(repr(key), 80)} is "
+                                                                f"given twice", key_node.start_mark)
+                    seen.add(key)
+            return super().construct_mapping(node, deep)
+    return StrictLoader
+
+
 def read_config_file(path: str) -> Tuple[Dict[str, Any], Tunables, str]:
     """--config FILE: (the file's values as given, the run's Tunables, the file's SHA-256),
     checked strictly; a bad file is one UsageError naming the file and the key's dotted path."""
     if not YAML_AVAILABLE:
         raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml)")
-    import yaml
     try:
-        raw = Path(path).expanduser().read_bytes()
+        with open(Path(path).expanduser(), "rb") as f:
+            raw = f.read(CONFIG_MAX_BYTES + 1)              # /dev/zero too: never more than this
     except OSError as exc:
         raise UsageError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None
-    try:
-        data = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise UsageError(f"--config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    if len(raw) > CONFIG_MAX_BYTES:
+        raise UsageError(f"--config {path}: over {CONFIG_MAX_BYTES // MIB} MiB; a configuration file is a few KB")
+    data = _load_yaml(path, raw)
     data = {} if data is None else data
     try:
         tunables = _checked("", data, BUILT_IN_TUNABLES)
@@ -7985,7 +8058,7 @@ class IntegratedBenchmark:
             if step >= 0 and per_token_s > 0:
                 tokens = min(batch, req.generate_tokens - step * batch)
                 t = time.perf_counter()
-                if self._stop.wait(tokens * per_token_s):
+                if self._stop.wait(min(tokens * per_token_s, MAX_DURATION_SECONDS)):   # (a wait has a limit)
                     return None
                 generation_s += time.perf_counter() - t
         if decode_node and reading:

@@ -7892,6 +7892,55 @@ class TestForeignFilesAndHostileInputs:
         assert mine.read_text() == "the user's\n" and not (tmp_path / "cache").exists()
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["t.rank0.csv", mine.name])
 
+    # --- --config files that ended in a traceback or ate the machine (class 3) ---
+    BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(        # 9**6 values from 200 bytes
+        f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcde", "bcdef"))
+    CONFIG_CASES = {
+        "nested 500 levels": ("a: " + "[" * 500 + "]" * 500 + "\n", "line 1: nested deeper than 16 levels"),
+        "an integer of 5000 digits": ("decode:\n  batch_size: " + "9" * 5000 + "\n", "not valid YAML (Exceeds the limit"),
+        "an integer of 100 digits": ("decode:\n  batch_size: " + "9" * 100 + "\n",
+                                     "decode.batch_size must be at most 9,007,199,254,740,992 (2**53), got 9999999999...(100 digits)"),
+        "aliases expanding to 531441 values": (BOMB, "over 100,000 values once its aliases are expanded"),
+        "a key given twice": ("decode:\n  batch_size: 16\ndecode:\n  batch_size: 32\n",
+                              "not valid YAML (key 'decode' is given twice in \"<byte string>\", line 3"),
+        "a numeric model key": ("model_configs:\n  7: {num_layers: 2, hidden_dim: 64, num_heads: 2, kv_heads: 2}\n",
+                                "model_configs.7 must be named by text (what --model gives), got 7"),
+        "a model of 0 bytes per token": ("model_configs:\n  z: {num_layers: 2, hidden_dim: 2, num_heads: 4, "
+                                         "kv_heads: 1}\n", "model_configs.z has 0 bytes of KV cache per token; must "
+                                                            "be from 1 to 67,108,864"),
+        "a generation time no wait can take": ("generation_timing:\n  none: 1.0e+200\n",
+                                               "generation_timing.none must be between 0 and 60, got 1e+200"),
+        "a generation time of 2 minutes a token": ("generation_timing:\n  fast: 120\n",
+                                                   "generation_timing.fast must be between 0 and 60, got 120"),
+        "2 MiB": ("# " + "x" * (2 * MIB) + "\n", "over 1 MiB; a configuration file is a few KB"),
+        "/dev/zero": (None, "over 1 MiB; a configuration file is a few KB")}
+
+    @pytest.mark.parametrize("case", list(CONFIG_CASES))
+    def test_a_hostile_config_file_is_one_line_and_exit_2(self, tmp_path, case):
+        text, said = self.CONFIG_CASES[case]
+        config = Path("/dev/zero") if text is None else tmp_path / "c.yaml"
+        if text is not None:
+            config.write_text(text)
+        args = [a.format(tmp=tmp_path) for a in HARMLESS_RUN] + ["--config", config]
+        proc = run_forked(*args, cwd=tmp_path, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and len(lines[0]) < 600 and lines[0].startswith(f"kv-cache.py: error: --config {config}")
+        assert said in lines[0]
+        assert [p.name for p in tmp_path.iterdir()] == ([] if text is None else ["c.yaml"])
+
+    def test_merge_keys_are_not_keys_given_twice(self, tmp_path):
+        config = config_file(tmp_path, """\
+            user_templates:
+              chatbot: &persona {context_range: [256, 512], generation_range: [50, 60], think_time_range: [0.1, 0.2]}
+              coding:
+                <<: *persona
+                context_range: [300, 400]
+            """)
+        tunables = kv.read_config_file(config)[1]
+        assert tunables.user_templates.coding.context_range == (300, 400)
+        assert tunables.user_templates.coding.generation_range == (50, 60)
+
     # --- MPI ranks that share some outputs and not others (class 2) ---
     def test_ranks_sharing_some_outputs_and_not_others_are_refused(self, tmp_path):
         mpiexec, env = _mpi_launcher()

@@ -902,8 +902,8 @@ def burst_trace_files(path: str) -> List[Path]:
 def _burst_columns(path: Path) -> Tuple[int, int, int]:
     """Where the columns BURST_COLUMNS are in `path`'s header (UsageError when it lacks one)."""
     try:
-        with open(path, newline="", encoding="utf-8", errors="replace") as f:
-            header = [name.strip() for name in next(csv.reader(f), [])]
+        with open(path, "rb") as f:
+            header = [name.strip() for name in next(csv_rows(f), None) or []]
     except OSError as exc:
         raise UsageError(f"--burst-trace-path {path}: {exc.strerror}") from None
     missing = [name for name in BURST_COLUMNS if name not in header]
@@ -921,20 +921,70 @@ TRACE_BANDWIDTH_GBPS = {"gpu": 50.0, "cpu": 20.0, "nvme": 6.0}   # PCIe 5 x16 ho
 TRACE_LATENCY_US = {"gpu": 10.0, "cpu": 1.0, "nvme": 80.0}
 
 
+TRACE_MAX_LINE_BYTES = 64 * 1024       # a trace row is under 200 bytes; a longer line is a bad row
+ZSTD_INPUT_CHUNK = 1024                 # compressed bytes decompressed at a time: at most ~32 MiB out
+
+
+class TraceCutShort(ValueError):
+    """A .zst trace whose last frame ends before its end (a copy cut short)."""
+
+
+class _ZstdStream(io.RawIOBase):
+    """A zstd file's decompressed bytes, a few KB of input at a time (a small input may expand
+    a thousandfold); TraceCutShort at the end when the last frame is incomplete (zstandard's
+    own stream_reader ends there silently)."""
+
+    def __init__(self, raw: Any):
+        import zstandard
+        self._raw, self._new = raw, zstandard.ZstdDecompressor().decompressobj
+        self._frame, self._pending, self._started = self._new(), b"", False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending:
+            chunk = self._raw.read(ZSTD_INPUT_CHUNK)
+            if not chunk:
+                if self._started and not self._frame.eof:
+                    raise TraceCutShort("the .zst trace is cut short: its last frame is incomplete")
+                return 0
+            while chunk:
+                if self._frame.eof:                          # the next frame of a multi-frame file
+                    self._frame = self._new()
+                self._started = True
+                self._pending += self._frame.decompress(chunk)
+                chunk = self._frame.unused_data if self._frame.eof else b""
+        n = min(len(buffer), len(self._pending))
+        buffer[:n], self._pending = self._pending[:n], self._pending[n:]
+        return n
+
+
 @contextlib.contextmanager
 def _open_trace(path: str) -> Iterator[Any]:
-    """The trace's text, decompressed when it is zstd (by its name ending in .zst)."""
+    """The trace's bytes, decompressed when it is zstd (by its name ending in .zst)."""
     with open(Path(path).expanduser(), "rb") as raw:
-        if path.endswith(".zst"):
-            import zstandard
-            stream: Any = zstandard.ZstdDecompressor().stream_reader(raw)
-        else:
-            stream = raw
-        yield io.TextIOWrapper(stream, encoding="utf-8", newline="")
+        yield io.BufferedReader(_ZstdStream(raw), MIB) if path.endswith(".zst") else raw
 
 
-def _trace_lines(text: Any) -> Iterator[List[str]]:
-    return csv.reader(line for line in text if not line.startswith("#"))
+def csv_rows(stream: Any) -> Iterator[Optional[List[str]]]:
+    """The CSV rows of a binary stream, one a line, in bounded memory: None for a line that is
+    not one (over TRACE_MAX_LINE_BYTES, not UTF-8, not CSV), read to its end and skipped;
+    comment lines (#) and blank lines are no rows."""
+    while (line := stream.readline(TRACE_MAX_LINE_BYTES + 1)):
+        if len(line) > TRACE_MAX_LINE_BYTES:
+            while line and not line.endswith(b"\n"):
+                line = stream.readline(TRACE_MAX_LINE_BYTES)
+            yield None
+            continue
+        try:
+            text = line.decode("utf-8")
+            fields = next(csv.reader([text]), [])
+        except (UnicodeDecodeError, csv.Error):
+            yield None
+            continue
+        if fields and not text.startswith("#"):
+            yield fields
 
 
 def is_io_trace(path: str) -> bool:
@@ -942,15 +992,25 @@ def is_io_trace(path: str) -> bool:
     try:
         if not stat_module.S_ISREG(os.lstat(Path(path).expanduser()).st_mode):
             return False
-        with _open_trace(path) as text:
-            return text.readline(1024).rstrip("\r\n") == ",".join(TRACE_COLUMNS)
-    except Exception:                                # unreadable, not UTF-8, not zstd: not a trace of ours
+        with _open_trace(path) as stream:
+            return stream.readline(1024).rstrip(b"\r\n") == ",".join(TRACE_COLUMNS).encode()
+    except Exception:                                # unreadable, not zstd: not a trace of ours
         return False
 
 
 def trace_columns(path: str) -> List[str]:
-    with _open_trace(path) as text:
-        return next(_trace_lines(text), [])
+    """The header of a trace (UsageError where there is none to read)."""
+    try:
+        if not Path(path).expanduser().is_file():
+            raise UsageError(f"--replay-io-trace {path}: not a regular file; give a trace file")
+        with _open_trace(path) as stream:
+            header = next(csv_rows(stream), [])
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--replay-io-trace {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if header is None:
+        raise UsageError(f"--replay-io-trace {path}: the first line is not a CSV header (UTF-8, under "
+                         f"{TRACE_MAX_LINE_BYTES // 1024} KiB)")
+    return header
 
 
 # ============================================================================
@@ -1245,10 +1305,7 @@ def _check_zstd(flag: str, path: str) -> None:
 def _check_trace_file(path: str) -> None:
     """--replay-io-trace: a readable trace with the columns --io-trace-log writes."""
     _check_zstd("--replay-io-trace", path)
-    try:
-        columns = trace_columns(path)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--replay-io-trace {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    columns = trace_columns(path)
     missing = [c for c in TRACE_COLUMNS if c not in columns]
     if missing:
         raise UsageError(f"--replay-io-trace {path}: no {', '.join(missing)} column (an --io-trace-log trace has "
@@ -2234,17 +2291,16 @@ class BurstTrace:
         first, index, self.start_s = self.passes == 0, -1, None
         for path in self.files:
             columns = _burst_columns(path)
-            with open(path, newline="", encoding="utf-8", errors="replace") as f:
-                reader = csv.reader(f)
+            with open(path, "rb") as f:
+                reader = csv_rows(f)
                 next(reader, None)
                 for fields in reader:
-                    if not fields:                       # a blank line is no row
-                        continue
                     index += 1
                     mine = index % self._ranks == self._rank
                     if not mine and self.start_s is not None:
                         continue
-                    row, problem = _trace_row(index, fields, columns)
+                    row, problem = _trace_row(index, fields, columns) if fields is not None else (
+                        None, "not a line of CSV text")
                     if self.start_s is None and row is not None:
                         self.start_s = row.timestamp_s
                     if not mine:
@@ -2554,6 +2610,15 @@ class IOAborted(Exception):
     def __init__(self, nbytes: int):
         super().__init__(f"aborted after {nbytes} bytes")
         self.nbytes = nbytes
+
+
+class DetachFailed(OSError):
+    """A storage entry's files could not all be set aside (StorageTier.detach): the first
+    failure, and the paths of those that were (to delete)."""
+
+    def __init__(self, cause: OSError, set_aside: List[Path]):
+        super().__init__(cause.errno, cause.strerror, cause.filename)
+        self.set_aside = set_aside
 
 
 class BusyClock:
@@ -3161,7 +3226,8 @@ class StorageTier(StorageBackend):
 
     def detach(self, key: str) -> List[Path]:
         """Forget an entry but keep its files for later deletion, renamed out of the way so the
-        key can be written again at once: the files' new paths (without files: deleted now)."""
+        key can be written again at once: the files' new paths (without files: deleted now).
+        DetachFailed when some could not be, carrying those that were."""
         self.delete(key)
         return []
 
@@ -3418,7 +3484,11 @@ class NVMeBackend(StorageTier):
             with self._opened(meta["paths"], os.O_RDONLY) as fds, sink.chunks(transfer) as deliver:
                 self._read_chunks(fds, meta["shard_sizes"], transfer, deliver)
         except FileNotFoundError:                         # only open() can meet one
-            raise KeyError(key) from None                 # deleted while we looked
+            with self._lock:
+                ours = self.metadata.get(key) is meta
+            if ours:                                      # still ours, and gone: someone else's hand, an I/O fault
+                raise
+            raise KeyError(key) from None                 # deleted (renamed aside) by us while we looked
 
     def _read_chunks(self, fds: List[int], sizes: List[int], transfer: Transfer, deliver: ChunkConsumer) -> None:
         """Read the entry's data in chunk-buffer-sized transfers; each is checked, observed and
@@ -3450,9 +3520,19 @@ class NVMeBackend(StorageTier):
         return True
 
     def detach(self, key: str) -> List[Path]:
+        """Every shard file renamed aside, even when one fails (DetachFailed carries the others)."""
         with self._lock:
             meta = self.metadata.pop(key, None)
-        return [] if meta is None else [self._rename_aside(Path(path)) for path in meta["paths"]]
+        set_aside: List[Path] = []
+        failed: Optional[OSError] = None
+        for path in [] if meta is None else meta["paths"]:
+            try:
+                set_aside.append(self._rename_aside(Path(path)))
+            except OSError as exc:                        # a vanished shard (ENOENT), a dying file system
+                failed = failed or exc
+        if failed is not None:
+            raise DetachFailed(failed, set_aside)
+        return set_aside
 
     def _rename_aside(self, path: Path) -> Path:
         """Rename our file to a fresh `.trash_N_` name that no other file has: a hard link fails
@@ -5504,9 +5584,9 @@ class MultiTierCache:
             return []
         try:
             return self.storage.detach(key)
-        except OSError as exc:                         # a dying file system: counted, the file stays
+        except DetachFailed as exc:                    # a vanished or stuck file: counted; the rest go
             self.stats.record_io_error("nvme", "delete", exc)
-            return []
+            return exc.set_aside
 
     # --- reads ---
     def read_entry(self, key: str, phase: InferencePhase = InferencePhase.DECODE,
@@ -7160,6 +7240,35 @@ merge_precondition = functools.partial(merge_figures, sums=("target_gb", "writte
 REPLAY_WORKERS = STAGING_AREAS          # operations in flight at once (one staging area each)
 REPLAY_ERRORS_LOGGED = 10               # I/O errors named one by one; the rest are counted
 REPLAY_BACKLOG = 4 * REPLAY_WORKERS     # operations issued and not done, at most (memory stays bounded)
+REPLAY_FAILURES_KEPT = 100              # failures named in the results; the rest are counted
+
+
+class LatencyHistogram:
+    """Latency samples in a fixed memory: counts in buckets 1 % wide (1 us to 3 hours), with the
+    exact count, mean and maximum. A replay of ten million rows keeps its percentiles without
+    keeping its samples; each percentile is its bucket's geometric middle (within 0.5 %)."""
+
+    LOW_S, GROWTH, BUCKETS = 1e-6, 1.01, 2400
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(self.BUCKETS, dtype=np.int64)
+        self.count, self.total_s, self.max_s = 0, 0.0, None
+
+    def add(self, seconds: float) -> None:
+        where = math.log(max(seconds, self.LOW_S) / self.LOW_S) / math.log(self.GROWTH)
+        self.counts[min(int(where), self.BUCKETS - 1)] += 1
+        self.count, self.total_s = self.count + 1, self.total_s + seconds
+        self.max_s = seconds if self.max_s is None else max(self.max_s, seconds)
+
+    def summary_ms(self) -> Dict[str, Optional[float]]:
+        """As latency_summary_ms gives it: mean, percentiles, maximum, count (None when empty)."""
+        if self.count == 0:
+            return latency_summary_ms([])
+        cumulative = np.cumsum(self.counts)
+        middles_ms = self.LOW_S * self.GROWTH ** (np.arange(self.BUCKETS) + 0.5) * 1000.0
+        at = {p: min(float(middles_ms[np.searchsorted(cumulative, q / 100 * self.count)]), self.max_s * 1000.0)
+              for p, q in PERCENTILES.items()}
+        return {"mean": self.total_s / self.count * 1000.0, **at, "max": self.max_s * 1000.0, "count": self.count}
 
 
 @dataclass(frozen=True)
@@ -7173,13 +7282,15 @@ class TraceOp:
 def storage_trace_ops(path: str, counts: Dict[str, int]) -> Iterator[TraceOp]:
     """The trace's storage-tier (Tier-2) operations in file order; `counts` gets the rows read,
     those of other tiers, and the bad ones (not a number, an unknown operation)."""
-    with _open_trace(path) as text:
-        lines = _trace_lines(text)
-        at = {name: i for i, name in enumerate(next(lines, []))}
+    with _open_trace(path) as stream:
+        lines = csv_rows(stream)
+        at = {name: i for i, name in enumerate(next(lines, None) or [])}
         first = None
         for fields in lines:
             counts["rows"] += 1
             try:
+                if fields is None:                   # not a line of CSV text
+                    raise ValueError()
                 tier, op = fields[at["Tier"]], fields[at["Operation"]]
                 when, nbytes, key = float(fields[at["Timestamp"]]), int(fields[at["Object_Size_Bytes"]]), fields[at["Key"]]
             except (IndexError, ValueError):
@@ -7212,12 +7323,13 @@ class TraceReplay:
         self.generator = KVCacheGenerator(config.model, config.seed)
         self.pool = StagingPool(REPLAY_WORKERS, STAGING_BYTES)
         self.counts: Dict[str, int] = defaultdict(int)
-        self.samples: Dict[str, List[float]] = {"Read": [], "Write": [], "Delete": []}
-        self.lags: List[float] = []
+        self.samples = {op: LatencyHistogram() for op in ("Read", "Write", "Delete")}   # memory: not per row
+        self.lags = LatencyHistogram()
         self._lock = threading.Lock()
-        self._last: Dict[str, Any] = {}             # object -> the future of its latest operation
+        self._last: Dict[str, Any] = {}             # object -> the future of its latest operation, until done
         self._backlog = threading.BoundedSemaphore(REPLAY_BACKLOG)
-        self.failures: List[str] = []
+        self.failures: List[str] = []               # the first REPLAY_FAILURES_KEPT
+        self.trace_error: Optional[str] = None      # why the trace could not be read to its end
 
     def run(self, stop_reason: Callable[[], Optional[str]] = lambda: None) -> Dict[str, Any]:
         """Replay the trace; the results. `stop_reason`: the signal that stopped it, if one did."""
@@ -7227,25 +7339,42 @@ class TraceReplay:
         t0 = time.perf_counter()
         try:
             with ThreadPoolExecutor(REPLAY_WORKERS, thread_name_prefix="replay") as workers:
-                speedup = self.config.trace_speedup
-                for op in storage_trace_ops(self.config.replay_io_trace, self.counts):
-                    due = t0 + op.at_s / speedup if speedup else None
-                    while due is not None and (wait := due - time.perf_counter()) > 0 and not self.stop.wait(
-                            min(wait, 0.1)):
-                        pass
-                    while not self._backlog.acquire(timeout=0.1) and not self.stop.is_set():
-                        pass
-                    if self.stop.is_set():
-                        break
-                    self.counts[f"trace_{op.op}_count"] += 1
-                    self.counts[f"trace_{op.op}_bytes"] += op.nbytes
-                    self._last[op.key] = workers.submit(self._issue, op, due, self._last.get(op.key))
+                try:
+                    self._issue_all(workers, t0)
+                except (OSError, ValueError) as exc:       # cut short, unreadable: the rows so far count
+                    self.trace_error = f"{type(exc).__name__}: {exc}"
+                    logger.error("--replay-io-trace %s: the trace ends in an error after %d rows: %s",
+                                 self.config.replay_io_trace, self.counts["rows"], exc)
             elapsed = time.perf_counter() - t0
         finally:
             device = monitor.finish()
             self.backend.clear()
             self.run_dir.rmdir()
-        return self._results(elapsed, device, stop_reason() or ("stopped" if self.stop.is_set() else "trace_end"))
+        ended = "stopped" if self.stop.is_set() else "trace_error" if self.trace_error else "trace_end"
+        return self._results(elapsed, device, stop_reason() or ended)
+
+    def _issue_all(self, workers: Any, t0: float) -> None:
+        speedup = self.config.trace_speedup
+        for op in storage_trace_ops(self.config.replay_io_trace, self.counts):
+            due = t0 + op.at_s / speedup if speedup else None
+            while due is not None and (wait := due - time.perf_counter()) > 0 and not self.stop.wait(min(wait, 0.1)):
+                pass
+            while not self._backlog.acquire(timeout=0.1) and not self.stop.is_set():
+                pass
+            if self.stop.is_set():
+                return
+            self.counts[f"trace_{op.op}_count"] += 1
+            self.counts[f"trace_{op.op}_bytes"] += op.nbytes
+            with self._lock:
+                future = self._last[op.key] = workers.submit(self._issue, op, due, self._last.get(op.key))
+            future.add_done_callback(functools.partial(self._forget, op.key))
+
+    def _forget(self, key: str, future: Any) -> None:
+        """An object's operation is done: unless another is queued behind it, the object is forgotten
+        (the replay's memory grows with operations in flight, never with the trace's rows)."""
+        with self._lock:
+            if self._last.get(key) is future:
+                del self._last[key]
 
     def _issue(self, op: TraceOp, due: Optional[float], before: Any) -> None:
         if before is not None:
@@ -7256,21 +7385,22 @@ class TraceReplay:
             logger.exception("replaying %s %s failed", op.op, op.key)
             with self._lock:
                 self.counts["failures"] += 1
-                self.failures.append(f"{op.op} {op.key}: {type(exc).__name__}: {exc}")
+                if len(self.failures) < REPLAY_FAILURES_KEPT:
+                    self.failures.append(f"{op.op} {op.key}: {type(exc).__name__}: {exc}")
         finally:
             self._backlog.release()
 
     def _replay_one(self, op: TraceOp, due: Optional[float]) -> None:
-        start = time.perf_counter()
+        start, moved = time.perf_counter(), 0
         try:
             if op.op == "Delete":
                 done = self.backend.delete(op.key)
             elif op.op == "Write":
-                done = self._transfer(op, lambda t: self.backend.write_from(
+                done, moved = True, self._transfer(op, lambda t: self.backend.write_from(
                     op.key, EntrySource.generated(self.generator, op.key, op.nbytes, (op.nbytes,), "|u1"), t))
-            else:
-                done = op.key in self.backend and self._transfer(
-                    op, lambda t: self.backend.read_into(op.key, HostSink(), t))
+            else:                                        # the object as stored, whatever size the row says
+                done = op.key in self.backend
+                moved = self._transfer(op, lambda t: self.backend.read_into(op.key, HostSink(), t)) if done else 0
         except KeyError:                                 # deleted while we looked
             done = False
         except (OSError, IOAborted) as exc:
@@ -7282,33 +7412,36 @@ class TraceReplay:
             return
         with self._lock:
             if due is not None:                          # (--trace-speedup 0: no schedule to be behind)
-                self.lags.append(start - due)
+                self.lags.add(start - due)
             if done:
-                self.samples[op.op].append(time.perf_counter() - start)
-                self.counts[f"{op.op}_bytes"] += op.nbytes if op.op != "Delete" else 0
+                self.samples[op.op].add(time.perf_counter() - start)
+                self.counts[f"{op.op}_bytes"] += moved
+                self.counts["reads_not_of_the_rows_size"] += op.op == "Read" and moved != op.nbytes
             else:
                 self.counts[f"unknown_{op.op.lower()}s"] += 1
 
-    def _transfer(self, op: TraceOp, move: Callable[[Transfer], None]) -> bool:
+    def _transfer(self, op: TraceOp, move: Callable[[Transfer], None]) -> int:
+        """The bytes the operation moved."""
         with Transfer(op.op.lower(), op.nbytes, tier="nvme", stop=self.stop, pool=self.pool) as transfer:
             move(transfer)
-        return True
+        return transfer.moved
 
     def _results(self, elapsed: float, device: Optional[Dict[str, Any]], stop_reason: str) -> Dict[str, Any]:
         c = self.counts
-        operations = {op.lower(): {"count": len(samples), "trace_count": c[f"trace_{op}_count"],
+        operations = {op.lower(): {"count": samples.count, "trace_count": c[f"trace_{op}_count"],
                                    "bytes": c[f"{op}_bytes"], "trace_bytes": c[f"trace_{op}_bytes"],
                                    "gib_per_s": c[f"{op}_bytes"] / elapsed / GIB if elapsed > 0 else None,
-                                   "latency_ms": latency_summary_ms(samples)}
+                                   "latency_ms": samples.summary_ms()}
                       for op, samples in self.samples.items()}
         return {"benchmark": "kv-cache", "version": __version__, "mode": "replay-io-trace",
                 "trace": self.config.replay_io_trace, "trace_speedup": self.config.trace_speedup,
                 "cache_dir": str(self.run_dir.parent), "storage_io_mode": self.backend.io_mode,
                 "interrupted": self.stop.is_set(), "stop_reason": stop_reason, "elapsed_s": elapsed,
                 "operations": operations,
-                "lag_ms": latency_summary_ms(self.lags), "unknown_reads": c["unknown_reads"],
+                "lag_ms": self.lags.summary_ms(), "unknown_reads": c["unknown_reads"],
+                "reads_not_of_the_rows_size": c["reads_not_of_the_rows_size"], "trace_error": self.trace_error,
                 "unknown_deletes": c["unknown_deletes"], "io_errors": c["io_errors"], "aborted": c["aborted"],
-                "failures": self.failures[:100], "failure_count": c["failures"],
+                "failures": self.failures, "failure_count": c["failures"],
                 "rows": c["rows"], "other_tier_rows": c["other_tier_rows"], "bad_rows": c["bad_rows"],
                 "device_stats": device}
 
@@ -7331,6 +7464,11 @@ def format_replay_report(r: Dict[str, Any]) -> str:
                  f"max {_fmt_ms(lag['max'])}")
     lines.append(f"  Objects the replay never wrote: reads {r['unknown_reads']:,}, deletes {r['unknown_deletes']:,} | "
                  f"I/O errors: {r['io_errors']:,}" + (f" | FAILURES: {r['failure_count']:,}" if r["failure_count"] else ""))
+    if r["reads_not_of_the_rows_size"]:
+        lines.append(f"  Reads of an object whose size is not the row's: {r['reads_not_of_the_rows_size']:,} (the bytes "
+                     f"read are the object's)")
+    if r["trace_error"]:
+        lines.append(f"  TRACE NOT READ TO ITS END: {r['trace_error']}")
     lines += [""] + format_device_section(r.get("device_stats") or {}, None) + ["=" * 80]
     return "\n".join(lines)
 
@@ -9969,7 +10107,7 @@ def replay_main(args: argparse.Namespace, stop: "StopRequest", launch: Optional[
         results = replay.run(lambda: stop.signal_name)
     finally:
         _remove_created_dirs(created)
-    degraded = bool(results["io_errors"] or results["failure_count"])
+    degraded = bool(results["io_errors"] or results["failure_count"] or results["trace_error"])
     output = config.output or default_output_path()
     try:
         logger.info("Results written to %s", write_json(results, output))

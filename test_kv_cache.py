@@ -7941,6 +7941,110 @@ class TestForeignFilesAndHostileInputs:
         assert tunables.user_templates.coding.context_range == (300, 400)
         assert tunables.user_templates.coding.generation_range == (50, 60)
 
+    # --- replay and BurstGPT files: bad bytes, long fields, devices, cut short, streamed (class 3) ---
+    BAD_LINES = {"a 200 KiB field": b"1.0,Write," + b"7" * (200 * 1024) + b",Tier-2,x,Prefill\n",
+                 "bytes that are not UTF-8": b"1.0,Write,4096,Tier-2,\xff\xfe\x80,Prefill\n"}
+
+    def replay(self, tmp_path, trace, **config):
+        config = kv.BenchmarkConfig(model="tiny-1b", replay_io_trace=str(trace), cache_dir=str(tmp_path),
+                                    trace_speedup=0, **config).validate()
+        return kv.TraceReplay(config, threading.Event()).run()
+
+    @pytest.mark.parametrize("case", list(BAD_LINES))
+    def test_a_bad_line_after_the_first_rows_is_a_counted_bad_row(self, tmp_path, case):
+        trace = write_trace(tmp_path / "t.csv", [(0.0, "Write", MIB, "Tier-2", "a"), (0.1, "Read", MIB, "Tier-2", "a")])
+        with open(trace, "ab") as f:
+            f.write(self.BAD_LINES[case] + b"2.0,Read,1048576,Tier-2,a,Decode\n")
+        r = self.replay(tmp_path, trace)
+        assert r["rows"] == 4 and r["bad_rows"] == 1 and r["stop_reason"] == "trace_end"
+        assert r["operations"]["read"]["count"] == 2 and r["operations"]["write"]["count"] == 1
+
+    @pytest.mark.parametrize("case", [*BAD_LINES, "/dev/zero"])
+    def test_a_replay_header_that_is_no_header_is_one_line_and_exit_2(self, tmp_path, case):
+        trace = Path("/dev/zero") if case == "/dev/zero" else tmp_path / "t.csv"
+        if case != "/dev/zero":
+            trace.write_bytes(self.BAD_LINES[case] + b"1.0,Write,4096,Tier-2,a,Prefill\n")
+        proc = run_forked("--replay-io-trace", trace, "--cache-dir", tmp_path / "cache", "--output", tmp_path / "r.json",
+                          cwd=tmp_path, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"kv-cache.py: error: --replay-io-trace {trace}")
+        assert ("not a regular file" if case == "/dev/zero" else "the first line is not a CSV header") in lines[0]
+        assert [p.name for p in tmp_path.iterdir()] == ([] if case == "/dev/zero" else ["t.csv"])
+
+    def test_a_burstgpt_row_with_a_200_kib_field_is_a_counted_bad_row(self, tmp_path):
+        trace = write_burst_csv(tmp_path / "t.csv", burst_rows(3), ["9.5,ChatGPT," + "7" * (200 * 1024) + ",1,2,x",
+                                                                    "9.6,ChatGPT,10,10,20,Conversation log"])
+        with open(trace, "ab") as f:
+            f.write(b"9.7,\xff\xfe,10,10,20,Conversation log\n")
+        burst = kv.BurstTrace(kv.burst_trace_files(str(trace)))
+        assert len(list(burst.requests())) == 4
+        assert burst.stats()["rows"] == 6 and burst.stats()["bad_rows_by_reason"] == {"not a line of CSV text": 2}
+
+    def test_a_zst_trace_cut_short_is_replayed_as_far_as_it_goes_and_said(self, tmp_path):
+        import zstandard
+        rows = [(i * 0.001, "Write" if i % 2 == 0 else "Read", 4096, "Tier-2", f"k{i // 2}") for i in range(20000)]
+        whole = write_trace(tmp_path / "t.csv", rows).read_bytes()
+        packed = zstandard.ZstdCompressor(level=3).compress(whole)
+        (tmp_path / "t.csv.zst").write_bytes(packed[:len(packed) // 2])
+        (tmp_path / "t.csv").unlink()
+        proc = run_cli("--replay-io-trace", tmp_path / "t.csv.zst", "--trace-speedup", "0", "--cache-dir",
+                       tmp_path / "cache", "--output", tmp_path / "r.json", cwd=tmp_path, timeout=300)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        r = json.loads((tmp_path / "r.json").read_text())
+        assert r["stop_reason"] == "trace_error" and "cut short" in r["trace_error"]
+        assert 0 < r["rows"] < 20000 and r["operations"]["write"]["count"] > 0
+        assert "TRACE NOT READ TO ITS END" in proc.stdout and "cut short" in proc.stderr
+
+    def test_the_replay_holds_no_memory_per_row(self, tmp_path):
+        """A trace is a stream: the replay's memory grows with operations in flight, not rows."""
+        import tracemalloc
+
+        def peak(rows):
+            trace = write_trace(tmp_path / f"t{rows}.csv", [(0.0, "Read", MIB, "Tier-2", f"never-written-{i}")
+                                                          for i in range(rows)])
+            config = kv.BenchmarkConfig(model="tiny-1b", replay_io_trace=str(trace), cache_dir=str(tmp_path),
+                                        trace_speedup=0).validate()
+            replay = kv.TraceReplay(config, threading.Event())
+            tracemalloc.start()
+            try:
+                r = replay.run()
+                return tracemalloc.get_traced_memory()[1], r
+            finally:
+                tracemalloc.stop()
+        small, r_small = peak(1000)
+        large, r_large = peak(20000)
+        assert r_small["unknown_reads"] == 1000 and r_large["unknown_reads"] == 20000
+        assert large - small < 2 * MIB, (small, large)          # was ~1.5 KB a row: 28 MiB more here
+
+    # --- replay byte accounting (class 4) ---
+    def test_a_read_counts_the_bytes_of_the_object_not_of_the_row(self, tmp_path):
+        trace = write_trace(tmp_path / "t.csv", [(0.0, "Write", MIB, "Tier-2", "a"), (0.1, "Read", GIB, "Tier-2", "a"),
+                                                 (0.2, "Read", MIB, "Tier-2", "a")])
+        r = self.replay(tmp_path, trace)
+        read = r["operations"]["read"]
+        assert read["count"] == 2 and read["trace_bytes"] == GIB + MIB and read["bytes"] == 2 * MIB
+        assert r["reads_not_of_the_rows_size"] == 1
+        assert "Reads of an object whose size is not the row's: 1" in kv.format_replay_report(r)
+
+    # --- someone else's hand in the cache directory (class 5) ---
+    def test_a_shard_file_removed_mid_run_is_a_counted_fault_and_nothing_of_ours_stays(self, tmp_path):
+        config = kv.BenchmarkConfig(model=TINY, num_users=1, gpu_mem_gb=0, cpu_mem_gb=0, num_gpus=2,
+                                    tensor_parallel=2, cache_dir=str(tmp_path), seed=1).validate()
+        cache = kv.MultiTierCache.for_run(config)
+        run_dir = cache.run_dir
+        assert cache.allocate_cache("k", 100)[1] == "nvme"
+        shards = sorted(run_dir.glob("k*.npy"))
+        assert len(shards) == 2
+        shards[1].unlink()                                       # someone else's hand
+        assert cache.access_cache("k")[0] is None                # a miss, and an I/O fault
+        assert cache.get_stats(1.0)["io_errors_by_kind"] == {"nvme_read_ENOENT": 1}
+        assert cache.allocate_cache("k", 100)[1] == "nvme"       # rewritten: the old shards set aside
+        assert cache.get_stats(1.0)["io_errors_by_kind"] == {"nvme_read_ENOENT": 1, "nvme_delete_ENOENT": 1}
+        assert cache.access_cache("k")[0] == "nvme"
+        cache.close()
+        assert not run_dir.exists() and list(tmp_path.iterdir()) == []     # no .trash_* of ours left
+
     # --- MPI ranks that share some outputs and not others (class 2) ---
     def test_ranks_sharing_some_outputs_and_not_others_are_refused(self, tmp_path):
         mpiexec, env = _mpi_launcher()

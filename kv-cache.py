@@ -2612,6 +2612,25 @@ class IOAborted(Exception):
         self.nbytes = nbytes
 
 
+class SetAsideFile(type(Path())):                     # type: ignore[misc]
+    """A storage file renamed aside by detach. Removing it (unlink) tells its tier, which counts
+    its blocks off the books until they are free."""
+
+    def __init__(self, path: Path, tier: Any, meta: Dict[str, Any], disk_bytes: int):
+        self._tier, self._meta, self.disk_bytes, self._told = tier, meta, disk_bytes, False
+
+    def __new__(cls, path: Path, *args: Any) -> "SetAsideFile":
+        return super().__new__(cls, path)
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        try:
+            super().unlink(missing_ok=missing_ok)
+        finally:
+            if not self._told and not self.exists():      # gone (by us or not): its blocks are freed
+                self._told = True
+                self._tier._removed(self._meta, self.disk_bytes, booked=False)
+
+
 class DetachFailed(OSError):
     """A storage entry's files could not all be set aside (StorageTier.detach): the first
     failure, and the paths of those that were (to delete)."""
@@ -3164,6 +3183,10 @@ class StorageBackend:
     def entry_info(self, key: str) -> StoredEntry:
         raise NotImplementedError
 
+    # Bytes the tier holds that no entry accounts for (files of forgotten entries not yet freed):
+    # the cache counts them against the tier's budget, so that the budget holds on the device.
+    unbooked_bytes = 0
+
     def can_place(self, nbytes: int) -> bool:
         """Whether a new entry of `nbytes` would find room where this tier keeps its entries
         now, beyond its budget (a fixed arena may be full or fragmented)."""
@@ -3331,6 +3354,10 @@ class NVMeBackend(StorageTier):
         self.io_mode = "O_DIRECT" if self.direct_io else f"buffered + fdatasync + fadvise(DONTNEED): {reason}"
         super().__init__(shards)
         self._trash_ids = itertools.count(1)
+        # The device's bytes off the books (unbooked_bytes): files set aside and not yet removed, and
+        # files removed while a read of ours held them open (freed when the last such read ends).
+        self._reads: Dict[int, int] = defaultdict(int)       # id(entry's metadata) -> reads in flight
+        self._draining: Dict[int, int] = defaultdict(int)    # id(entry's metadata) -> bytes freed when they end
 
     def reset_accounting(self) -> None:
         with self._lock:
@@ -3480,6 +3507,7 @@ class NVMeBackend(StorageTier):
     def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
         with self._lock:
             meta = self.metadata[key]                     # KeyError for a missing or deleted key
+            self._reads[id(meta)] += 1
         try:
             with self._opened(meta["paths"], os.O_RDONLY) as fds, sink.chunks(transfer) as deliver:
                 self._read_chunks(fds, meta["shard_sizes"], transfer, deliver)
@@ -3489,6 +3517,12 @@ class NVMeBackend(StorageTier):
             if ours:                                      # still ours, and gone: someone else's hand, an I/O fault
                 raise
             raise KeyError(key) from None                 # deleted (renamed aside) by us while we looked
+        finally:
+            with self._lock:                              # its files' blocks are free now if they were removed
+                self._reads[id(meta)] -= 1
+                if not self._reads[id(meta)]:
+                    del self._reads[id(meta)]
+                    self.unbooked_bytes -= self._draining.pop(id(meta), 0)
 
     def _read_chunks(self, fds: List[int], sizes: List[int], transfer: Transfer, deliver: ChunkConsumer) -> None:
         """Read the entry's data in chunk-buffer-sized transfers; each is checked, observed and
@@ -3515,24 +3549,38 @@ class NVMeBackend(StorageTier):
             meta = self.metadata.pop(key, None)
         if meta is None:
             return False
-        for path in meta["paths"]:
+        for path, nbytes in zip(meta["paths"], meta["shard_sizes"]):
             Path(path).unlink(missing_ok=True)
+            self._removed(meta, self._io_len(NPY_DATA_OFFSET + nbytes), booked=True)
         return True
 
     def detach(self, key: str) -> List[Path]:
-        """Every shard file renamed aside, even when one fails (DetachFailed carries the others)."""
+        """Every shard file renamed aside, even when one fails (DetachFailed carries the others);
+        until removed (SetAsideFile.unlink) they count in unbooked_bytes."""
         with self._lock:
             meta = self.metadata.pop(key, None)
         set_aside: List[Path] = []
         failed: Optional[OSError] = None
-        for path in [] if meta is None else meta["paths"]:
+        for path, nbytes in zip(*(([], []) if meta is None else (meta["paths"], meta["shard_sizes"]))):
             try:
-                set_aside.append(self._rename_aside(Path(path)))
+                set_aside.append(SetAsideFile(self._rename_aside(Path(path)), self, meta,
+                                              self._io_len(NPY_DATA_OFFSET + nbytes)))
             except OSError as exc:                        # a vanished shard (ENOENT), a dying file system
                 failed = failed or exc
+        with self._lock:
+            self.unbooked_bytes += sum(f.disk_bytes for f in set_aside)
         if failed is not None:
             raise DetachFailed(failed, set_aside)
         return set_aside
+
+    def _removed(self, meta: Dict[str, Any], disk_bytes: int, booked: bool) -> None:
+        """One of an entry's files was removed: its blocks are free now, or when the last read
+        of ours that holds it open ends. `booked`: it was on the books until now."""
+        with self._lock:
+            held = id(meta) in self._reads
+            self.unbooked_bytes += (disk_bytes if booked else 0) - (0 if held else disk_bytes)
+            if held:
+                self._draining[id(meta)] += disk_bytes
 
     def _rename_aside(self, path: Path) -> Path:
         """Rename our file to a fresh `.trash_N_` name that no other file has: a hard link fails
@@ -5504,7 +5552,8 @@ class MultiTierCache:
             demoted, budget = 0, None
             while True:
                 with self._lock:
-                    if policy.has_room(self._usage[tier], size, limit, last) and self.backends[tier].can_place(size):
+                    if policy.has_room(self._usage[tier] + self.backends[tier].unbooked_bytes, size, limit, last) and \
+                            self.backends[tier].can_place(size):                   # (unbooked: the device holds it too)
                         self._usage[tier] += size
                         return tier, moved
                     budget = budget or policy.eviction_budget(tier, len(self._lru[tier]))

@@ -8045,6 +8045,52 @@ class TestForeignFilesAndHostileInputs:
         cache.close()
         assert not run_dir.exists() and list(tmp_path.iterdir()) == []     # no .trash_* of ours left
 
+    # --- the storage capacity holds on the device (class 6) ---
+    def test_files_removed_while_a_read_holds_them_stay_on_the_books_until_it_ends(self, tmp_path):
+        nvme = kv.NVMeBackend(tmp_path, direct_io=False, shards=2)
+        nvme.write("k", np.arange(64 * 1024, dtype=np.float16))
+        entered, go = threading.Event(), threading.Event()
+
+        class HeldSink(kv.HostSink):                              # a read with the files open, held there
+            @contextlib.contextmanager
+            def chunks(self, transfer):
+                entered.set()
+                go.wait(30)
+                with super().chunks(transfer) as deliver:
+                    yield deliver
+
+        def read():
+            with kv.Transfer("read", 128 * 1024, tier="nvme") as transfer:
+                nvme.read_into("k", HeldSink(), transfer)
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert entered.wait(30)
+        assert nvme.unbooked_bytes == 0
+        trash = nvme.detach("k")                                  # off the books, still on the device
+        on_disk = sum(os.path.getsize(t) for t in trash)
+        assert len(trash) == 2 and nvme.unbooked_bytes == on_disk > 128 * 1024
+        for t in trash:
+            t.unlink(missing_ok=True)                             # removed, but the read holds the blocks
+        assert list(tmp_path.iterdir()) == [] and nvme.unbooked_bytes == on_disk
+        go.set()
+        reader.join(30)
+        assert nvme.unbooked_bytes == 0                           # freed when the read closed them
+
+    @pytest.mark.slow
+    def test_a_sharded_run_filling_a_small_file_system_never_meets_enospc(self, tmp_path):
+        mnt = TestReliability.small_tmpfs(tmp_path, "64m")
+        try:
+            proc = run_cli(*SMALL_RUN, "--num-users", "16", "--max-requests", "200", "--duration", "120",
+                           "--cpu-mem-gb", "0", "--num-gpus", "4", "--tensor-parallel", "4", "--storage-capacity-gb",
+                           "0", "--seed", "3", "--cache-dir", mnt, "--output", tmp_path / "r.json", "--quiet",
+                           cwd=tmp_path, timeout=180)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            cs = json.loads((tmp_path / "r.json").read_text())["summary"]["cache_stats"]
+            assert cs["io_errors_by_kind"] == {} and cs["evictions"] > 0          # full, and evicting
+            assert list(mnt.iterdir()) == []
+        finally:
+            subprocess.run(["umount", str(mnt)], capture_output=True)
+
     # --- MPI ranks that share some outputs and not others (class 2) ---
     def test_ranks_sharing_some_outputs_and_not_others_are_refused(self, tmp_path):
         mpiexec, env = _mpi_launcher()

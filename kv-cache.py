@@ -6508,7 +6508,8 @@ def _fio_where(directory: Optional[str]) -> str:
         return "# Run it in a directory on the drive under test: fio --output-format=json <this file>"
     shown = ("(a path with control characters: see the run's --cache-dir)"
              if any(ord(c) < 32 or ord(c) == 127 for c in directory) else shlex.quote(directory))
-    return f"# Run it in a directory on the drive under test, e.g. the run's: cd {shown} && fio --output-format=json <this file>"
+    return (f"# Run it in a directory on the drive under test, e.g. the run's (which the run may have made and "
+            f"removed): mkdir -p {shown} && cd {shown} && fio --output-format=json <this file>")
 
 
 def _fio_header(run: Dict[str, Any], rw_note: str) -> List[str]:
@@ -10023,19 +10024,34 @@ def _remove_fio_files(workdir: Path) -> None:
         logger.warning("left %s: it holds files the fio replay did not make", workdir)
 
 
+NOTHING_TO_REPLAY = "fio_job_nothing_to_replay"      # run_problems' name for a --fio-job with no storage I/O
+
+
+def run_problems(results: Dict[str, Any]) -> List[str]:
+    """Why a finished run's exit status is 1, from its results (pure; the wrapper asks it of a
+    results file too): io_errors, thread_errors, verify_mismatches, io_baseline, fio_comparison,
+    fio_job (NOTHING_TO_REPLAY when the storage tier moved nothing), headline_not_measured,
+    storage_reads_not_on_device. Empty: a clean run."""
+    summary = results["summary"]
+    fio_job_error = summary.get("fio_job_error")
+    checks = {"io_errors": summary["io_errors"], "thread_errors": summary["thread_errors"],
+              "verify_mismatches": summary["verify_mismatches"],
+              "io_baseline": bool(summary["io_baseline"] and "error" in summary["io_baseline"]),
+              "fio_comparison": "error" in (summary.get("fio_comparison") or {}),
+              NOTHING_TO_REPLAY if fio_job_error and "nothing for fio to replay" in fio_job_error else "fio_job":
+                  bool(fio_job_error),
+              "headline_not_measured": headline_not_measured(results),
+              "storage_reads_not_on_device": summary["cache_stats"].get("storage_reads_not_on_device")}
+    return [name for name, problem in checks.items() if problem]
+
+
 def _exit_status(bench: IntegratedBenchmark, results: Dict[str, Any], outputs_written: bool) -> int:
     if bench.stop_reason in EXIT_SIGNAL:
         return EXIT_SIGNAL[bench.stop_reason]
     summary = results["summary"]
-    missing = headline_not_measured(results)
-    off_device = summary["cache_stats"].get("storage_reads_not_on_device")
-    for problem in filter(None, (missing, off_device)):
+    for problem in filter(None, (headline_not_measured(results), summary["cache_stats"].get("storage_reads_not_on_device"))):
         logger.error("%s; exit status 1", problem)
-    baseline_failed = bool(summary["io_baseline"] and "error" in summary["io_baseline"])
-    fio_failed = "error" in (summary.get("fio_comparison") or {}) or "fio_job_error" in summary
-    degraded = (summary["io_errors"] or summary["thread_errors"] or summary["verify_mismatches"]
-                or baseline_failed or fio_failed or missing or off_device or not outputs_written)
-    return EXIT_DEGRADED if degraded else EXIT_OK
+    return EXIT_DEGRADED if run_problems(results) or not outputs_written else EXIT_OK
 
 
 def _mpi_config(config: BenchmarkConfig, launch: Tuple[int, int]) -> BenchmarkConfig:

@@ -8091,6 +8091,33 @@ class TestForeignFilesAndHostileInputs:
         finally:
             subprocess.run(["umount", str(mnt)], capture_output=True)
 
+    # --- the wrapper and the fio job: small ones seen beside (class 7) ---
+    @pytest.mark.slow
+    def test_a_storage_scenario_that_never_reached_storage_is_not_degraded(self, tmp_path):
+        """production with a 4 GiB CPU tier and 4 users for 10 s: nothing spills, so its --fio-job has
+        nothing to replay (kv-cache.py's exit 1); the suite asked for that job, so the run is ok."""
+        out = tmp_path / "out"
+        proc = run_wrapper("-m", "tiny-1b", "-t", "1", "-s", "1", "-r", "10", "-a", "1", "-u", "4", "-C", "4",
+                           "-w", "production", "-c", tmp_path / "cache", "-o", out, cwd=tmp_path,
+                           env=dict(os.environ, PYTHON=sys.executable), timeout=200)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        r = json.loads((out / "results_production.json").read_text())
+        assert r["summary"]["total_requests"] > 0 and r["summary"]["cache_stats"]["nvme_entries"] == 0
+        assert kv.run_problems(r) == [kv.NOTHING_TO_REPLAY]
+        assert (out / "status.tsv").read_text() == "production\tok\n"
+        assert "production: nothing reached the storage tier, so no fio job was written" in proc.stdout
+
+    def test_the_fio_jobs_directions_work_after_the_run_removed_the_directory_it_made(self, tmp_path):
+        cache = tmp_path / "made by the run"
+        run = run_in_process(*SMALL_RUN, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0", "--seed", "42",
+                             "--cache-dir", cache, "--output", tmp_path / "r.json", "--fio-job", tmp_path / "j.fio")
+        assert run.status == 0, run.stderr[-2000:]
+        assert not cache.exists()                                  # made by the run, so removed by it
+        [where] = [line for line in (tmp_path / "j.fio").read_text().splitlines() if "&& fio " in line]
+        command = where.split(": ", 1)[1].replace("fio --output-format=json <this file>", "pwd")
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0 and done.stdout.strip() == str(cache), done.stderr
+
     # --- MPI ranks that share some outputs and not others (class 2) ---
     def test_ranks_sharing_some_outputs_and_not_others_are_refused(self, tmp_path):
         mpiexec, env = _mpi_launcher()

@@ -7981,6 +7981,16 @@ class TestForeignFilesAndHostileInputs:
         assert len(list(burst.requests())) == 4
         assert burst.stats()["rows"] == 6 and burst.stats()["bad_rows_by_reason"] == {"not a line of CSV text": 2}
 
+    def test_a_burstgpt_header_with_a_200_kib_field_is_one_line_and_exit_2(self, tmp_path):
+        trace = tmp_path / "b.csv"
+        trace.write_text("Timestamp,Model," + "x" * (200 * 1024) + ",Request tokens,Response tokens\n1.0,m,x,10,10\n")
+        args = [a.format(tmp=tmp_path) for a in HARMLESS_RUN] + ["--use-burst-trace", "--burst-trace-path", trace]
+        proc = run_forked(*args, cwd=tmp_path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"kv-cache.py: error: --burst-trace-path {trace}: no Timestamp")
+        assert [p.name for p in tmp_path.iterdir()] == ["b.csv"]
+
     def test_a_zst_trace_cut_short_is_replayed_as_far_as_it_goes_and_said(self, tmp_path):
         import zstandard
         rows = [(i * 0.001, "Write" if i % 2 == 0 else "Read", 4096, "Tier-2", f"k{i // 2}") for i in range(20000)]

@@ -2612,34 +2612,6 @@ class IOAborted(Exception):
         self.nbytes = nbytes
 
 
-class SetAsideFile(type(Path())):                     # type: ignore[misc]
-    """A storage file renamed aside by detach. Removing it (unlink) tells its tier, which counts
-    its blocks off the books until they are free."""
-
-    def __init__(self, path: Path, tier: Any, meta: Dict[str, Any], disk_bytes: int):
-        self._tier, self._meta, self.disk_bytes, self._told = tier, meta, disk_bytes, False
-
-    def __new__(cls, path: Path, *args: Any) -> "SetAsideFile":
-        return super().__new__(cls, path)
-
-    def unlink(self, missing_ok: bool = False) -> None:
-        try:
-            super().unlink(missing_ok=missing_ok)
-        finally:
-            if not self._told and not self.exists():      # gone (by us or not): its blocks are freed
-                self._told = True
-                self._tier._removed(self._meta, self.disk_bytes, booked=False)
-
-
-class DetachFailed(OSError):
-    """A storage entry's files could not all be set aside (StorageTier.detach): the first
-    failure, and the paths of those that were (to delete)."""
-
-    def __init__(self, cause: OSError, set_aside: List[Path]):
-        super().__init__(cause.errno, cause.strerror, cause.filename)
-        self.set_aside = set_aside
-
-
 class BusyClock:
     """Wall time during which at least one operation was in flight (iostat's %util). Summing
     per-operation times instead would count overlaps N times. A Transfer keeps one for its own
@@ -3219,6 +3191,46 @@ class StorageBackend:
 # STORAGE TIER: ONE FILE PER ENTRY
 # ============================================================================
 
+class SetAsideFile(os.PathLike):
+    """A storage file renamed aside by detach (a path: os.fspath, exists, unlink). Removing it
+    (unlink) tells its tier, which counts its blocks off the books until they are free."""
+
+    def __init__(self, path: Path, tier: Any, meta: Dict[str, Any], disk_bytes: int):
+        self.path, self._tier, self._meta, self.disk_bytes, self._told = path, tier, meta, disk_bytes, False
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"SetAsideFile({str(self.path)!r})"
+
+    def __eq__(self, other: Any) -> bool:
+        return self.path == (other.path if isinstance(other, SetAsideFile) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        try:
+            self.path.unlink(missing_ok=missing_ok)
+        finally:
+            if not self._told and not self.path.exists():      # gone (by us or not): its blocks are freed
+                self._told = True
+                self._tier._removed(self._meta, self.disk_bytes, booked=False)
+
+
+class DetachFailed(OSError):
+    """A storage entry's files could not all be set aside (StorageTier.detach): the first
+    failure, and the paths of those that were (to delete)."""
+
+    def __init__(self, cause: OSError, set_aside: List[os.PathLike]):
+        super().__init__(cause.errno, cause.strerror, cause.filename)
+        self.set_aside = set_aside
+
+
 class StorageTier(StorageBackend):
     """The last tier, as the cache, describe_tiers and reset_statistics use it: an entry is
     `shards` objects (shard_objects: one per --tensor-parallel rank), its transfers are timed on
@@ -3247,7 +3259,7 @@ class StorageTier(StorageBackend):
         return {"read_sizes": {}, "write_sizes": {}, "files_written": 0, "shards_per_entry": self.shards,
                 "object_sizes": []}
 
-    def detach(self, key: str) -> List[Path]:
+    def detach(self, key: str) -> List[os.PathLike]:
         """Forget an entry but keep its files for later deletion, renamed out of the way so the
         key can be written again at once: the files' new paths (without files: deleted now).
         DetachFailed when some could not be, carrying those that were."""
@@ -3554,12 +3566,12 @@ class NVMeBackend(StorageTier):
             self._removed(meta, self._io_len(NPY_DATA_OFFSET + nbytes), booked=True)
         return True
 
-    def detach(self, key: str) -> List[Path]:
+    def detach(self, key: str) -> List[os.PathLike]:
         """Every shard file renamed aside, even when one fails (DetachFailed carries the others);
         until removed (SetAsideFile.unlink) they count in unbooked_bytes."""
         with self._lock:
             meta = self.metadata.pop(key, None)
-        set_aside: List[Path] = []
+        set_aside: List[os.PathLike] = []
         failed: Optional[OSError] = None
         for path, nbytes in zip(*(([], []) if meta is None else (meta["paths"], meta["shard_sizes"]))):
             try:
@@ -5272,7 +5284,7 @@ def describe_tiers(tiers: MemoryTiers, storage: StorageTier, run_dir: Path, orde
     }
 
 
-def _unlink_counted(stats: CacheStats, path: Path) -> None:
+def _unlink_counted(stats: CacheStats, path: Any) -> None:
     """Delete one of the cache's files; a failure (read-only or vanished file system) is counted."""
     _cleanup_counted(stats, lambda: path.unlink(missing_ok=True), "delete")
 
@@ -5289,7 +5301,7 @@ def _cleanup_counted(stats: CacheStats, step: Callable[[], Any], what: str = "cl
         logger.exception("a clean-up step failed; the others still run")
 
 
-def _release_run(stats: CacheStats, tiers: "MemoryTiers", run_dir: Path, trash: List[Path]) -> None:
+def _release_run(stats: CacheStats, tiers: "MemoryTiers", run_dir: Path, trash: List[os.PathLike]) -> None:
     """A cache's last clean-up, once, by close(), its collection or the interpreter's exit (its
     weakref.finalize, which holds only these): the files set aside and those the tiers hold, the
     tiers, then the run directory it made, only when empty (nothing it did not write is deleted)."""
@@ -5414,7 +5426,7 @@ class MultiTierCache:
         self._limits: Dict[str, float] = self.tiers.limits
         self.gpu_disabled_reason = self.tiers.gpu_disabled_reason
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvcache_run_", dir=config.cache_dir))
-        self._trash: List[Path] = []
+        self._trash: List[os.PathLike] = []
         self._release = weakref.finalize(self, _release_run, self.stats, self.tiers, self.run_dir, self._trash)
         try:
             self.backends["nvme"] = self.storage = self.tiers.open_storage(self.run_dir, config.tensor_parallel)
@@ -5624,7 +5636,7 @@ class MultiTierCache:
             self._usage[reserved_tier] -= entry.size_bytes
             self._lru[reserved_tier].pop(entry.key, None)
 
-    def _remove_data_locked(self, tier: str, key: str) -> List[Path]:
+    def _remove_data_locked(self, tier: str, key: str) -> List[os.PathLike]:
         """Remove a forgotten entry's data while still holding the lock, so that a rewrite of
         the same key cannot meet it: memory is released at once, storage files are only
         renamed (cheap); the caller deletes the returned paths after releasing the lock."""

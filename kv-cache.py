@@ -9294,7 +9294,7 @@ def independent_run_reason(output: Optional[str], launch: Optional[Tuple[int, in
     if _installed("mpi4py"):
         from mpi4py import MPI                       # initialises MPI: every rank comes here at its start
         outputs = MPI.COMM_WORLD.allgather(os.path.realpath(output) if output else None)
-        if len(set(outputs)) == len(outputs) and None not in outputs:
+        if len(set(outputs)) == len(outputs) > 1 and None not in outputs:
             return "each rank was given its own --output"
         if len(set(outputs)) > 1:                    # every rank sees the same list: all refuse alike
             shared = sorted({o for o in outputs if outputs.count(o) > 1}, key=str)

@@ -926,7 +926,8 @@ ZSTD_INPUT_CHUNK = 1024                 # compressed bytes decompressed at a tim
 
 
 class TraceCutShort(ValueError):
-    """A .zst trace whose last frame ends before its end (a copy cut short)."""
+    """A .zst trace that cannot be read to its end: its last frame ends before the file does (a
+    copy cut short), or its bytes are not zstd's."""
 
 
 class _ZstdStream(io.RawIOBase):
@@ -936,7 +937,7 @@ class _ZstdStream(io.RawIOBase):
 
     def __init__(self, raw: Any):
         import zstandard
-        self._raw, self._new = raw, zstandard.ZstdDecompressor().decompressobj
+        self._raw, self._new, self._error = raw, zstandard.ZstdDecompressor().decompressobj, zstandard.ZstdError
         self._frame, self._pending, self._started = self._new(), b"", False
 
     def readable(self) -> bool:
@@ -953,7 +954,10 @@ class _ZstdStream(io.RawIOBase):
                 if self._frame.eof:                          # the next frame of a multi-frame file
                     self._frame = self._new()
                 self._started = True
-                self._pending += self._frame.decompress(chunk)
+                try:
+                    self._pending += self._frame.decompress(chunk)
+                except self._error as exc:
+                    raise TraceCutShort(f"the .zst trace cannot be decompressed ({exc})") from None
                 chunk = self._frame.unused_data if self._frame.eof else b""
         n = min(len(buffer), len(self._pending))
         buffer[:n], self._pending = self._pending[:n], self._pending[n:]

@@ -7959,18 +7959,21 @@ class TestForeignFilesAndHostileInputs:
         assert r["rows"] == 4 and r["bad_rows"] == 1 and r["stop_reason"] == "trace_end"
         assert r["operations"]["read"]["count"] == 2 and r["operations"]["write"]["count"] == 1
 
-    @pytest.mark.parametrize("case", [*BAD_LINES, "/dev/zero"])
+    @pytest.mark.parametrize("case", [*BAD_LINES, "/dev/zero", "a .zst that is not zstd"])
     def test_a_replay_header_that_is_no_header_is_one_line_and_exit_2(self, tmp_path, case):
-        trace = Path("/dev/zero") if case == "/dev/zero" else tmp_path / "t.csv"
-        if case != "/dev/zero":
+        trace = Path("/dev/zero") if case == "/dev/zero" else tmp_path / ("t.csv.zst" if "zst" in case else "t.csv")
+        if case in self.BAD_LINES:
             trace.write_bytes(self.BAD_LINES[case] + b"1.0,Write,4096,Tier-2,a,Prefill\n")
+        elif "zst" in case:
+            write_trace(trace, [(1.0, "Write", 4096, "Tier-2", "a")])          # plain text under a .zst name
         proc = run_forked("--replay-io-trace", trace, "--cache-dir", tmp_path / "cache", "--output", tmp_path / "r.json",
                           cwd=tmp_path, timeout=60)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"kv-cache.py: error: --replay-io-trace {trace}")
-        assert ("not a regular file" if case == "/dev/zero" else "the first line is not a CSV header") in lines[0]
-        assert [p.name for p in tmp_path.iterdir()] == ([] if case == "/dev/zero" else ["t.csv"])
+        assert {"/dev/zero": "not a regular file", "a .zst that is not zstd": "the .zst trace cannot be decompressed"}.get(
+            case, "the first line is not a CSV header") in lines[0]
+        assert [p.name for p in tmp_path.iterdir()] == ([] if case == "/dev/zero" else [trace.name])
 
     def test_a_burstgpt_row_with_a_200_kib_field_is_a_counted_bad_row(self, tmp_path):
         trace = write_burst_csv(tmp_path / "t.csv", burst_rows(3), ["9.5,ChatGPT," + "7" * (200 * 1024) + ",1,2,x",

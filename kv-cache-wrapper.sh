@@ -239,7 +239,8 @@ run_bench() {
         STATUS[$name]="interrupted (SIG${STOPPED_BY}, exit ${rc})"; FAILED+=("$name")
     elif (( rc == 0 )); then
         STATUS[$name]="ok"
-    elif (( rc == 1 )) && [ "$(run_problems "$name")" = "fio_job_nothing_to_replay" ]; then
+    elif (( rc == 1 )) && [ "$(run_problems "$name")" = "fio_job_nothing_to_replay" ] \
+            && ! grep -q "could not write the" "${RESULTS_DIR}/log_${name}.txt"; then
         STATUS[$name]="ok"                               # the suite asked for the fio job, not the run
         echo "    ${name}: nothing reached the storage tier, so no fio job was written (exit 1 ignored)"
     elif (( rc == 1 )) && [ -f "${RESULTS_DIR}/results_${name}.json" ]; then

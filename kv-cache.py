@@ -424,7 +424,10 @@ YAML_AVAILABLE = _installed("yaml")
 
 
 def _config_error(path: str, problem: str) -> UsageError:
-    return UsageError(f"--config: {path} {problem}")
+    return UsageError(f"--config: {_shorter(path, 200)} {_shorter(problem)}")
+
+
+CONFIG_MAX_NUMBER = 2 ** 53             # beyond any count, size or time a run can use (and exact as a float)
 
 
 def _number(path: str, value: Any) -> float:
@@ -441,6 +444,8 @@ def _at_least(low: float, integer: bool = False) -> Callable[[str, Any], Any]:
             raise _config_error(path, f"must be an integer, got {value!r}")
         if _number(path, value) < low:
             raise _config_error(path, f"must be at least {low:g}, got {_shown(value)}")
+        if value > CONFIG_MAX_NUMBER:
+            raise _config_error(path, f"must be at most {CONFIG_MAX_NUMBER:,} (2**53), got {_shown(value)}")
         return value
     return check
 
@@ -500,10 +505,19 @@ MODEL_CONFIG_KEYS: Dict[str, Callable[[str, Any], Any]] = {
 def _check_models(path: str, models: Any) -> Dict[str, Dict[str, Any]]:
     if not isinstance(models, dict):
         raise _config_error(path, f"must be a mapping of model keys, got {models!r}")
+    for key in models:
+        if not isinstance(key, str):
+            raise _config_error(f"{path}.{key}", f"must be named by text (what --model gives), got {key!r}")
     checked = {key: _check_model(f"{path}.{key}", spec) for key, spec in models.items()}
     for key, spec in checked.items():
-        model_from_config(key, spec)                  # a new model must be complete
+        per_token = model_from_config(key, spec).kv_cache_size_per_token      # a new model must be complete
+        if not 1 <= per_token <= MODEL_MAX_BYTES_PER_TOKEN:
+            raise _config_error(f"{path}.{key}", f"has {_shown(per_token)} bytes of KV cache per token; must be "
+                                f"from 1 to {MODEL_MAX_BYTES_PER_TOKEN:,} (hidden_dim / num_heads is the head size)")
     return checked
+
+
+MODEL_MAX_BYTES_PER_TOKEN = 64 * MIB    # 200x the largest model here: beyond it a token outgrows any tier
 
 
 def _check_model(path: str, spec: Any) -> Dict[str, Any]:
@@ -571,9 +585,9 @@ PERSONA_NAMES = tuple(f.name for f in dataclasses.fields(UserTemplates))
 @dataclass(frozen=True)
 class GenerationTiming:
     """generation_timing: simulated seconds per generated token, per --generation-mode."""
-    none: float = _key(_NON_NEGATIVE, GENERATION_TIMING[GenerationMode.NONE])
-    fast: float = _key(_NON_NEGATIVE, GENERATION_TIMING[GenerationMode.FAST])
-    realistic: float = _key(_NON_NEGATIVE, GENERATION_TIMING[GenerationMode.REALISTIC])
+    none: float = _key(_between(0, 60), GENERATION_TIMING[GenerationMode.NONE])
+    fast: float = _key(_between(0, 60), GENERATION_TIMING[GenerationMode.FAST])
+    realistic: float = _key(_between(0, 60), GENERATION_TIMING[GenerationMode.REALISTIC])
 
 
 @dataclass(frozen=True)
@@ -773,20 +787,79 @@ def _check_consistency(tunables: Tunables) -> None:
                                      f"{high} ({_shown(_value_at(tunables, high))})")
 
 
+CONFIG_MAX_BYTES = MIB                  # the whole schema with comments is a few KB
+CONFIG_MAX_DEPTH = 16                   # the schema's deepest key is 4 levels down
+CONFIG_MAX_NODES = 100_000              # values, counted as aliases expand them ("billion laughs")
+
+
+def _load_yaml(path: str, raw: bytes) -> Any:
+    """The file's YAML, parsed within bounds: nesting (PyYAML's composer recurses), the values an
+    alias expands to, no key twice in a mapping (a strict file says each once). UsageError
+    naming the file, and the line where the parser knows it."""
+    import yaml
+    try:
+        depth, too_deep = 0, None
+        for event in yaml.parse(raw, Loader=yaml.SafeLoader):      # events: no recursion, no expansion
+            depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+            if depth > CONFIG_MAX_DEPTH:
+                too_deep = event.start_mark.line + 1
+                break
+        data = None if too_deep else yaml.load(raw, Loader=_strict_yaml_loader())
+    except (yaml.YAMLError, ValueError) as exc:      # ValueError: an integer of more digits than Python converts
+        raise UsageError(f"--config {path}: not valid YAML ({_shorter(' '.join(str(exc).split()))})") from None
+    if too_deep:
+        raise UsageError(f"--config {path}: line {too_deep}: nested deeper than {CONFIG_MAX_DEPTH} levels (the "
+                         f"schema's keys are at most 4 down)")
+    stack, seen = [data], 0
+    while stack:                                     # what the checks will walk, with aliases expanded
+        value = stack.pop()
+        seen += 1
+        if seen > CONFIG_MAX_NODES:
+            raise UsageError(f"--config {path}: over {CONFIG_MAX_NODES:,} values once its aliases are expanded")
+        stack.extend(value.values() if isinstance(value, dict) else value if isinstance(value, list) else ())
+    return data
+
+
+def _shorter(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+@functools.lru_cache(maxsize=None)
+def _strict_yaml_loader() -> type:
+    """PyYAML's safe loader refusing a key given twice in one mapping (merged keys may be overridden)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                seen = set()
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    if not isinstance(key, collections.abc.Hashable):
+                        continue                     # (refused by the safe loader itself)
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(None, None, f"key {_shorter(repr(key), 80)} is "
+                                                                f"given twice", key_node.start_mark)
+                    seen.add(key)
+            return super().construct_mapping(node, deep)
+    return StrictLoader
+
+
 def read_config_file(path: str) -> Tuple[Dict[str, Any], Tunables, str]:
     """--config FILE: (the file's values as given, the run's Tunables, the file's SHA-256),
     checked strictly; a bad file is one UsageError naming the file and the key's dotted path."""
     if not YAML_AVAILABLE:
         raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml)")
-    import yaml
     try:
-        raw = Path(path).expanduser().read_bytes()
+        with open(Path(path).expanduser(), "rb") as f:
+            raw = f.read(CONFIG_MAX_BYTES + 1)              # /dev/zero too: never more than this
     except OSError as exc:
         raise UsageError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None
-    try:
-        data = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise UsageError(f"--config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    if len(raw) > CONFIG_MAX_BYTES:
+        raise UsageError(f"--config {path}: over {CONFIG_MAX_BYTES // MIB} MiB; a configuration file is a few KB")
+    data = _load_yaml(path, raw)
     data = {} if data is None else data
     try:
         tunables = _checked("", data, BUILT_IN_TUNABLES)
@@ -829,8 +902,8 @@ def burst_trace_files(path: str) -> List[Path]:
 def _burst_columns(path: Path) -> Tuple[int, int, int]:
     """Where the columns BURST_COLUMNS are in `path`'s header (UsageError when it lacks one)."""
     try:
-        with open(path, newline="", encoding="utf-8", errors="replace") as f:
-            header = [name.strip() for name in next(csv.reader(f), [])]
+        with open(path, "rb") as f:
+            header = [name.strip() for name in next(csv_rows(f), None) or []]
     except OSError as exc:
         raise UsageError(f"--burst-trace-path {path}: {exc.strerror}") from None
     missing = [name for name in BURST_COLUMNS if name not in header]
@@ -848,25 +921,100 @@ TRACE_BANDWIDTH_GBPS = {"gpu": 50.0, "cpu": 20.0, "nvme": 6.0}   # PCIe 5 x16 ho
 TRACE_LATENCY_US = {"gpu": 10.0, "cpu": 1.0, "nvme": 80.0}
 
 
+TRACE_MAX_LINE_BYTES = 64 * 1024       # a trace row is under 200 bytes; a longer line is a bad row
+ZSTD_INPUT_CHUNK = 1024                 # compressed bytes decompressed at a time: at most ~32 MiB out
+
+
+class TraceCutShort(ValueError):
+    """A .zst trace that cannot be read to its end: its last frame ends before the file does (a
+    copy cut short), or its bytes are not zstd's."""
+
+
+class _ZstdStream(io.RawIOBase):
+    """A zstd file's decompressed bytes, a few KB of input at a time (a small input may expand
+    a thousandfold); TraceCutShort at the end when the last frame is incomplete (zstandard's
+    own stream_reader ends there silently)."""
+
+    def __init__(self, raw: Any):
+        import zstandard
+        self._raw, self._new, self._error = raw, zstandard.ZstdDecompressor().decompressobj, zstandard.ZstdError
+        self._frame, self._pending, self._started = self._new(), b"", False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending:
+            chunk = self._raw.read(ZSTD_INPUT_CHUNK)
+            if not chunk:
+                if self._started and not self._frame.eof:
+                    raise TraceCutShort("the .zst trace is cut short: its last frame is incomplete")
+                return 0
+            while chunk:
+                if self._frame.eof:                          # the next frame of a multi-frame file
+                    self._frame = self._new()
+                self._started = True
+                try:
+                    self._pending += self._frame.decompress(chunk)
+                except self._error as exc:
+                    raise TraceCutShort(f"the .zst trace cannot be decompressed ({exc})") from None
+                chunk = self._frame.unused_data if self._frame.eof else b""
+        n = min(len(buffer), len(self._pending))
+        buffer[:n], self._pending = self._pending[:n], self._pending[n:]
+        return n
+
+
 @contextlib.contextmanager
 def _open_trace(path: str) -> Iterator[Any]:
-    """The trace's text, decompressed when it is zstd (by its name ending in .zst)."""
+    """The trace's bytes, decompressed when it is zstd (by its name ending in .zst)."""
     with open(Path(path).expanduser(), "rb") as raw:
-        if path.endswith(".zst"):
-            import zstandard
-            stream: Any = zstandard.ZstdDecompressor().stream_reader(raw)
-        else:
-            stream = raw
-        yield io.TextIOWrapper(stream, encoding="utf-8", newline="")
+        yield io.BufferedReader(_ZstdStream(raw), MIB) if path.endswith(".zst") else raw
 
 
-def _trace_lines(text: Any) -> Iterator[List[str]]:
-    return csv.reader(line for line in text if not line.startswith("#"))
+def csv_rows(stream: Any) -> Iterator[Optional[List[str]]]:
+    """The CSV rows of a binary stream, one a line, in bounded memory: None for a line that is
+    not one (over TRACE_MAX_LINE_BYTES, not UTF-8, not CSV), read to its end and skipped;
+    comment lines (#) and blank lines are no rows."""
+    while (line := stream.readline(TRACE_MAX_LINE_BYTES + 1)):
+        if len(line) > TRACE_MAX_LINE_BYTES:
+            while line and not line.endswith(b"\n"):
+                line = stream.readline(TRACE_MAX_LINE_BYTES)
+            yield None
+            continue
+        try:
+            text = line.decode("utf-8")
+            fields = next(csv.reader([text]), [])
+        except (UnicodeDecodeError, csv.Error):
+            yield None
+            continue
+        if fields and not text.startswith("#"):
+            yield fields
+
+
+def is_io_trace(path: str) -> bool:
+    """Whether `path` is a regular file (not a link) whose first line is an I/O trace's header."""
+    try:
+        if not stat_module.S_ISREG(os.lstat(Path(path).expanduser()).st_mode):
+            return False
+        with _open_trace(path) as stream:
+            return stream.readline(1024).rstrip(b"\r\n") == ",".join(TRACE_COLUMNS).encode()
+    except Exception:                                # unreadable, not zstd: not a trace of ours
+        return False
 
 
 def trace_columns(path: str) -> List[str]:
-    with _open_trace(path) as text:
-        return next(_trace_lines(text), [])
+    """The header of a trace (UsageError where there is none to read)."""
+    try:
+        if not Path(path).expanduser().is_file():
+            raise UsageError(f"--replay-io-trace {path}: not a regular file; give a trace file")
+        with _open_trace(path) as stream:
+            header = next(csv_rows(stream), [])
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--replay-io-trace {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if header is None:
+        raise UsageError(f"--replay-io-trace {path}: the first line is not a CSV header (UTF-8, under "
+                         f"{TRACE_MAX_LINE_BYTES // 1024} KiB)")
+    return header
 
 
 # ============================================================================
@@ -1161,10 +1309,7 @@ def _check_zstd(flag: str, path: str) -> None:
 def _check_trace_file(path: str) -> None:
     """--replay-io-trace: a readable trace with the columns --io-trace-log writes."""
     _check_zstd("--replay-io-trace", path)
-    try:
-        columns = trace_columns(path)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--replay-io-trace {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    columns = trace_columns(path)
     missing = [c for c in TRACE_COLUMNS if c not in columns]
     if missing:
         raise UsageError(f"--replay-io-trace {path}: no {', '.join(missing)} column (an --io-trace-log trace has "
@@ -1191,7 +1336,8 @@ def _input_files(config: "BenchmarkConfig") -> Tuple[Tuple[str, Optional[str]], 
     if config.use_burst_trace:
         with contextlib.suppress(UsageError):        # said by _check_burst_trace
             traces = burst_trace_files(config.burst_trace_path)
-    return (("--dataset-path", config.dataset_path), ("--replay-io-trace", config.replay_io_trace),
+    return (("--config", config.config_file), ("--dataset-path", config.dataset_path),
+            ("--replay-io-trace", config.replay_io_trace),
             *(("--burst-trace-path", str(t)) for t in traces))
 
 
@@ -1307,32 +1453,59 @@ def _write_text_file(path: str, text: str) -> str:
 
 
 def _write_file(path: str, data: bytes) -> str:
-    """Write an output file without replacing anything that is not ours to replace.
+    """Write an output file whole, without replacing anything that is not ours (OutputFile)."""
+    out = OutputFile(path)
+    try:
+        out.file.write(data)
+        out.commit()
+    except BaseException:
+        out.discard()
+        raise
+    return str(path)
+
+
+class OutputFile:
+    """An output being written, put in place by commit() or dropped by discard().
 
     A symbolic link is followed to the file it names. Anything that is not a regular file
     (/dev/null, /dev/stdout, a FIFO) is written through, never replaced. A regular file is
-    written whole or not at all (a temporary file beside it, then a rename) and keeps the
-    mode it had; a new file gets the permissions the umask gives.
+    written whole or not at all (a temporary file beside it, renamed over it by commit) and
+    keeps the mode it had; a new file gets the permissions the umask gives.
     """
-    target = Path(os.path.realpath(Path(path).expanduser()))
-    try:
-        st = os.stat(target)
-    except FileNotFoundError:
-        st = None
-    if st is not None and not stat_module.S_ISREG(st.st_mode):
-        with open(target, "wb") as f:
-            f.write(data)
-        return str(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        os.fchmod(fd, stat_module.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return str(path)
+
+    def __init__(self, path: str):
+        self.target = Path(os.path.realpath(Path(path).expanduser()))
+        try:
+            st: Optional[os.stat_result] = os.stat(self.target)
+        except FileNotFoundError:
+            st = None
+        self._tmp: Optional[Path] = None
+        if st is not None and not stat_module.S_ISREG(st.st_mode):
+            self.file: Any = open(self.target, "wb")
+            return
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=".tmp", dir=self.target.parent)
+        self._tmp = Path(tmp)
+        try:
+            os.fchmod(fd, stat_module.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask())
+        except BaseException:
+            os.close(fd)
+            self._tmp.unlink(missing_ok=True)
+            raise
+        self.file = os.fdopen(fd, "wb")
+
+    def commit(self) -> None:
+        self.file.close()
+        if self._tmp is not None:
+            os.replace(self._tmp, self.target)
+            self._tmp = None
+
+    def discard(self) -> None:
+        """What was at the path stays as it was (a device was written through already)."""
+        with contextlib.suppress(OSError, ValueError):
+            self.file.close()
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+            self._tmp = None
 
 
 def default_output_path(directory: str = ".") -> str:
@@ -2124,17 +2297,16 @@ class BurstTrace:
         first, index, self.start_s = self.passes == 0, -1, None
         for path in self.files:
             columns = _burst_columns(path)
-            with open(path, newline="", encoding="utf-8", errors="replace") as f:
-                reader = csv.reader(f)
+            with open(path, "rb") as f:
+                reader = csv_rows(f)
                 next(reader, None)
                 for fields in reader:
-                    if not fields:                       # a blank line is no row
-                        continue
                     index += 1
                     mine = index % self._ranks == self._rank
                     if not mine and self.start_s is not None:
                         continue
-                    row, problem = _trace_row(index, fields, columns)
+                    row, problem = _trace_row(index, fields, columns) if fields is not None else (
+                        None, "not a line of CSV text")
                     if self.start_s is None and row is not None:
                         self.start_s = row.timestamp_s
                     if not mine:
@@ -2989,6 +3161,10 @@ class StorageBackend:
     def entry_info(self, key: str) -> StoredEntry:
         raise NotImplementedError
 
+    # Bytes the tier holds that no entry accounts for (files of forgotten entries not yet freed):
+    # the cache counts them against the tier's budget, so that the budget holds on the device.
+    unbooked_bytes = 0
+
     def can_place(self, nbytes: int) -> bool:
         """Whether a new entry of `nbytes` would find room where this tier keeps its entries
         now, beyond its budget (a fixed arena may be full or fragmented)."""
@@ -3021,6 +3197,46 @@ class StorageBackend:
 # STORAGE TIER: ONE FILE PER ENTRY
 # ============================================================================
 
+class SetAsideFile(os.PathLike):
+    """A storage file renamed aside by detach (a path: os.fspath, exists, unlink). Removing it
+    (unlink) tells its tier, which counts its blocks off the books until they are free."""
+
+    def __init__(self, path: Path, tier: Any, meta: Dict[str, Any], disk_bytes: int):
+        self.path, self._tier, self._meta, self.disk_bytes, self._told = path, tier, meta, disk_bytes, False
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"SetAsideFile({str(self.path)!r})"
+
+    def __eq__(self, other: Any) -> bool:
+        return self.path == (other.path if isinstance(other, SetAsideFile) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        try:
+            self.path.unlink(missing_ok=missing_ok)
+        finally:
+            if not self._told and not self.path.exists():      # gone (by us or not): its blocks are freed
+                self._told = True
+                self._tier._removed(self._meta, self.disk_bytes, booked=False)
+
+
+class DetachFailed(OSError):
+    """A storage entry's files could not all be set aside (StorageTier.detach): the first
+    failure, and the paths of those that were (to delete)."""
+
+    def __init__(self, cause: OSError, set_aside: List[os.PathLike]):
+        super().__init__(cause.errno, cause.strerror, cause.filename)
+        self.set_aside = set_aside
+
+
 class StorageTier(StorageBackend):
     """The last tier, as the cache, describe_tiers and reset_statistics use it: an entry is
     `shards` objects (shard_objects: one per --tensor-parallel rank), its transfers are timed on
@@ -3049,9 +3265,10 @@ class StorageTier(StorageBackend):
         return {"read_sizes": {}, "write_sizes": {}, "files_written": 0, "shards_per_entry": self.shards,
                 "object_sizes": []}
 
-    def detach(self, key: str) -> List[Path]:
+    def detach(self, key: str) -> List[os.PathLike]:
         """Forget an entry but keep its files for later deletion, renamed out of the way so the
-        key can be written again at once: the files' new paths (without files: deleted now)."""
+        key can be written again at once: the files' new paths (without files: deleted now).
+        DetachFailed when some could not be, carrying those that were."""
         self.delete(key)
         return []
 
@@ -3155,6 +3372,10 @@ class NVMeBackend(StorageTier):
         self.io_mode = "O_DIRECT" if self.direct_io else f"buffered + fdatasync + fadvise(DONTNEED): {reason}"
         super().__init__(shards)
         self._trash_ids = itertools.count(1)
+        # The device's bytes off the books (unbooked_bytes): files set aside and not yet removed, and
+        # files removed while a read of ours held them open (freed when the last such read ends).
+        self._reads: Dict[int, int] = defaultdict(int)       # id(entry's metadata) -> reads in flight
+        self._draining: Dict[int, int] = defaultdict(int)    # id(entry's metadata) -> bytes freed when they end
 
     def reset_accounting(self) -> None:
         with self._lock:
@@ -3304,11 +3525,22 @@ class NVMeBackend(StorageTier):
     def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
         with self._lock:
             meta = self.metadata[key]                     # KeyError for a missing or deleted key
+            self._reads[id(meta)] += 1
         try:
             with self._opened(meta["paths"], os.O_RDONLY) as fds, sink.chunks(transfer) as deliver:
                 self._read_chunks(fds, meta["shard_sizes"], transfer, deliver)
         except FileNotFoundError:                         # only open() can meet one
-            raise KeyError(key) from None                 # deleted while we looked
+            with self._lock:
+                ours = self.metadata.get(key) is meta
+            if ours:                                      # still ours, and gone: someone else's hand, an I/O fault
+                raise
+            raise KeyError(key) from None                 # deleted (renamed aside) by us while we looked
+        finally:
+            with self._lock:                              # its files' blocks are free now if they were removed
+                self._reads[id(meta)] -= 1
+                if not self._reads[id(meta)]:
+                    del self._reads[id(meta)]
+                    self.unbooked_bytes -= self._draining.pop(id(meta), 0)
 
     def _read_chunks(self, fds: List[int], sizes: List[int], transfer: Transfer, deliver: ChunkConsumer) -> None:
         """Read the entry's data in chunk-buffer-sized transfers; each is checked, observed and
@@ -3335,14 +3567,38 @@ class NVMeBackend(StorageTier):
             meta = self.metadata.pop(key, None)
         if meta is None:
             return False
-        for path in meta["paths"]:
+        for path, nbytes in zip(meta["paths"], meta["shard_sizes"]):
             Path(path).unlink(missing_ok=True)
+            self._removed(meta, self._io_len(NPY_DATA_OFFSET + nbytes), booked=True)
         return True
 
-    def detach(self, key: str) -> List[Path]:
+    def detach(self, key: str) -> List[os.PathLike]:
+        """Every shard file renamed aside, even when one fails (DetachFailed carries the others);
+        until removed (SetAsideFile.unlink) they count in unbooked_bytes."""
         with self._lock:
             meta = self.metadata.pop(key, None)
-        return [] if meta is None else [self._rename_aside(Path(path)) for path in meta["paths"]]
+        set_aside: List[os.PathLike] = []
+        failed: Optional[OSError] = None
+        for path, nbytes in zip(*(([], []) if meta is None else (meta["paths"], meta["shard_sizes"]))):
+            try:
+                set_aside.append(SetAsideFile(self._rename_aside(Path(path)), self, meta,
+                                              self._io_len(NPY_DATA_OFFSET + nbytes)))
+            except OSError as exc:                        # a vanished shard (ENOENT), a dying file system
+                failed = failed or exc
+        with self._lock:
+            self.unbooked_bytes += sum(f.disk_bytes for f in set_aside)
+        if failed is not None:
+            raise DetachFailed(failed, set_aside)
+        return set_aside
+
+    def _removed(self, meta: Dict[str, Any], disk_bytes: int, booked: bool) -> None:
+        """One of an entry's files was removed: its blocks are free now, or when the last read
+        of ours that holds it open ends. `booked`: it was on the books until now."""
+        with self._lock:
+            held = id(meta) in self._reads
+            self.unbooked_bytes += (disk_bytes if booked else 0) - (0 if held else disk_bytes)
+            if held:
+                self._draining[id(meta)] += disk_bytes
 
     def _rename_aside(self, path: Path) -> Path:
         """Rename our file to a fresh `.trash_N_` name that no other file has: a hard link fails
@@ -4477,16 +4733,15 @@ class TraceLog:
     """The trace file in upstream's format, which its consumers read (awk 'NR>1', pandas,
     sai3-bench): the header TRACE_COLUMNS, then one row per operation (Unix time, 6 decimals),
     Write and Read; Delete rows too with `deletes` (--io-trace-deletes). What made it and the
-    latency model are in the results (cache_stats.storage_io_mode). Written to a temporary file
-    beside PATH and renamed to it at the end; PATH.zst is zstd-compressed."""
+    latency model are in the results (cache_stats.storage_io_mode). Written as an OutputFile, put
+    in place by close() and dropped by discard() (a run stopped before it began); PATH.zst is
+    zstd-compressed."""
 
     def __init__(self, path: str, model: LatencyModel, deletes: bool = False):
         self.path, self.model, self.deletes, self.rows = Path(path).expanduser(), model, deletes, 0
         self._lock = threading.Lock()
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        self._tmp = Path(tmp)
-        os.fchmod(fd, 0o666 & ~_umask())
-        raw: Any = os.fdopen(fd, "wb")
+        self._out = OutputFile(str(self.path))          # a link followed, a device written through, the mode kept
+        raw: Any = self._out.file
         if self.path.name.endswith(".zst"):
             import zstandard                           # checked by --io-trace-log's validation
             raw = zstandard.ZstdCompressor(level=3).stream_writer(raw)
@@ -4507,8 +4762,17 @@ class TraceLog:
             if self._text.closed:
                 return
             self._text.close()
-        os.replace(self._tmp, self.path)
+        self._out.commit()
         logger.info("I/O trace: %d operations written to %s", self.rows, self.path)
+
+    def discard(self) -> None:
+        """The run never began: whatever was at PATH stays as it was."""
+        with self._lock:
+            if self._text.closed:
+                return
+            with contextlib.suppress(OSError, ValueError):
+                self._text.close()
+        self._out.discard()
 
 
 class TracedTier(StorageTier):
@@ -5026,7 +5290,7 @@ def describe_tiers(tiers: MemoryTiers, storage: StorageTier, run_dir: Path, orde
     }
 
 
-def _unlink_counted(stats: CacheStats, path: Path) -> None:
+def _unlink_counted(stats: CacheStats, path: Any) -> None:
     """Delete one of the cache's files; a failure (read-only or vanished file system) is counted."""
     _cleanup_counted(stats, lambda: path.unlink(missing_ok=True), "delete")
 
@@ -5043,7 +5307,7 @@ def _cleanup_counted(stats: CacheStats, step: Callable[[], Any], what: str = "cl
         logger.exception("a clean-up step failed; the others still run")
 
 
-def _release_run(stats: CacheStats, tiers: "MemoryTiers", run_dir: Path, trash: List[Path]) -> None:
+def _release_run(stats: CacheStats, tiers: "MemoryTiers", run_dir: Path, trash: List[os.PathLike]) -> None:
     """A cache's last clean-up, once, by close(), its collection or the interpreter's exit (its
     weakref.finalize, which holds only these): the files set aside and those the tiers hold, the
     tiers, then the run directory it made, only when empty (nothing it did not write is deleted)."""
@@ -5168,7 +5432,7 @@ class MultiTierCache:
         self._limits: Dict[str, float] = self.tiers.limits
         self.gpu_disabled_reason = self.tiers.gpu_disabled_reason
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvcache_run_", dir=config.cache_dir))
-        self._trash: List[Path] = []
+        self._trash: List[os.PathLike] = []
         self._release = weakref.finalize(self, _release_run, self.stats, self.tiers, self.run_dir, self._trash)
         try:
             self.backends["nvme"] = self.storage = self.tiers.open_storage(self.run_dir, config.tensor_parallel)
@@ -5306,7 +5570,8 @@ class MultiTierCache:
             demoted, budget = 0, None
             while True:
                 with self._lock:
-                    if policy.has_room(self._usage[tier], size, limit, last) and self.backends[tier].can_place(size):
+                    if policy.has_room(self._usage[tier] + self.backends[tier].unbooked_bytes, size, limit, last) and \
+                            self.backends[tier].can_place(size):                   # (unbooked: the device holds it too)
                         self._usage[tier] += size
                         return tier, moved
                     budget = budget or policy.eviction_budget(tier, len(self._lru[tier]))
@@ -5377,7 +5642,7 @@ class MultiTierCache:
             self._usage[reserved_tier] -= entry.size_bytes
             self._lru[reserved_tier].pop(entry.key, None)
 
-    def _remove_data_locked(self, tier: str, key: str) -> List[Path]:
+    def _remove_data_locked(self, tier: str, key: str) -> List[os.PathLike]:
         """Remove a forgotten entry's data while still holding the lock, so that a rewrite of
         the same key cannot meet it: memory is released at once, storage files are only
         renamed (cheap); the caller deletes the returned paths after releasing the lock."""
@@ -5386,9 +5651,9 @@ class MultiTierCache:
             return []
         try:
             return self.storage.detach(key)
-        except OSError as exc:                         # a dying file system: counted, the file stays
+        except DetachFailed as exc:                    # a vanished or stuck file: counted; the rest go
             self.stats.record_io_error("nvme", "delete", exc)
-            return []
+            return exc.set_aside
 
     # --- reads ---
     def read_entry(self, key: str, phase: InferencePhase = InferencePhase.DECODE,
@@ -6261,7 +6526,8 @@ def _fio_where(directory: Optional[str]) -> str:
         return "# Run it in a directory on the drive under test: fio --output-format=json <this file>"
     shown = ("(a path with control characters: see the run's --cache-dir)"
              if any(ord(c) < 32 or ord(c) == 127 for c in directory) else shlex.quote(directory))
-    return f"# Run it in a directory on the drive under test, e.g. the run's: cd {shown} && fio --output-format=json <this file>"
+    return (f"# Run it in a directory on the drive under test, e.g. the run's (which the run may have made and "
+            f"removed): mkdir -p {shown} && cd {shown} && fio --output-format=json <this file>")
 
 
 def _fio_header(run: Dict[str, Any], rw_note: str) -> List[str]:
@@ -7042,6 +7308,35 @@ merge_precondition = functools.partial(merge_figures, sums=("target_gb", "writte
 REPLAY_WORKERS = STAGING_AREAS          # operations in flight at once (one staging area each)
 REPLAY_ERRORS_LOGGED = 10               # I/O errors named one by one; the rest are counted
 REPLAY_BACKLOG = 4 * REPLAY_WORKERS     # operations issued and not done, at most (memory stays bounded)
+REPLAY_FAILURES_KEPT = 100              # failures named in the results; the rest are counted
+
+
+class LatencyHistogram:
+    """Latency samples in a fixed memory: counts in buckets 1 % wide (1 us to 3 hours), with the
+    exact count, mean and maximum. A replay of ten million rows keeps its percentiles without
+    keeping its samples; each percentile is its bucket's geometric middle (within 0.5 %)."""
+
+    LOW_S, GROWTH, BUCKETS = 1e-6, 1.01, 2400
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(self.BUCKETS, dtype=np.int64)
+        self.count, self.total_s, self.max_s = 0, 0.0, None
+
+    def add(self, seconds: float) -> None:
+        where = math.log(max(seconds, self.LOW_S) / self.LOW_S) / math.log(self.GROWTH)
+        self.counts[min(int(where), self.BUCKETS - 1)] += 1
+        self.count, self.total_s = self.count + 1, self.total_s + seconds
+        self.max_s = seconds if self.max_s is None else max(self.max_s, seconds)
+
+    def summary_ms(self) -> Dict[str, Optional[float]]:
+        """As latency_summary_ms gives it: mean, percentiles, maximum, count (None when empty)."""
+        if self.count == 0:
+            return latency_summary_ms([])
+        cumulative = np.cumsum(self.counts)
+        middles_ms = self.LOW_S * self.GROWTH ** (np.arange(self.BUCKETS) + 0.5) * 1000.0
+        at = {p: min(float(middles_ms[np.searchsorted(cumulative, q / 100 * self.count)]), self.max_s * 1000.0)
+              for p, q in PERCENTILES.items()}
+        return {"mean": self.total_s / self.count * 1000.0, **at, "max": self.max_s * 1000.0, "count": self.count}
 
 
 @dataclass(frozen=True)
@@ -7055,13 +7350,15 @@ class TraceOp:
 def storage_trace_ops(path: str, counts: Dict[str, int]) -> Iterator[TraceOp]:
     """The trace's storage-tier (Tier-2) operations in file order; `counts` gets the rows read,
     those of other tiers, and the bad ones (not a number, an unknown operation)."""
-    with _open_trace(path) as text:
-        lines = _trace_lines(text)
-        at = {name: i for i, name in enumerate(next(lines, []))}
+    with _open_trace(path) as stream:
+        lines = csv_rows(stream)
+        at = {name: i for i, name in enumerate(next(lines, None) or [])}
         first = None
         for fields in lines:
             counts["rows"] += 1
             try:
+                if fields is None:                   # not a line of CSV text
+                    raise ValueError()
                 tier, op = fields[at["Tier"]], fields[at["Operation"]]
                 when, nbytes, key = float(fields[at["Timestamp"]]), int(fields[at["Object_Size_Bytes"]]), fields[at["Key"]]
             except (IndexError, ValueError):
@@ -7094,12 +7391,13 @@ class TraceReplay:
         self.generator = KVCacheGenerator(config.model, config.seed)
         self.pool = StagingPool(REPLAY_WORKERS, STAGING_BYTES)
         self.counts: Dict[str, int] = defaultdict(int)
-        self.samples: Dict[str, List[float]] = {"Read": [], "Write": [], "Delete": []}
-        self.lags: List[float] = []
+        self.samples = {op: LatencyHistogram() for op in ("Read", "Write", "Delete")}   # memory: not per row
+        self.lags = LatencyHistogram()
         self._lock = threading.Lock()
-        self._last: Dict[str, Any] = {}             # object -> the future of its latest operation
+        self._last: Dict[str, Any] = {}             # object -> the future of its latest operation, until done
         self._backlog = threading.BoundedSemaphore(REPLAY_BACKLOG)
-        self.failures: List[str] = []
+        self.failures: List[str] = []               # the first REPLAY_FAILURES_KEPT
+        self.trace_error: Optional[str] = None      # why the trace could not be read to its end
 
     def run(self, stop_reason: Callable[[], Optional[str]] = lambda: None) -> Dict[str, Any]:
         """Replay the trace; the results. `stop_reason`: the signal that stopped it, if one did."""
@@ -7109,25 +7407,42 @@ class TraceReplay:
         t0 = time.perf_counter()
         try:
             with ThreadPoolExecutor(REPLAY_WORKERS, thread_name_prefix="replay") as workers:
-                speedup = self.config.trace_speedup
-                for op in storage_trace_ops(self.config.replay_io_trace, self.counts):
-                    due = t0 + op.at_s / speedup if speedup else None
-                    while due is not None and (wait := due - time.perf_counter()) > 0 and not self.stop.wait(
-                            min(wait, 0.1)):
-                        pass
-                    while not self._backlog.acquire(timeout=0.1) and not self.stop.is_set():
-                        pass
-                    if self.stop.is_set():
-                        break
-                    self.counts[f"trace_{op.op}_count"] += 1
-                    self.counts[f"trace_{op.op}_bytes"] += op.nbytes
-                    self._last[op.key] = workers.submit(self._issue, op, due, self._last.get(op.key))
+                try:
+                    self._issue_all(workers, t0)
+                except (OSError, ValueError) as exc:       # cut short, unreadable: the rows so far count
+                    self.trace_error = f"{type(exc).__name__}: {exc}"
+                    logger.error("--replay-io-trace %s: the trace ends in an error after %d rows: %s",
+                                 self.config.replay_io_trace, self.counts["rows"], exc)
             elapsed = time.perf_counter() - t0
         finally:
             device = monitor.finish()
             self.backend.clear()
             self.run_dir.rmdir()
-        return self._results(elapsed, device, stop_reason() or ("stopped" if self.stop.is_set() else "trace_end"))
+        ended = "stopped" if self.stop.is_set() else "trace_error" if self.trace_error else "trace_end"
+        return self._results(elapsed, device, stop_reason() or ended)
+
+    def _issue_all(self, workers: Any, t0: float) -> None:
+        speedup = self.config.trace_speedup
+        for op in storage_trace_ops(self.config.replay_io_trace, self.counts):
+            due = t0 + op.at_s / speedup if speedup else None
+            while due is not None and (wait := due - time.perf_counter()) > 0 and not self.stop.wait(min(wait, 0.1)):
+                pass
+            while not self._backlog.acquire(timeout=0.1) and not self.stop.is_set():
+                pass
+            if self.stop.is_set():
+                return
+            self.counts[f"trace_{op.op}_count"] += 1
+            self.counts[f"trace_{op.op}_bytes"] += op.nbytes
+            with self._lock:
+                future = self._last[op.key] = workers.submit(self._issue, op, due, self._last.get(op.key))
+            future.add_done_callback(functools.partial(self._forget, op.key))
+
+    def _forget(self, key: str, future: Any) -> None:
+        """An object's operation is done: unless another is queued behind it, the object is forgotten
+        (the replay's memory grows with operations in flight, never with the trace's rows)."""
+        with self._lock:
+            if self._last.get(key) is future:
+                del self._last[key]
 
     def _issue(self, op: TraceOp, due: Optional[float], before: Any) -> None:
         if before is not None:
@@ -7138,21 +7453,22 @@ class TraceReplay:
             logger.exception("replaying %s %s failed", op.op, op.key)
             with self._lock:
                 self.counts["failures"] += 1
-                self.failures.append(f"{op.op} {op.key}: {type(exc).__name__}: {exc}")
+                if len(self.failures) < REPLAY_FAILURES_KEPT:
+                    self.failures.append(f"{op.op} {op.key}: {type(exc).__name__}: {exc}")
         finally:
             self._backlog.release()
 
     def _replay_one(self, op: TraceOp, due: Optional[float]) -> None:
-        start = time.perf_counter()
+        start, moved = time.perf_counter(), 0
         try:
             if op.op == "Delete":
                 done = self.backend.delete(op.key)
             elif op.op == "Write":
-                done = self._transfer(op, lambda t: self.backend.write_from(
+                done, moved = True, self._transfer(op, lambda t: self.backend.write_from(
                     op.key, EntrySource.generated(self.generator, op.key, op.nbytes, (op.nbytes,), "|u1"), t))
-            else:
-                done = op.key in self.backend and self._transfer(
-                    op, lambda t: self.backend.read_into(op.key, HostSink(), t))
+            else:                                        # the object as stored, whatever size the row says
+                done = op.key in self.backend
+                moved = self._transfer(op, lambda t: self.backend.read_into(op.key, HostSink(), t)) if done else 0
         except KeyError:                                 # deleted while we looked
             done = False
         except (OSError, IOAborted) as exc:
@@ -7164,33 +7480,36 @@ class TraceReplay:
             return
         with self._lock:
             if due is not None:                          # (--trace-speedup 0: no schedule to be behind)
-                self.lags.append(start - due)
+                self.lags.add(start - due)
             if done:
-                self.samples[op.op].append(time.perf_counter() - start)
-                self.counts[f"{op.op}_bytes"] += op.nbytes if op.op != "Delete" else 0
+                self.samples[op.op].add(time.perf_counter() - start)
+                self.counts[f"{op.op}_bytes"] += moved
+                self.counts["reads_not_of_the_rows_size"] += op.op == "Read" and moved != op.nbytes
             else:
                 self.counts[f"unknown_{op.op.lower()}s"] += 1
 
-    def _transfer(self, op: TraceOp, move: Callable[[Transfer], None]) -> bool:
+    def _transfer(self, op: TraceOp, move: Callable[[Transfer], None]) -> int:
+        """The bytes the operation moved."""
         with Transfer(op.op.lower(), op.nbytes, tier="nvme", stop=self.stop, pool=self.pool) as transfer:
             move(transfer)
-        return True
+        return transfer.moved
 
     def _results(self, elapsed: float, device: Optional[Dict[str, Any]], stop_reason: str) -> Dict[str, Any]:
         c = self.counts
-        operations = {op.lower(): {"count": len(samples), "trace_count": c[f"trace_{op}_count"],
+        operations = {op.lower(): {"count": samples.count, "trace_count": c[f"trace_{op}_count"],
                                    "bytes": c[f"{op}_bytes"], "trace_bytes": c[f"trace_{op}_bytes"],
                                    "gib_per_s": c[f"{op}_bytes"] / elapsed / GIB if elapsed > 0 else None,
-                                   "latency_ms": latency_summary_ms(samples)}
+                                   "latency_ms": samples.summary_ms()}
                       for op, samples in self.samples.items()}
         return {"benchmark": "kv-cache", "version": __version__, "mode": "replay-io-trace",
                 "trace": self.config.replay_io_trace, "trace_speedup": self.config.trace_speedup,
                 "cache_dir": str(self.run_dir.parent), "storage_io_mode": self.backend.io_mode,
                 "interrupted": self.stop.is_set(), "stop_reason": stop_reason, "elapsed_s": elapsed,
                 "operations": operations,
-                "lag_ms": latency_summary_ms(self.lags), "unknown_reads": c["unknown_reads"],
+                "lag_ms": self.lags.summary_ms(), "unknown_reads": c["unknown_reads"],
+                "reads_not_of_the_rows_size": c["reads_not_of_the_rows_size"], "trace_error": self.trace_error,
                 "unknown_deletes": c["unknown_deletes"], "io_errors": c["io_errors"], "aborted": c["aborted"],
-                "failures": self.failures[:100], "failure_count": c["failures"],
+                "failures": self.failures, "failure_count": c["failures"],
                 "rows": c["rows"], "other_tier_rows": c["other_tier_rows"], "bad_rows": c["bad_rows"],
                 "device_stats": device}
 
@@ -7213,6 +7532,11 @@ def format_replay_report(r: Dict[str, Any]) -> str:
                  f"max {_fmt_ms(lag['max'])}")
     lines.append(f"  Objects the replay never wrote: reads {r['unknown_reads']:,}, deletes {r['unknown_deletes']:,} | "
                  f"I/O errors: {r['io_errors']:,}" + (f" | FAILURES: {r['failure_count']:,}" if r["failure_count"] else ""))
+    if r["reads_not_of_the_rows_size"]:
+        lines.append(f"  Reads of an object whose size is not the row's: {r['reads_not_of_the_rows_size']:,} (the bytes "
+                     f"read are the object's)")
+    if r["trace_error"]:
+        lines.append(f"  TRACE NOT READ TO ITS END: {r['trace_error']}")
     lines += [""] + format_device_section(r.get("device_stats") or {}, None) + ["=" * 80]
     return "\n".join(lines)
 
@@ -7691,6 +8015,10 @@ class IntegratedBenchmark:
             elapsed = self._drive()
             self.process_cpu_s = time.process_time() - cpu0
             report = self.cache.report()
+        except Interrupted:                            # nothing measured: a trace of the set-up is not written
+            if self.cache.tiers.trace is not None:
+                self.cache.tiers.trace.discard()
+            raise
         finally:
             t0 = time.perf_counter()
             self.cache.close()
@@ -7936,7 +8264,7 @@ class IntegratedBenchmark:
             if step >= 0 and per_token_s > 0:
                 tokens = min(batch, req.generate_tokens - step * batch)
                 t = time.perf_counter()
-                if self._stop.wait(tokens * per_token_s):
+                if self._stop.wait(min(tokens * per_token_s, MAX_DURATION_SECONDS)):   # (a wait has a limit)
                     return None
                 generation_s += time.perf_counter() - t
         if decode_node and reading:
@@ -8964,7 +9292,7 @@ def independent_run_reason(output: Optional[str], launch: Optional[Tuple[int, in
     (exactly its own --output, --cache-dir, --seed and --num-users; no merging), or None:
     it is a rank's child (the harness), or each rank was given its own --output (mpirun's
     `-n 1 ... --output a.json : -n 1 ... --output b.json`). Ranks sharing one --output (or
-    none) make one merged run."""
+    none) make one merged run; a mix of the two is a UsageError on every rank."""
     if launch is None:
         return None
     if not started_by_mpi_launcher():
@@ -8972,8 +9300,13 @@ def independent_run_reason(output: Optional[str], launch: Optional[Tuple[int, in
     if _installed("mpi4py"):
         from mpi4py import MPI                       # initialises MPI: every rank comes here at its start
         outputs = MPI.COMM_WORLD.allgather(os.path.realpath(output) if output else None)
-        if len(set(outputs)) > 1:
+        if len(set(outputs)) == len(outputs) > 1 and None not in outputs:
             return "each rank was given its own --output"
+        if len(set(outputs)) > 1:                    # every rank sees the same list: all refuse alike
+            shared = sorted({o for o in outputs if outputs.count(o) > 1}, key=str)
+            raise UsageError(f"the {len(outputs)} MPI ranks share some --output files and not others "
+                             f"({', '.join(map(str, shared))} by several); give every rank its own --output "
+                             f"(independent runs) or all the same one (one merged run)")
     return None
 
 
@@ -9002,6 +9335,27 @@ def rank_trace_path(path: Optional[str], rank: int) -> Optional[str]:
     p = Path(path)
     suffixes = "".join(p.suffixes[-2:]) if p.name.endswith(".csv.zst") else p.suffix
     return str(p.with_name(f"{p.name[:len(p.name) - len(suffixes)]}.rank{rank}{suffixes}"))
+
+
+def _check_rank_traces(config: BenchmarkConfig, size: int) -> None:
+    """--io-trace-log under MPI writes NAME.rankR.csv, names the user did not give: none may name
+    another file of the run, nor replace anything but an earlier I/O trace (a regular file whose
+    first line is the trace's header)."""
+    if config.io_trace_log is None:
+        return
+    others = {os.path.realpath(Path(value).expanduser()): flag for flag, value in
+              (("--output", config.output), ("--xlsx-output", config.xlsx_output), ("--fio-job", config.fio_job),
+               *_input_files(config)) if value}
+    for rank in range(size):
+        path = rank_trace_path(config.io_trace_log, rank)
+        assert path is not None
+        clash = others.get(os.path.realpath(Path(path).expanduser()))
+        if clash:
+            raise UsageError(f"--io-trace-log {config.io_trace_log}: rank {rank}'s trace {path} names the same file "
+                             f"as {clash}; give each its own file")
+        if os.path.lexists(Path(path).expanduser()) and not is_io_trace(path):
+            raise UsageError(f"--io-trace-log {config.io_trace_log}: rank {rank}'s trace {path} exists and is not "
+                             f"an I/O trace; move it or give --io-trace-log another name")
 
 
 def _sum_timelines(timelines: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
@@ -9688,19 +10042,34 @@ def _remove_fio_files(workdir: Path) -> None:
         logger.warning("left %s: it holds files the fio replay did not make", workdir)
 
 
+NOTHING_TO_REPLAY = "fio_job_nothing_to_replay"      # run_problems' name for a --fio-job with no storage I/O
+
+
+def run_problems(results: Dict[str, Any]) -> List[str]:
+    """Why a finished run's exit status is 1, from its results (pure; the wrapper asks it of a
+    results file too): io_errors, thread_errors, verify_mismatches, io_baseline, fio_comparison,
+    fio_job (NOTHING_TO_REPLAY when the storage tier moved nothing), headline_not_measured,
+    storage_reads_not_on_device. Empty: a clean run."""
+    summary = results["summary"]
+    fio_job_error = summary.get("fio_job_error")
+    checks = {"io_errors": summary["io_errors"], "thread_errors": summary["thread_errors"],
+              "verify_mismatches": summary["verify_mismatches"],
+              "io_baseline": bool(summary["io_baseline"] and "error" in summary["io_baseline"]),
+              "fio_comparison": "error" in (summary.get("fio_comparison") or {}),
+              NOTHING_TO_REPLAY if fio_job_error and "nothing for fio to replay" in fio_job_error else "fio_job":
+                  bool(fio_job_error),
+              "headline_not_measured": headline_not_measured(results),
+              "storage_reads_not_on_device": summary["cache_stats"].get("storage_reads_not_on_device")}
+    return [name for name, problem in checks.items() if problem]
+
+
 def _exit_status(bench: IntegratedBenchmark, results: Dict[str, Any], outputs_written: bool) -> int:
     if bench.stop_reason in EXIT_SIGNAL:
         return EXIT_SIGNAL[bench.stop_reason]
     summary = results["summary"]
-    missing = headline_not_measured(results)
-    off_device = summary["cache_stats"].get("storage_reads_not_on_device")
-    for problem in filter(None, (missing, off_device)):
+    for problem in filter(None, (headline_not_measured(results), summary["cache_stats"].get("storage_reads_not_on_device"))):
         logger.error("%s; exit status 1", problem)
-    baseline_failed = bool(summary["io_baseline"] and "error" in summary["io_baseline"])
-    fio_failed = "error" in (summary.get("fio_comparison") or {}) or "fio_job_error" in summary
-    degraded = (summary["io_errors"] or summary["thread_errors"] or summary["verify_mismatches"]
-                or baseline_failed or fio_failed or missing or off_device or not outputs_written)
-    return EXIT_DEGRADED if degraded else EXIT_OK
+    return EXIT_DEGRADED if run_problems(results) or not outputs_written else EXIT_OK
 
 
 def _mpi_config(config: BenchmarkConfig, launch: Tuple[int, int]) -> BenchmarkConfig:
@@ -9712,6 +10081,7 @@ def _mpi_config(config: BenchmarkConfig, launch: Tuple[int, int]) -> BenchmarkCo
         raise UsageError(f"--num-users {config.num_users} must be at least the number of MPI ranks ({size})")
     if config.max_requests and config.max_requests < size:
         raise UsageError(f"--max-requests {config.max_requests} must be 0 or at least the number of MPI ranks ({size})")
+    _check_rank_traces(config, size)
     return rank_config(config, rank, size)
 
 
@@ -9820,7 +10190,7 @@ def replay_main(args: argparse.Namespace, stop: "StopRequest", launch: Optional[
         results = replay.run(lambda: stop.signal_name)
     finally:
         _remove_created_dirs(created)
-    degraded = bool(results["io_errors"] or results["failure_count"])
+    degraded = bool(results["io_errors"] or results["failure_count"] or results["trace_error"])
     output = config.output or default_output_path()
     try:
         logger.info("Results written to %s", write_json(results, output))
@@ -9835,7 +10205,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     _limit_malloc_arenas()
     _widen_cuda_work_queues()
-    launch = _launch_and_logging(args)
+    try:
+        launch = _launch_and_logging(args)
+    except UsageError as exc:                        # said once, by rank 0; every rank refuses
+        if (mpi_launch() or (0, 1))[0] == 0:
+            print(f"kv-cache.py: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     rank = launch[0] if launch else 0
     stop = StopRequest()
     if args.replay_io_trace is not None:
@@ -9847,6 +10222,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"kv-cache.py: error: {setup.error or 'another MPI rank could not start; see its error'}",
                   file=sys.stderr)
         if bench is not None:
+            if bench.cache.tiers.trace is not None:  # nothing ran: what was at --io-trace-log stays
+                bench.cache.tiers.trace.discard()
             bench.cache.close()                      # its empty run directory
         _remove_created_dirs(created_dirs, comm)
         return EXIT_SIGNAL.get(stop.signal_name or "", EXIT_USAGE)

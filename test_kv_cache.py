@@ -7827,6 +7827,328 @@ def suite_table(stdout: str):
     return rows
 
 
+class TestForeignFilesAndHostileInputs:
+    """Issue 32: the newer inputs (YAML, traces, BurstGPT files) and outputs (the I/O trace,
+    per-rank files) tried as a careless or hostile user would."""
+
+    # --- outputs over what is not the run's (class 1) ---
+    def test_the_trace_follows_a_link_writes_through_a_device_and_keeps_the_mode(self, tmp_path):
+        target, link = tmp_path / "kept.csv", tmp_path / "link.csv"
+        target.write_text("old\n")
+        os.chmod(target, 0o600)
+        os.symlink(target, link)
+        run = run_in_process(*small_run(tmp_path, "--num-users", "1", "--max-requests", "1", "--seed", "1",
+                                        "--io-trace-log", link))
+        assert run.status == 0, run.stderr[-2000:]
+        assert link.is_symlink() and os.readlink(link) == str(target)
+        assert read_trace(target) and stat.S_IMODE(target.stat().st_mode) == 0o600
+        if os.geteuid() != 0:
+            return
+        device = tmp_path / "null"                               # a device node of our own: /dev/null's numbers
+        os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        run = run_in_process(*small_run(tmp_path, "--num-users", "1", "--max-requests", "1", "--seed", "1",
+                                        "--io-trace-log", device))
+        assert run.status == 0, run.stderr[-2000:]
+        assert stat.S_ISCHR(device.stat().st_mode)              # written through, not replaced by a file
+
+    @pytest.mark.parametrize("flag", ["--output", "--io-trace-log"])
+    def test_an_output_naming_the_config_file_is_refused(self, tmp_path, flag):
+        config = tmp_path / "c.yaml"
+        config.write_text("decode:\n  batch_size: 32\n")
+        args = [a.format(tmp=tmp_path) for a in HARMLESS_RUN] + ["--config", config, flag, config]
+        proc = run_forked(*args, cwd=tmp_path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"kv-cache.py: error: --config {config} names the same file as {flag}; give each its own file"]
+        assert config.read_text() == "decode:\n  batch_size: 32\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+            "c.yaml"]
+
+    def test_a_run_stopped_in_its_set_up_leaves_the_trace_that_was_there(self, tmp_path):
+        trace = tmp_path / "t.csv"
+        trace.write_text("a trace of an earlier run\n")
+        stop = threading.Event()
+        config = kv.BenchmarkConfig(model=TINY, num_users=1, duration_s=5, gpu_mem_gb=0, cpu_mem_gb=0,
+                                    cache_dir=str(tmp_path), seed=1, io_trace_log=str(trace)).validate()
+        bench = kv.IntegratedBenchmark(config, stop)
+        stop.set()                                               # SIGINT before the workload began
+        with pytest.raises(kv.Interrupted):
+            bench.measure()
+        assert trace.read_text() == "a trace of an earlier run\n"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv"]
+
+    @pytest.mark.parametrize("case", ["a file of the user's", "output names a rank's trace"])
+    def test_per_rank_trace_names_never_replace_what_is_not_a_trace(self, tmp_path, case):
+        mpiexec, env = _mpi_launcher()
+        (tmp_path / "t.rank0.csv").write_text(",".join(kv.TRACE_COLUMNS) + "\n")     # an earlier trace: replaceable
+        mine = tmp_path / ("t.rank1.csv" if case == "a file of the user's" else "keep.txt")
+        mine.write_text("the user's\n")
+        output = tmp_path / ("r.json" if case == "a file of the user's" else "t.rank1.csv")
+        proc = run_cli(*SMALL_RUN, "--num-users", "2", "--max-requests", "2", "--cache-dir", tmp_path / "cache",
+                       "--output", output, "--io-trace-log", tmp_path / "t.csv", "--quiet", cwd=tmp_path, timeout=60,
+                       env=env, launcher=[mpiexec, "-n", "2", "--oversubscribe"])
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        why = "exists and is not an I/O trace" if case == "a file of the user's" else "names the same file as --output"
+        assert f"rank 1's trace {tmp_path / 't.rank1.csv'} {why}" in proc.stderr
+        assert mine.read_text() == "the user's\n" and not (tmp_path / "cache").exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["t.rank0.csv", mine.name])
+
+    # --- --config files that ended in a traceback or ate the machine (class 3) ---
+    BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(        # 9**6 values from 200 bytes
+        f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcde", "bcdef"))
+    CONFIG_CASES = {
+        "nested 500 levels": ("a: " + "[" * 500 + "]" * 500 + "\n", "line 1: nested deeper than 16 levels"),
+        "an integer of 5000 digits": ("decode:\n  batch_size: " + "9" * 5000 + "\n", "not valid YAML (Exceeds the limit"),
+        "an integer of 100 digits": ("decode:\n  batch_size: " + "9" * 100 + "\n",
+                                     "decode.batch_size must be at most 9,007,199,254,740,992 (2**53), got 9999999999...(100 digits)"),
+        "aliases expanding to 531441 values": (BOMB, "over 100,000 values once its aliases are expanded"),
+        "a key given twice": ("decode:\n  batch_size: 16\ndecode:\n  batch_size: 32\n",
+                              "not valid YAML (key 'decode' is given twice in \"<byte string>\", line 3"),
+        "a numeric model key": ("model_configs:\n  7: {num_layers: 2, hidden_dim: 64, num_heads: 2, kv_heads: 2}\n",
+                                "model_configs.7 must be named by text (what --model gives), got 7"),
+        "a model of 0 bytes per token": ("model_configs:\n  z: {num_layers: 2, hidden_dim: 2, num_heads: 4, "
+                                         "kv_heads: 1}\n", "model_configs.z has 0 bytes of KV cache per token; must "
+                                                            "be from 1 to 67,108,864"),
+        "a generation time no wait can take": ("generation_timing:\n  none: 1.0e+200\n",
+                                               "generation_timing.none must be between 0 and 60, got 1e+200"),
+        "a generation time of 2 minutes a token": ("generation_timing:\n  fast: 120\n",
+                                                   "generation_timing.fast must be between 0 and 60, got 120"),
+        "2 MiB": ("# " + "x" * (2 * MIB) + "\n", "over 1 MiB; a configuration file is a few KB"),
+        "/dev/zero": (None, "over 1 MiB; a configuration file is a few KB")}
+
+    @pytest.mark.parametrize("case", list(CONFIG_CASES))
+    def test_a_hostile_config_file_is_one_line_and_exit_2(self, tmp_path, case):
+        text, said = self.CONFIG_CASES[case]
+        config = Path("/dev/zero") if text is None else tmp_path / "c.yaml"
+        if text is not None:
+            config.write_text(text)
+        args = [a.format(tmp=tmp_path) for a in HARMLESS_RUN] + ["--config", config]
+        proc = run_forked(*args, cwd=tmp_path, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and len(lines[0]) < 600 and lines[0].startswith(f"kv-cache.py: error: --config {config}")
+        assert said in lines[0]
+        assert [p.name for p in tmp_path.iterdir()] == ([] if text is None else ["c.yaml"])
+
+    def test_merge_keys_are_not_keys_given_twice(self, tmp_path):
+        config = config_file(tmp_path, """\
+            user_templates:
+              chatbot: &persona {context_range: [256, 512], generation_range: [50, 60], think_time_range: [0.1, 0.2]}
+              coding:
+                <<: *persona
+                context_range: [300, 400]
+            """)
+        tunables = kv.read_config_file(config)[1]
+        assert tunables.user_templates.coding.context_range == (300, 400)
+        assert tunables.user_templates.coding.generation_range == (50, 60)
+
+    # --- replay and BurstGPT files: bad bytes, long fields, devices, cut short, streamed (class 3) ---
+    BAD_LINES = {"a 200 KiB field": b"1.0,Write," + b"7" * (200 * 1024) + b",Tier-2,x,Prefill\n",
+                 "bytes that are not UTF-8": b"1.0,Write,4096,Tier-2,\xff\xfe\x80,Prefill\n"}
+
+    def replay(self, tmp_path, trace, **config):
+        config = kv.BenchmarkConfig(model="tiny-1b", replay_io_trace=str(trace), cache_dir=str(tmp_path),
+                                    trace_speedup=0, **config).validate()
+        return kv.TraceReplay(config, threading.Event()).run()
+
+    @pytest.mark.parametrize("case", list(BAD_LINES))
+    def test_a_bad_line_after_the_first_rows_is_a_counted_bad_row(self, tmp_path, case):
+        trace = write_trace(tmp_path / "t.csv", [(0.0, "Write", MIB, "Tier-2", "a"), (0.1, "Read", MIB, "Tier-2", "a")])
+        with open(trace, "ab") as f:
+            f.write(self.BAD_LINES[case] + b"2.0,Read,1048576,Tier-2,a,Decode\n")
+        r = self.replay(tmp_path, trace)
+        assert r["rows"] == 4 and r["bad_rows"] == 1 and r["stop_reason"] == "trace_end"
+        assert r["operations"]["read"]["count"] == 2 and r["operations"]["write"]["count"] == 1
+
+    @pytest.mark.parametrize("case", [*BAD_LINES, "/dev/zero", "a .zst that is not zstd"])
+    def test_a_replay_header_that_is_no_header_is_one_line_and_exit_2(self, tmp_path, case):
+        trace = Path("/dev/zero") if case == "/dev/zero" else tmp_path / ("t.csv.zst" if "zst" in case else "t.csv")
+        if case in self.BAD_LINES:
+            trace.write_bytes(self.BAD_LINES[case] + b"1.0,Write,4096,Tier-2,a,Prefill\n")
+        elif "zst" in case:
+            write_trace(trace, [(1.0, "Write", 4096, "Tier-2", "a")])          # plain text under a .zst name
+        proc = run_forked("--replay-io-trace", trace, "--cache-dir", tmp_path / "cache", "--output", tmp_path / "r.json",
+                          cwd=tmp_path, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"kv-cache.py: error: --replay-io-trace {trace}")
+        assert {"/dev/zero": "not a regular file", "a .zst that is not zstd": "the .zst trace cannot be decompressed"}.get(
+            case, "the first line is not a CSV header") in lines[0]
+        assert [p.name for p in tmp_path.iterdir()] == ([] if case == "/dev/zero" else [trace.name])
+
+    def test_a_burstgpt_row_with_a_200_kib_field_is_a_counted_bad_row(self, tmp_path):
+        trace = write_burst_csv(tmp_path / "t.csv", burst_rows(3), ["9.5,ChatGPT," + "7" * (200 * 1024) + ",1,2,x",
+                                                                    "9.6,ChatGPT,10,10,20,Conversation log"])
+        with open(trace, "ab") as f:
+            f.write(b"9.7,\xff\xfe,10,10,20,Conversation log\n")
+        burst = kv.BurstTrace(kv.burst_trace_files(str(trace)))
+        assert len(list(burst.requests())) == 4
+        assert burst.stats()["rows"] == 6 and burst.stats()["bad_rows_by_reason"] == {"not a line of CSV text": 2}
+
+    def test_a_burstgpt_header_with_a_200_kib_field_is_one_line_and_exit_2(self, tmp_path):
+        trace = tmp_path / "b.csv"
+        trace.write_text("Timestamp,Model," + "x" * (200 * 1024) + ",Request tokens,Response tokens\n1.0,m,x,10,10\n")
+        args = [a.format(tmp=tmp_path) for a in HARMLESS_RUN] + ["--use-burst-trace", "--burst-trace-path", trace]
+        proc = run_forked(*args, cwd=tmp_path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"kv-cache.py: error: --burst-trace-path {trace}: no Timestamp")
+        assert [p.name for p in tmp_path.iterdir()] == ["b.csv"]
+
+    def test_a_zst_trace_cut_short_is_replayed_as_far_as_it_goes_and_said(self, tmp_path):
+        import zstandard
+        rows = [(i * 0.001, "Write" if i % 2 == 0 else "Read", 4096, "Tier-2", f"k{i // 2}") for i in range(20000)]
+        whole = write_trace(tmp_path / "t.csv", rows).read_bytes()
+        packed = zstandard.ZstdCompressor(level=3).compress(whole)
+        (tmp_path / "t.csv.zst").write_bytes(packed[:len(packed) // 2])
+        (tmp_path / "t.csv").unlink()
+        proc = run_cli("--replay-io-trace", tmp_path / "t.csv.zst", "--trace-speedup", "0", "--cache-dir",
+                       tmp_path / "cache", "--output", tmp_path / "r.json", cwd=tmp_path, timeout=300)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        r = json.loads((tmp_path / "r.json").read_text())
+        assert r["stop_reason"] == "trace_error" and "cut short" in r["trace_error"]
+        assert 0 < r["rows"] < 20000 and r["operations"]["write"]["count"] > 0
+        assert "TRACE NOT READ TO ITS END" in proc.stdout and "cut short" in proc.stderr
+
+    def test_the_replay_holds_no_memory_per_row(self, tmp_path):
+        """A trace is a stream: the replay's memory grows with operations in flight, not rows."""
+        import tracemalloc
+
+        def peak(rows):
+            trace = write_trace(tmp_path / f"t{rows}.csv", [(0.0, "Read", MIB, "Tier-2", f"never-written-{i}")
+                                                          for i in range(rows)])
+            config = kv.BenchmarkConfig(model="tiny-1b", replay_io_trace=str(trace), cache_dir=str(tmp_path),
+                                        trace_speedup=0).validate()
+            replay = kv.TraceReplay(config, threading.Event())
+            tracemalloc.start()
+            try:
+                r = replay.run()
+                return tracemalloc.get_traced_memory()[1], r
+            finally:
+                tracemalloc.stop()
+        small, r_small = peak(1000)
+        large, r_large = peak(20000)
+        assert r_small["unknown_reads"] == 1000 and r_large["unknown_reads"] == 20000
+        assert large - small < 2 * MIB, (small, large)          # was ~1.7 KB a row: 30 MiB more here
+
+    # --- replay byte accounting (class 4) ---
+    def test_a_read_counts_the_bytes_of_the_object_not_of_the_row(self, tmp_path):
+        trace = write_trace(tmp_path / "t.csv", [(0.0, "Write", MIB, "Tier-2", "a"), (0.1, "Read", GIB, "Tier-2", "a"),
+                                                 (0.2, "Read", MIB, "Tier-2", "a")])
+        r = self.replay(tmp_path, trace)
+        read = r["operations"]["read"]
+        assert read["count"] == 2 and read["trace_bytes"] == GIB + MIB and read["bytes"] == 2 * MIB
+        assert r["reads_not_of_the_rows_size"] == 1
+        assert "Reads of an object whose size is not the row's: 1" in kv.format_replay_report(r)
+
+    # --- someone else's hand in the cache directory (class 5) ---
+    def test_a_shard_file_removed_mid_run_is_a_counted_fault_and_nothing_of_ours_stays(self, tmp_path):
+        config = kv.BenchmarkConfig(model=TINY, num_users=1, gpu_mem_gb=0, cpu_mem_gb=0, num_gpus=2,
+                                    tensor_parallel=2, cache_dir=str(tmp_path), seed=1).validate()
+        cache = kv.MultiTierCache.for_run(config)
+        run_dir = cache.run_dir
+        assert cache.allocate_cache("k", 100)[1] == "nvme"
+        shards = sorted(run_dir.glob("k*.npy"))
+        assert len(shards) == 2
+        shards[1].unlink()                                       # someone else's hand
+        assert cache.access_cache("k")[0] is None                # a miss, and an I/O fault
+        assert cache.get_stats(1.0)["io_errors_by_kind"] == {"nvme_read_ENOENT": 1}
+        assert cache.allocate_cache("k", 100)[1] == "nvme"       # rewritten: the old shards set aside
+        assert cache.get_stats(1.0)["io_errors_by_kind"] == {"nvme_read_ENOENT": 1, "nvme_delete_ENOENT": 1}
+        assert cache.access_cache("k")[0] == "nvme"
+        cache.close()
+        assert not run_dir.exists() and list(tmp_path.iterdir()) == []     # no .trash_* of ours left
+
+    # --- the storage capacity holds on the device (class 6) ---
+    def test_files_removed_while_a_read_holds_them_stay_on_the_books_until_it_ends(self, tmp_path):
+        nvme = kv.NVMeBackend(tmp_path, direct_io=False, shards=2)
+        nvme.write("k", np.arange(64 * 1024, dtype=np.float16))
+        entered, go = threading.Event(), threading.Event()
+
+        class HeldSink(kv.HostSink):                              # a read with the files open, held there
+            @contextlib.contextmanager
+            def chunks(self, transfer):
+                entered.set()
+                go.wait(30)
+                with super().chunks(transfer) as deliver:
+                    yield deliver
+
+        def read():
+            with kv.Transfer("read", 128 * 1024, tier="nvme") as transfer:
+                nvme.read_into("k", HeldSink(), transfer)
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert entered.wait(30)
+        assert nvme.unbooked_bytes == 0
+        trash = nvme.detach("k")                                  # off the books, still on the device
+        on_disk = sum(os.path.getsize(t) for t in trash)
+        assert len(trash) == 2 and nvme.unbooked_bytes == on_disk > 128 * 1024
+        for t in trash:
+            t.unlink(missing_ok=True)                             # removed, but the read holds the blocks
+        assert list(tmp_path.iterdir()) == [] and nvme.unbooked_bytes == on_disk
+        go.set()
+        reader.join(30)
+        assert nvme.unbooked_bytes == 0                           # freed when the read closed them
+
+    @pytest.mark.slow
+    def test_a_sharded_run_filling_a_small_file_system_never_meets_enospc(self, tmp_path):
+        mnt = TestReliability.small_tmpfs(tmp_path, "64m")
+        try:
+            proc = run_cli(*SMALL_RUN, "--num-users", "16", "--max-requests", "200", "--duration", "120",
+                           "--cpu-mem-gb", "0", "--num-gpus", "4", "--tensor-parallel", "4", "--storage-capacity-gb",
+                           "0", "--seed", "3", "--cache-dir", mnt, "--output", tmp_path / "r.json", "--quiet",
+                           cwd=tmp_path, timeout=180)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            cs = json.loads((tmp_path / "r.json").read_text())["summary"]["cache_stats"]
+            assert cs["io_errors_by_kind"] == {} and cs["evictions"] > 0          # full, and evicting
+            assert list(mnt.iterdir()) == []
+        finally:
+            subprocess.run(["umount", str(mnt)], capture_output=True)
+
+    # --- the wrapper and the fio job: small ones seen beside (class 7) ---
+    @pytest.mark.slow
+    def test_a_storage_scenario_that_never_reached_storage_is_not_degraded(self, tmp_path):
+        """production with a 4 GiB CPU tier and 4 users for 10 s: nothing spills, so its --fio-job has
+        nothing to replay (kv-cache.py's exit 1); the suite asked for that job, so the run is ok."""
+        out = tmp_path / "out"
+        proc = run_wrapper("-m", "tiny-1b", "-t", "1", "-s", "1", "-r", "10", "-a", "1", "-u", "4", "-C", "4",
+                           "-w", "production", "-c", tmp_path / "cache", "-o", out, cwd=tmp_path,
+                           env=dict(os.environ, PYTHON=sys.executable), timeout=200)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        r = json.loads((out / "results_production.json").read_text())
+        assert r["summary"]["total_requests"] > 0 and r["summary"]["cache_stats"]["nvme_entries"] == 0
+        assert kv.run_problems(r) == [kv.NOTHING_TO_REPLAY]
+        assert (out / "status.tsv").read_text() == "production\tok\n"
+        assert "production: nothing reached the storage tier, so no fio job was written" in proc.stdout
+
+    def test_the_fio_jobs_directions_work_after_the_run_removed_the_directory_it_made(self, tmp_path):
+        cache = tmp_path / "made by the run"
+        run = run_in_process(*SMALL_RUN, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0", "--seed", "42",
+                             "--cache-dir", cache, "--output", tmp_path / "r.json", "--fio-job", tmp_path / "j.fio")
+        assert run.status == 0, run.stderr[-2000:]
+        assert not cache.exists()                                  # made by the run, so removed by it
+        [where] = [line for line in (tmp_path / "j.fio").read_text().splitlines() if "&& fio " in line]
+        command = where.split(": ", 1)[1].replace("fio --output-format=json <this file>", "pwd")
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0 and done.stdout.strip() == str(cache), done.stderr
+
+    # --- MPI ranks that share some outputs and not others (class 2) ---
+    def test_ranks_sharing_some_outputs_and_not_others_are_refused(self, tmp_path):
+        mpiexec, env = _mpi_launcher()
+
+        def rank(output):                                 # mpirun's MPMD form: one command per rank
+            return ["-n", "1", sys.executable, str(SCRIPT), *SMALL_RUN, "--num-users", "3", "--max-requests", "3",
+                    "--cpu-mem-gb", "0", "--output", str(tmp_path / output), "--cache-dir", str(tmp_path / "cache"),
+                    "--quiet"]
+        proc = subprocess.run([mpiexec, "--oversubscribe", *rank("a.json"), ":", *rank("a.json"), ":", *rank("b.json")],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("kv-cache.py: error:")]
+        assert errors == [f"kv-cache.py: error: the 3 MPI ranks share some --output files and not others "
+                          f"({tmp_path / 'a.json'} by several); give every rank its own --output (independent "
+                          f"runs) or all the same one (one merged run)"]
+        assert list(tmp_path.iterdir()) == []
+
+
 @pytest.fixture(scope="class")
 def wrapper_run(tmp_path_factory):
     """The wrapper for real: two 2 s scenarios (a 1 GiB CPU tier: -C), then its comparison."""

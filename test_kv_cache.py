@@ -8358,8 +8358,8 @@ class TestWrapper:
                           'case "$*" in *results_storage-only.json*) echo "simulated failure" >&2; exit 3;; esac\n'
                           f'exec "{sys.executable}" "$@"\n')
         python.chmod(0o755)
-        out = tmp_path / "out"
-        proc = run_wrapper("-m", "tiny-1b", "-t", "1", "-u", "4", "-C", "1", "-w", "storage-only,cpu-only",
+        out = tmp_path / "out"      # 3 s: a user's first request falls due after one think pause, up to 1.8 s
+        proc = run_wrapper("-m", "tiny-1b", "-t", "3", "-u", "4", "-C", "1", "-w", "storage-only,cpu-only",
                            "-c", tmp_path / "cache", "-o", out, cwd=tmp_path, env=dict(os.environ, PYTHON=str(python)),
                            timeout=300)
         assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]

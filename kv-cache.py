@@ -35,12 +35,15 @@ Sections, in the order data flows through the program (each uses only those abov
     TRANSFERS: ONE OPERATION ...      Transfer (stop, clock, staging, CRC, record), sources, sinks,
                                       StorageBackend: what every tier supplies, GPUDevice
     STORAGE TIER: ONE FILE PER ENTRY  StorageTier (its face); NVMeBackend: O_DIRECT .npy files, chunks in flight
+    STORAGE TIER: KV BLOCKS           --kv-block-tokens: BlockTier, its layouts (BlockStore: FileBlocks,
+                                      SlotBlocks, BucketBlocks), block names and lookups
     HOST MEMORY TIER                  HostArena, CPUMemoryBackend
     GPU DEVICES                       KV made on the device, pinning, the PyTorch and CuPy devices
     GPU TIER AND DELIVERY TO THE GPU  GPUDelivery (a sink), GPUMemoryBackend
     MEMORY TIERS, SET UP TOGETHER     RAM and cgroup limits, MPI node share, open_memory_tiers, storage capacity
     I/O TRACE: THE TIERS WITHOUT I/O  --io-trace-log: LatencyModel, TraceLog, TracedTier
     METRIC MATH                       pure functions over counters and samples, saturation_score
+    CACHE STATISTICS                  CacheStats (the cache's counters and samples), KVBlockFigures
     MULTI-TIER CACHE                  the run's tiers, EvictionPolicy, waterfall LRU over the tiers
     THE DRIVE'S OWN VIEW              block-layer counters of the cache directory's device
     BLOCK-LAYER LATENCY               --enable-latency-tracing: bpftrace's D2C histograms of that device
@@ -66,6 +69,7 @@ Sections, in the order data flows through the program (each uses only those abov
     COMMAND LINE                      parser, main, replay_main
 """
 import argparse
+import array
 import bisect
 import dataclasses
 import errno
@@ -96,6 +100,7 @@ import tempfile
 import threading
 import time
 import types
+import uuid
 import warnings
 import weakref
 import collections
@@ -313,6 +318,64 @@ def shard_objects(key: str, nbytes: int, shards: int) -> List[Tuple[str, int]]:
         return [(key, nbytes)]
     part = nbytes // shards
     return [(f"{key}.tp{rank}", part if rank < shards - 1 else nbytes - part * rank) for rank in range(shards)]
+
+
+MAX_KV_BLOCK_TOKENS = 1 << 20          # --kv-block-tokens: at most a million tokens a block
+
+# --- KV blocks (--kv-block-tokens, --kv-layout, --kv-engine, --kv-io; docs/engines.md) ---
+KV_LAYOUTS = ("entry", "file-per-block", "slot-file", "bucket")
+KV_NAMINGS = ("plain", "lmcache", "vllm", "llm-d", "sglang", "dynamo", "mooncake")
+
+
+@dataclass(frozen=True)
+class KVBlockScheme:
+    """How the storage tier keeps an entry (--kv-block-tokens, --kv-layout, --kv-engine, --kv-io;
+    docs/engines.md). `block_tokens` 0 is the original's layout: one object per entry (shard)."""
+    block_tokens: int = 0
+    layout: str = "entry"               # entry | file-per-block | slot-file
+    engine: str = ""                    # the --kv-engine preset it came from
+    naming: str = "plain"               # how objects are named (and file-per-block's directory tree)
+    temp_rename: bool = False           # file-per-block: written as a temporary file, then renamed
+    per_rank: bool = True               # one object per TP rank (vLLM's file tier: every rank in one)
+    split_kv: bool = False              # K and V as two objects (SGLang's Mooncake backend)
+    kv_io: str = "direct"               # direct: every byte reaches the device; engine: the engine's mode
+    engine_direct: bool = False         # the engine's own mode opens its files O_DIRECT
+
+    @property
+    def blocks(self) -> bool:
+        return self.block_tokens > 0
+
+    def whole_blocks(self, tokens: int) -> int:
+        """The tokens of an entry the storage tier keeps: its whole blocks (all, without blocks)."""
+        return tokens // self.block_tokens * self.block_tokens if self.blocks else tokens
+
+    def object_bytes(self, bytes_per_token: int, shards: int) -> int:
+        """Bytes of one object: a block's share of one rank (all ranks' where not per rank), K or V."""
+        parts = shards if self.per_rank else 1
+        return self.block_tokens * bytes_per_token // parts // (2 if self.split_kv else 1)
+
+    def describe(self) -> str:
+        if not self.blocks:
+            return "one object per entry"
+        who = f"--kv-engine {self.engine}: " if self.engine else ""
+        return (f"{who}blocks of {self.block_tokens} tokens, {self.layout} ({self.naming} names"
+                f"{', temp file + rename' if self.temp_rename else ''}), --kv-io {self.kv_io}")
+
+    def summary(self) -> Dict[str, Any]:
+        return {"block_tokens": self.block_tokens, "layout": self.layout, "engine": self.engine or None,
+                "naming": self.naming, "temp_rename": self.temp_rename, "object_per_rank": self.per_rank,
+                "kv_split": self.split_kv, "kv_io": self.kv_io}
+
+
+# --kv-engine: each engine's defaults as docs/engines.md sources them ("Preset parameters").
+KV_ENGINES: Dict[str, KVBlockScheme] = {
+    "lmcache": KVBlockScheme(256, "file-per-block", "lmcache", "lmcache", temp_rename=True),
+    "vllm": KVBlockScheme(16, "file-per-block", "vllm", "vllm", temp_rename=True, per_rank=False, engine_direct=True),
+    "llm-d": KVBlockScheme(256, "file-per-block", "llm-d", "llm-d", temp_rename=True),
+    "sglang": KVBlockScheme(64, "file-per-block", "sglang", "sglang", temp_rename=True),
+    "dynamo": KVBlockScheme(16, "slot-file", "dynamo", "dynamo", engine_direct=True),
+    "mooncake": KVBlockScheme(64, "bucket", "mooncake", "mooncake", split_kv=True),
+}
 
 
 class InferencePhase(Enum):
@@ -1045,6 +1108,10 @@ class BenchmarkConfig:
     gpu_mem_gb: float = 16.0                      # per GPU: the GPU tier is num_gpus x this
     num_gpus: int = 1                             # GPUs in the node, running num_gpus / tensor_parallel instances
     tensor_parallel: int = 1                      # ranks per instance: each entry stored as this many shards
+    kv_engine: Optional[str] = None               # an engine's block size, layout, names and I/O mode (KV_ENGINES)
+    kv_block_tokens: Optional[int] = None         # tokens per stored block (0: one object per entry); None: the engine's
+    kv_layout: Optional[str] = None               # how blocks are kept (KV_LAYOUTS); None: the engine's or file-per-block
+    kv_io: str = "direct"                         # direct: every byte reaches the device; engine: the engine's own mode
     cpu_mem_gb: float = 32.0
     gpu_library: str = "auto"                     # 'auto' (PyTorch, then CuPy), 'torch' or 'cupy'
     cache_dir: Optional[str] = None
@@ -1163,11 +1230,13 @@ class BenchmarkConfig:
              "to 1,000,000", "cannot be negative"),
             ("--replay-cycles", self.replay_cycles, 0, 10 ** 9, "0 (until the run stops) or a positive count",
              "cannot be negative"),
-            ("--tensor-parallel", self.tensor_parallel, 1, MAX_GPUS, f"between 1 and {MAX_GPUS:,}")]
+            ("--tensor-parallel", self.tensor_parallel, 1, MAX_GPUS, f"between 1 and {MAX_GPUS:,}"),
+            ("--kv-block-tokens", self.kv_block_tokens, 0, MAX_KV_BLOCK_TOKENS,
+             f"0 (one object per entry) or a block of 1 to {MAX_KV_BLOCK_TOKENS:,} tokens", "cannot be negative")]
         checks: List[Callable[[], None]] = [functools.partial(_check_range, *r) for r in ranges if r[1] is not None]
         return checks + [lambda: _check_dataset(self.dataset_path), lambda: _check_cache_dir(self.cache_dir),
                          lambda: _check_outputs(self), self._check_fio, self._check_node_role, self._check_shards,
-                         self._check_burst_trace, self._check_io_trace]
+                         self._check_burst_trace, self._check_io_trace, self._check_kv_blocks]
 
     def _check_fio(self) -> None:
         if self.fio_compare and shutil.which("fio") is None:
@@ -1213,6 +1282,34 @@ class BenchmarkConfig:
     def _check_shards(self) -> None:
         if all(1 <= n <= MAX_GPUS for n in (self.num_gpus, self.tensor_parallel)):   # else said above
             self.shards
+
+    @property
+    def kv_blocks(self) -> KVBlockScheme:
+        """How the storage tier keeps an entry: --kv-engine's preset (none: one object per entry),
+        each part overridden by its own flag (--kv-block-tokens N alone: file-per-block)."""
+        base = KV_ENGINES[self.kv_engine] if self.kv_engine else KVBlockScheme()
+        tokens = base.block_tokens if self.kv_block_tokens is None else self.kv_block_tokens
+        layout = self.kv_layout or (base.layout if base.blocks else "file-per-block")
+        return dataclasses.replace(base, block_tokens=tokens, layout=layout if tokens else "entry", kv_io=self.kv_io)
+
+    def _check_kv_blocks(self) -> None:
+        blocks = self.kv_engine or self.kv_block_tokens
+        if self.kv_layout not in (None, "entry") and not blocks:
+            raise UsageError(f"--kv-layout {self.kv_layout} keeps blocks: give --kv-block-tokens N (1 to "
+                             f"{MAX_KV_BLOCK_TOKENS:,}) or --kv-engine")
+        if self.kv_layout == "entry" and self.kv_block_tokens:
+            raise UsageError("--kv-layout entry keeps one object per entry: it cannot be combined with "
+                             "--kv-block-tokens above 0")
+        if self.kv_io == "engine" and not self.kv_engine:
+            raise UsageError("--kv-io engine is the --kv-engine's own I/O mode: give --kv-engine "
+                             f"({', '.join(KV_ENGINES)})")
+        if not self.kv_blocks.blocks:
+            return
+        for flag, given in (("--io-trace-log", self.io_trace_log), ("--replay-io-trace", self.replay_io_trace),
+                            ("--fio-job", self.fio_job), ("--fio-compare", self.fio_compare)):
+            if given:
+                raise UsageError(f"{flag} cannot be combined with KV blocks (--kv-block-tokens, --kv-engine) yet: "
+                                 "its trace and fio job know one object per entry")
 
     def _check_node_role(self) -> None:
         if self.prefill_only and self.decode_only:
@@ -3650,6 +3747,626 @@ def _pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
 
 
 # ============================================================================
+# STORAGE TIER: KV BLOCKS
+# ============================================================================
+# --kv-block-tokens N: the storage tier keeps an entry as blocks of N tokens, each block one
+# object per TP rank, named by a hash chained over the blocks before it, as inference engines
+# keep KV (docs/engines.md). The cache stores whole blocks only (an entry's partial last block
+# stays with the engine, as in every engine), so an entry here is always whole blocks. Where
+# the objects live is the layout's (a BlockStore): a file each (file-per-block), a slot in a
+# preallocated file per rank (slot-file) or a record in a bucket file (bucket).
+
+@dataclass(frozen=True)
+class BlockObject:
+    """One stored object of an entry: its name (a relative path for file layouts), the TP rank
+    (`part`) whose bytes it holds, where those bytes start in the entry, and how many."""
+    name: str
+    part: int
+    offset: int
+    nbytes: int
+
+
+def block_chain(key: str, count: int) -> List[str]:
+    """Each block's identity as engines make it: SHA-256 chained over the blocks before it, so
+    the same entry (a shared system prompt, a conversation's earlier turn) gives the same names."""
+    digest, out = hashlib.sha256(key.encode()).digest(), []
+    for index in range(count):
+        digest = hashlib.sha256(digest + index.to_bytes(8, "little")).digest()
+        out.append(digest.hex())
+    return out
+
+
+def block_object_name(scheme: KVBlockScheme, model: str, block_hash: str, rank: int, tp: int, kind: str = "") -> str:
+    """The object's name as the scheme's engine names it (docs/engines.md, "Identity")."""
+    naming = scheme.naming
+    if naming == "lmcache":         # fs L2 adapter: <model>@<kv_rank %#010x>@<group hex>@<chunk hash hex>.data
+        kv_rank = (tp << 24) | (rank << 16) | (tp << 8) | rank
+        return f"{model.replace('/', '-SEP-')}@{kv_rank:#010x}@0@{block_hash[:16]}.data"
+    if naming in ("vllm", "llm-d"):  # FileMapper: <model>_<cfg12>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin
+        config = hashlib.sha256(f"{model}:{scheme.block_tokens}:{tp}".encode()).hexdigest()[:12]
+        return f"{model.replace('/', '_')}_{config}_r{rank}/{block_hash[:3]}/{block_hash[3:5]}_g0/{block_hash}.bin"
+    if naming == "sglang":          # HiCacheFile: <sha256>_<model>_<tp_rank>_<tp_size>.bin
+        return f"{block_hash}_{model.replace('/', '-')}_{rank}_{tp}.bin"
+    if naming == "mooncake":        # SGLang's Mooncake backend: <page hash>_<rank>_k and _v
+        return f"{block_hash}_{rank}_{kind}"
+    return f"{block_hash}.r{rank}{kind}.kvb"
+
+
+def kv_block_objects(scheme: KVBlockScheme, model: str, key: str, nbytes: int, shards: int,
+                     bytes_per_token: int) -> List[BlockObject]:
+    """The objects an entry of `nbytes` (whole blocks, `shards` consecutive parts) is stored as,
+    in the order they move: block by block, each block's ranks (and K before V) in turn."""
+    parts = shards if scheme.per_rank else 1
+    kinds = ("k", "v") if scheme.split_kv else ("",)
+    part_bytes = nbytes // parts
+    per_object = scheme.object_bytes(bytes_per_token, shards)
+    count = part_bytes // (per_object * len(kinds))
+    objects = []
+    for index, block_hash in enumerate(block_chain(key, count)):
+        for rank in range(parts):
+            for k, kind in enumerate(kinds):
+                offset = rank * part_bytes + (index * len(kinds) + k) * per_object
+                objects.append(BlockObject(block_object_name(scheme, model, block_hash, rank, parts, kind),
+                                           rank, offset, per_object))
+    return objects
+
+
+class LookupSamples:
+    """The lookups' latencies (seconds, a float array: 8 bytes each) and hits, under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds = array.array("d")
+        self.hits = 0
+
+    def add(self, seconds: float, hit: bool) -> None:
+        with self._lock:
+            self.seconds.append(seconds)
+            self.hits += hit
+
+    def reset(self) -> None:
+        with self._lock:
+            self.seconds, self.hits = array.array("d"), 0
+
+
+class BlockStore(Protocol):
+    """Where a layout keeps block objects; each method is one object's system calls, timed on
+    the operation's clock (`transfer.timed`) and, for data, the tier's `busy` clock."""
+    files: Dict[str, int]               # census: created, deleted, renamed, directories_created
+
+    def exists(self, obj: BlockObject) -> bool: ...                                   # the engine's lookup
+    def store(self, obj: BlockObject, pieces: Iterator[Tuple[int, np.ndarray]], transfer: Transfer,
+              busy: BusyClock) -> None: ...
+    def load(self, obj: BlockObject, room: np.ndarray, deliver: Callable[[int, np.ndarray], None],
+             transfer: Transfer, busy: BusyClock) -> None: ...
+    def seal(self, transfer: Transfer) -> None: ...                                   # the operation's objects are in
+    def remove(self, obj: BlockObject) -> None: ...
+    def clear(self) -> None: ...
+    def largest_directory(self) -> int: ...                                           # the most files one held
+
+
+class FileBlocks:
+    """file-per-block: each object a file of its own, flat or in the engine's directory tree,
+    written as a temporary file renamed into place where the engine does so. Every file is
+    opened O_EXCL (never over a file that is not ours); `direct`: O_DIRECT for objects of whole
+    4 KiB blocks; `durable`: fdatasync before a write counts and the pages dropped after each
+    transfer, so every read reaches the device (--kv-io direct)."""
+
+    def __init__(self, root: Path, scheme: KVBlockScheme, direct: bool, durable: bool):
+        self.root, self.scheme, self.direct, self.durable = root, scheme, direct, durable
+        self._lock = threading.Lock()
+        self._dirs: Dict[Path, int] = {}             # our directories and how many of our files each holds
+        self._fullest = 0                            # the most files of ours one directory has held
+        self.files = {"created": 0, "deleted": 0, "renamed": 0, "directories_created": 0}
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self.files[name] += amount
+
+    def _flags(self, nbytes: int) -> int:
+        direct = self.direct and nbytes % BLOCK_BYTES == 0
+        return getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if direct else 0)
+
+    def exists(self, obj: BlockObject) -> bool:
+        try:
+            os.stat(self.root / obj.name)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _directory(self, path: Path, transfer: Transfer) -> None:
+        """Make the object's directory (and those above it) where missing: ours, counted."""
+        parent = path.parent
+        with self._lock:
+            if parent in self._dirs or parent == self.root:
+                return
+        missing = [d for d in [parent, *parent.parents] if d != self.root and self.root in d.parents
+                   and not d.exists()]
+        transfer.timed(parent.mkdir, 0o755, True, True)
+        with self._lock:
+            for d in missing:
+                if d not in self._dirs:
+                    self._dirs[d] = 0
+                    self.files["directories_created"] += 1
+            self._dirs.setdefault(parent, 0)
+
+    def _temp_name(self, path: Path) -> Path:
+        naming = self.scheme.naming
+        if naming == "lmcache":
+            return path.with_name(path.name + ".tmp")
+        if naming == "sglang":
+            return path.with_name(f".{uuid.uuid4()}.tmp")
+        return path.with_name(f"{path.name}_{os.urandom(8).hex()}.tmp")
+
+    def store(self, obj: BlockObject, pieces: Iterator[Tuple[int, np.ndarray]], transfer: Transfer,
+              busy: BusyClock) -> None:
+        path = self.root / obj.name
+        self._directory(path, transfer)
+        target = self._temp_name(path) if self.scheme.temp_rename else path
+        fd = transfer.timed(os.open, target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags(obj.nbytes), 0o644)
+        try:
+            for offset, buf in pieces:
+                transfer.timed(_pwrite_all, fd, buf, offset, busy=busy)
+            if self.durable:
+                transfer.timed(os.fdatasync, fd, busy=busy)
+                if not self.direct:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if self.scheme.temp_rename:
+                transfer.timed(os.rename, target, path)
+        except BaseException:
+            Path(target).unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.files["created"] += 1
+            self.files["renamed"] += self.scheme.temp_rename
+            held = self._dirs[path.parent] = self._dirs.get(path.parent, 0) + 1
+            self._fullest = max(self._fullest, held)
+
+    def load(self, obj: BlockObject, room: np.ndarray, deliver: Callable[[int, np.ndarray], None],
+             transfer: Transfer, busy: BusyClock) -> None:
+        fd = transfer.timed(os.open, self.root / obj.name, os.O_RDONLY | self._flags(obj.nbytes))
+        try:
+            for offset in range(0, obj.nbytes, room.size):
+                want = min(room.size, obj.nbytes - offset)
+                got = transfer.timed(os.preadv, fd, [room[:want]], offset, busy=busy)
+                if got < want:
+                    raise OSError(errno.EIO, f"short read of {obj.name}: {got} of {want} bytes")
+                deliver(offset, room[:want])
+            if self.durable and not self.direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def seal(self, transfer: Transfer) -> None:
+        """Nothing to do: each object was complete when its file was."""
+
+    def remove(self, obj: BlockObject) -> None:
+        path = self.root / obj.name
+        path.unlink(missing_ok=True)
+        with self._lock:
+            self.files["deleted"] += 1
+            if path.parent in self._dirs:
+                self._dirs[path.parent] -= 1
+
+    def clear(self) -> None:
+        """Remove our directories, deepest first (their files are gone: the tier removed them)."""
+        with self._lock:
+            dirs = sorted((d for d in self._dirs if d != self.root), key=lambda d: len(d.parts), reverse=True)
+            self._dirs.clear()
+        for directory in dirs:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+
+    def largest_directory(self) -> int:
+        with self._lock:
+            return self._fullest
+
+
+class SlotBlocks:
+    """slot-file (Dynamo KVBM's disk tier): one file per rank, made with mkstemp, opened O_DIRECT
+    and unlinked at once (its blocks live while the tier holds the descriptor; nothing is left
+    behind); objects are fixed-size slots at `slot x stride`, found in an in-memory index. The
+    file grows by fallocate in SLOT_FILE_EXTENT_BYTES steps (Dynamo reserves its whole pool at
+    start); no file is created, renamed or deleted per block."""
+
+    def __init__(self, root: Path, parts: int, object_bytes: int, direct: bool, durable: bool):
+        self.direct, self.durable = direct and object_bytes % BLOCK_BYTES == 0, durable
+        self.stride = -(-object_bytes // BLOCK_BYTES) * BLOCK_BYTES
+        self._lock = threading.Lock()
+        self._index: Dict[str, Tuple[int, int]] = {}         # name -> (part, slot)
+        self._free: List[List[int]] = [[] for _ in range(parts)]
+        self._slots = [0] * parts                              # slots ever handed out, per part
+        self._reserved = [0] * parts                           # bytes fallocated, per part
+        self._fds: List[int] = []
+        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.direct else 0)
+        try:
+            for _ in range(parts):
+                fd, name = tempfile.mkstemp(prefix="dynamo-kvbm-disk-cache-", dir=root)
+                os.close(fd)
+                self._fds.append(os.open(name, flags))
+                os.unlink(name)
+        except BaseException:
+            self.clear()
+            raise
+        self.files = {"created": parts, "deleted": 0, "renamed": 0, "directories_created": 0}
+
+    def exists(self, obj: BlockObject) -> bool:
+        with self._lock:
+            return obj.name in self._index
+
+    def _take_slot(self, part: int) -> Tuple[int, bool]:
+        with self._lock:
+            if self._free[part]:
+                return heapq.heappop(self._free[part]), False
+            slot = self._slots[part]
+            self._slots[part] += 1
+            grow = (slot + 1) * self.stride > self._reserved[part]
+            if grow:
+                self._reserved[part] += max(SLOT_FILE_EXTENT_BYTES, self.stride)
+            return slot, grow
+
+    def store(self, obj: BlockObject, pieces: Iterator[Tuple[int, np.ndarray]], transfer: Transfer,
+              busy: BusyClock) -> None:
+        slot, grow = self._take_slot(obj.part)
+        fd, base = self._fds[obj.part], slot * self.stride
+        try:
+            if grow:
+                with self._lock:
+                    reserved = self._reserved[obj.part]
+                transfer.timed(preallocate, fd, reserved)
+            for offset, buf in pieces:
+                length = -(-buf.size // BLOCK_BYTES) * BLOCK_BYTES if self.direct else buf.size
+                transfer.timed(_pwrite_all, fd, buf[:length], base + offset, busy=busy)
+            if self.durable:
+                transfer.timed(os.fdatasync, fd, busy=busy)
+        except BaseException:
+            with self._lock:
+                heapq.heappush(self._free[obj.part], slot)
+            raise
+        with self._lock:
+            self._index[obj.name] = (obj.part, slot)
+
+    def load(self, obj: BlockObject, room: np.ndarray, deliver: Callable[[int, np.ndarray], None],
+             transfer: Transfer, busy: BusyClock) -> None:
+        with self._lock:
+            part, slot = self._index[obj.name]
+        for offset in range(0, obj.nbytes, room.size):
+            want = min(room.size, obj.nbytes - offset)
+            length = -(-want // BLOCK_BYTES) * BLOCK_BYTES if self.direct else want
+            got = transfer.timed(os.preadv, self._fds[part], [room[:length]], slot * self.stride + offset, busy=busy)
+            if got < want:
+                raise OSError(errno.EIO, f"short read of slot {slot}: {got} of {want} bytes")
+            deliver(offset, room[:want])
+        if self.durable and not self.direct:
+            os.posix_fadvise(self._fds[part], slot * self.stride, self.stride, os.POSIX_FADV_DONTNEED)
+
+    def seal(self, transfer: Transfer) -> None:
+        """Nothing to do: each slot was complete when written."""
+
+    def remove(self, obj: BlockObject) -> None:
+        with self._lock:
+            place = self._index.pop(obj.name, None)
+            if place is not None:
+                heapq.heappush(self._free[place[0]], place[1])
+
+    def clear(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
+    def largest_directory(self) -> int:
+        return len(self._fds)
+
+
+SLOT_FILE_EXTENT_BYTES = 1 << 30        # a slot file grows by this much at a time (fallocate)
+
+
+class BucketBlocks:
+    """bucket (Mooncake store's SSD offload): an operation's objects are appended as records
+    (the key's bytes, then the value's) to a bucket file of its own, a new one past
+    `limit_bytes` or `limit_keys`, each with a `.meta` file (JSON: keys, offsets, sizes; Mooncake
+    writes protobuf) written when the bucket is full or the operation ends. An in-memory index
+    finds an object; a bucket's two files are removed when its last object is. Mooncake writes
+    a bucket in one pwritev from memory; here each record is written as it is made, one call
+    per STAGING_BYTES. Buffered I/O, as Mooncake's default (`durable`: fdatasync when sealed,
+    and the pages dropped, so that reads reach the device)."""
+
+    def __init__(self, root: Path, durable: bool, limit_bytes: int = 256 * MIB, limit_keys: int = 500):
+        self.root, self.durable = root, durable
+        self.limit_bytes, self.limit_keys = limit_bytes, limit_keys
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._open: Dict[int, Dict[str, Any]] = {}          # id(transfer) -> its bucket being written
+        self._index: Dict[str, Tuple[int, int]] = {}        # name -> (bucket id, value offset)
+        self._buckets: Dict[int, int] = {}                  # bucket id -> objects still in it
+        self._fullest = 0                                   # the most bucket files held at once
+        self.files = {"created": 0, "deleted": 0, "renamed": 0, "directories_created": 0}
+
+    def exists(self, obj: BlockObject) -> bool:
+        with self._lock:
+            return obj.name in self._index
+
+    def _path(self, bucket: int, suffix: str) -> Path:
+        return self.root / f"{bucket}{suffix}"
+
+    def _bucket_for(self, obj: BlockObject, transfer: Transfer) -> Dict[str, Any]:
+        bucket = self._open.get(id(transfer))
+        record = len(obj.name.encode()) + obj.nbytes
+        if bucket is not None and (len(bucket["keys"]) >= self.limit_keys
+                                   or bucket["offset"] + record > self.limit_bytes):
+            self._seal(bucket, transfer)
+            bucket = None
+        if bucket is None:
+            with self._lock:
+                number = (time.time_ns() // 1_000_000) << 12 | next(self._ids) % 4096
+                while number in self._buckets:
+                    number += 1
+                self._buckets[number] = 0
+                self.files["created"] += 2
+                self._fullest = max(self._fullest, 2 * len(self._buckets))
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+            bucket = {"id": number, "fd": transfer.timed(os.open, self._path(number, ".bucket"), flags, 0o644),
+                      "offset": 0, "keys": []}
+            self._open[id(transfer)] = bucket
+        return bucket
+
+    def store(self, obj: BlockObject, pieces: Iterator[Tuple[int, np.ndarray]], transfer: Transfer,
+              busy: BusyClock) -> None:
+        bucket = self._bucket_for(obj, transfer)
+        key = obj.name.encode()
+        transfer.timed(_pwrite_all, bucket["fd"], np.frombuffer(key, dtype=np.uint8), bucket["offset"], busy=busy)
+        start = bucket["offset"] + len(key)
+        for offset, buf in pieces:
+            transfer.timed(_pwrite_all, bucket["fd"], buf, start + offset, busy=busy)
+        bucket["offset"] = start + obj.nbytes
+        bucket["keys"].append((obj.name, start, obj.nbytes))
+
+    def _seal(self, bucket: Dict[str, Any], transfer: Transfer) -> None:
+        """The bucket's `.meta` written, its data made durable (durable mode), its objects indexed."""
+        self._open.pop(id(transfer), None)
+        fd = bucket["fd"]
+        try:
+            meta = json.dumps({"keys": [k for k, _, _ in bucket["keys"]], "offsets": [o for _, o, _ in bucket["keys"]],
+                               "sizes": [n for _, _, n in bucket["keys"]]}).encode()
+            if self.durable:
+                transfer.timed(os.fdatasync, fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+            meta_fd = transfer.timed(os.open, self._path(bucket["id"], ".meta"), flags, 0o644)
+            try:
+                transfer.timed(os.write, meta_fd, meta)
+            finally:
+                os.close(meta_fd)
+        finally:
+            os.close(fd)
+            with self._lock:
+                for name, offset, _ in bucket["keys"]:
+                    self._index[name] = (bucket["id"], offset)
+                self._buckets[bucket["id"]] += len(bucket["keys"])
+                empty = self._buckets[bucket["id"]] == 0
+            if empty:
+                self._drop(bucket["id"])
+
+    def seal(self, transfer: Transfer) -> None:
+        bucket = self._open.get(id(transfer))
+        if bucket is not None:
+            self._seal(bucket, transfer)
+
+    def load(self, obj: BlockObject, room: np.ndarray, deliver: Callable[[int, np.ndarray], None],
+             transfer: Transfer, busy: BusyClock) -> None:
+        with self._lock:
+            bucket, start = self._index[obj.name]
+        fd = transfer.timed(os.open, self._path(bucket, ".bucket"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for offset in range(0, obj.nbytes, room.size):
+                want = min(room.size, obj.nbytes - offset)
+                got = transfer.timed(os.preadv, fd, [room[:want]], start + offset, busy=busy)
+                if got < want:
+                    raise OSError(errno.EIO, f"short read of {obj.name} in bucket {bucket}: {got} of {want} bytes")
+                deliver(offset, room[:want])
+            if self.durable:
+                os.posix_fadvise(fd, start, obj.nbytes, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def remove(self, obj: BlockObject) -> None:
+        with self._lock:
+            place = self._index.pop(obj.name, None)
+            if place is None:
+                return
+            self._buckets[place[0]] -= 1
+            empty = self._buckets[place[0]] == 0
+        if empty:
+            self._drop(place[0])
+
+    def _drop(self, bucket: int) -> None:
+        with self._lock:
+            self._buckets.pop(bucket, None)
+            self.files["deleted"] += 2
+        for suffix in (".bucket", ".meta"):
+            self._path(bucket, suffix).unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        with self._lock:
+            left = list(self._buckets)
+        for bucket in left:
+            self._drop(bucket)
+
+    def largest_directory(self) -> int:
+        with self._lock:
+            return self._fullest
+
+
+class BlockTier(StorageTier):
+    """Tier 3 of --kv-block-tokens N: an entry's whole blocks (kv_block_objects), each object
+    kept by the scheme's layout, looked up the engine's way before it is stored or loaded
+    (a stat for file layouts, the in-memory index for the others; every lookup timed).
+
+    The objects of an entry move one after another through the operation's staging area
+    (LMCache, vLLM and SGLang move one request's blocks in sequence; parallelism comes from
+    concurrent requests, up to STAGING_AREAS of them): one write and one read call per object
+    up to STAGING_BYTES, larger objects in pieces of that size."""
+
+    def __init__(self, base_path: Path, scheme: KVBlockScheme, model_name: str, bytes_per_token: int,
+                 shards: int = 1, direct_io: Optional[bool] = None):
+        self.base_path, self.scheme, self.model_name = Path(base_path), scheme, model_name
+        self.bytes_per_token = bytes_per_token
+        self.base_path.mkdir(parents=True, exist_ok=True)
+        supported, reason = probe_direct_io(self.base_path)
+        if direct_io is None:
+            direct_io = scheme.kv_io == "direct" or scheme.engine_direct
+        self.direct_io = direct_io and supported and scheme.layout != "bucket"     # Mooncake's buckets: buffered
+        durable = scheme.kv_io == "direct"
+        mode = "O_DIRECT" if self.direct_io else "buffered" + (" + fdatasync + fadvise(DONTNEED)" if durable else "")
+        self.io_mode = f"{scheme.describe()}; {mode}" + ("" if supported or not direct_io else f": {reason}")
+        self.lookups = LookupSamples()
+        super().__init__(shards)
+        self.metadata: Dict[str, Dict[str, Any]] = {}
+        if scheme.layout == "bucket":
+            self.store = BucketBlocks(self.base_path, durable)
+        elif scheme.layout == "slot-file":
+            parts = shards if scheme.per_rank else 1
+            self.store: BlockStore = SlotBlocks(self.base_path, parts, scheme.object_bytes(bytes_per_token, shards),
+                                                self.direct_io, durable)
+        else:
+            self.store = FileBlocks(self.base_path, scheme, self.direct_io, durable)
+
+    def reset_accounting(self) -> None:
+        with self._lock:
+            super().reset_accounting()
+            self.moved = {"objects_written": 0, "objects_read": 0, "object_bytes_written": 0, "object_bytes_read": 0}
+            self.request_sizes: Dict[str, Dict[int, int]] = {"read": defaultdict(int), "write": defaultdict(int)}
+        self.lookups.reset()
+
+    def entry_info(self, key: str) -> StoredEntry:
+        with self._lock:
+            meta = self.metadata[key]
+        return StoredEntry(meta["size"], meta["shape"], meta["dtype"])
+
+    def _lookup(self, obj: BlockObject, transfer: Transfer) -> bool:
+        t0 = time.perf_counter()
+        found = transfer.timed(self.store.exists, obj)
+        self.lookups.add(time.perf_counter() - t0, found)
+        return found
+
+    def _count(self, op: str, obj: BlockObject) -> None:
+        noun = "written" if op == "write" else "read"
+        with self._lock:
+            self.moved[f"objects_{noun}"] += 1
+            self.moved[f"object_bytes_{noun}"] += obj.nbytes
+            for offset in range(0, obj.nbytes, STAGING_BYTES):
+                self.request_sizes[op][min(STAGING_BYTES, obj.nbytes - offset)] += 1
+
+    # --- writing ---
+    def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
+        objects = kv_block_objects(self.scheme, self.model_name, key, source.nbytes, self.shards, self.bytes_per_token)
+        self.delete(key)
+        room, stored = transfer.staging, []
+
+        def pieces(obj: BlockObject) -> Iterator[Tuple[int, np.ndarray]]:
+            for offset in range(0, obj.nbytes, room.size):
+                buf = room[:min(room.size, obj.nbytes - offset)]
+                source.fill(obj.offset + offset, buf)
+                transfer.observe(buf, obj.part)
+                yield offset, buf
+                transfer.advance(buf.size)
+        try:
+            try:
+                for obj in objects:
+                    transfer.check_stop()
+                    if not self._lookup(obj, transfer):     # the engine checks before it stores (docs/engines.md)
+                        stored.append(obj)
+                        self.store.store(obj, pieces(obj), transfer, self.busy["write"])
+                        self._count("write", obj)
+            finally:
+                self.store.seal(transfer)
+        except BaseException:
+            for obj in stored:
+                self.store.remove(obj)
+            raise
+        with self._lock:
+            self.metadata[key] = {"objects": objects, "size": source.nbytes, "shape": tuple(source.shape),
+                                  "dtype": source.dtype}
+
+    # --- reading ---
+    def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
+        with self._lock:
+            meta = self.metadata[key]                     # KeyError for a missing or deleted key
+        with sink.chunks(transfer) as deliver:
+            for obj in meta["objects"]:
+                transfer.check_stop()
+                if not self._lookup(obj, transfer):
+                    with self._lock:
+                        if key not in self.metadata:      # deleted by us while we read
+                            raise KeyError(key)
+                    raise OSError(errno.ENOENT, f"block object {obj.name} of {key} vanished")
+
+                def delivered(offset: int, view: np.ndarray, obj: BlockObject = obj) -> None:
+                    transfer.observe(view, obj.part)
+                    deliver(obj.offset + offset, view)
+                    transfer.advance(view.size)
+                self.store.load(obj, transfer.staging, delivered, transfer, self.busy["read"])
+                self._count("read", obj)
+
+    # --- removal ---
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            meta = self.metadata.pop(key, None)
+        if meta is None:
+            return False
+        for obj in meta["objects"]:
+            self.store.remove(obj)
+        return True
+
+    def clear(self) -> None:
+        with self._lock:
+            objects = [obj for m in self.metadata.values() for obj in m["objects"]]
+            self.metadata.clear()
+        failed: List[OSError] = []
+        for obj in objects:
+            try:
+                self.store.remove(obj)
+            except OSError as exc:
+                failed.append(exc)
+        self.store.clear()
+        if failed:
+            raise failed[0]
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self.metadata
+
+    # --- figures ---
+    def request_profile(self) -> Dict[str, Any]:
+        with self._lock:
+            profile: Dict[str, Any] = {f"{op}_sizes": dict(sizes) for op, sizes in self.request_sizes.items()}
+            moved = dict(self.moved)
+        count = moved["objects_written"]
+        size = moved["object_bytes_written"] / count if count else None
+        profile.update(files_written=self.store.files["created"], file_bytes_mean=size, file_bytes_min=size,
+                       file_bytes_max=size, shards_per_entry=self.shards, object_sizes=[])
+        return profile
+
+    def block_counts(self) -> Dict[str, Any]:
+        """What the tier did since the last reset: objects and bytes moved, files made, renamed and
+        removed, the fullest directory, the lookups (count, hits, latencies in seconds)."""
+        with self._lock:
+            counts: Dict[str, Any] = dict(self.moved)
+        counts.update({f"files_{k}": v for k, v in self.store.files.items()},
+                      largest_directory_files=self.store.largest_directory())
+        with self.lookups._lock:
+            counts.update(lookup_hits=self.lookups.hits, lookup_seconds=array.array("d", self.lookups.seconds))
+        return counts
+
+
+def block_tier_opener(scheme: KVBlockScheme, model_name: str, bytes_per_token: int) -> Callable[[Path, int], StorageTier]:
+    """MemoryTiers.open_storage for --kv-block-tokens: a BlockTier of `shards` ranks in a directory."""
+    return lambda directory, shards: BlockTier(directory, scheme, model_name, bytes_per_token, shards)
+
+
+# ============================================================================
 # HOST MEMORY TIER
 # ============================================================================
 
@@ -4931,6 +5648,15 @@ def reads_not_on_device(app_bytes_read: float, device_stats: Optional[Dict[str, 
             f"{device_bytes / GIB:.2f} GB: the reads were served from memory (the page cache), not the device")
 
 
+def device_read_share(app_bytes_read: float, device_stats: Optional[Dict[str, Any]]) -> Optional[float]:
+    """The share of the storage tier's reads the device's own counters saw (pure): under 1 where the
+    page cache served some (--kv-io engine); None where the device was not sampled or nothing was read."""
+    if not device_stats or not device_stats.get("available") or not app_bytes_read:
+        return None
+    device_bytes = device_stats.get("bytes_read")
+    return None if device_bytes is None else min(1.0, device_bytes / app_bytes_read)
+
+
 def evaluate_storage_performance(profile: str, stats: Dict[str, Any]) -> Dict[str, Any]:
     """PASS/FAIL criteria for the storage assessment.
 
@@ -5026,9 +5752,10 @@ class CacheReport:
 
 
 def cache_stats_summary(report: CacheReport, profile: str, windows: Sequence[Tuple[Dict[str, int], float]],
-                        device_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                        device_stats: Optional[Dict[str, Any]] = None, page_cache_allowed: bool = False) -> Dict[str, Any]:
     """The cache's section of the results (`summary.cache_stats`), from counters and samples (and the
-    device's, to tell whether storage reads reached it). Totals count everything; a wall-basis rate
+    device's, to tell whether storage reads reached it: a problem unless `page_cache_allowed`, the
+    user's --kv-io engine, which is then told the device's share). Totals count everything; a wall-basis rate
     divides what was moved up to the stop by the measured window, per window (one per MPI rank)
     and summed, so that work finishing in the shutdown tail does not inflate it."""
     c, samples, entry_counts = defaultdict(int, report.counters), report.samples, report.entry_counts
@@ -5079,10 +5806,14 @@ def cache_stats_summary(report: CacheReport, profile: str, windows: Sequence[Tup
     stats["nvme_read_gib_per_sec_busy"] = _ratio(c["nvme_bytes_read"] / GIB, stats.get("nvme_read_device_busy_s", 0.0))
     stats["nvme_write_gib_per_sec_busy"] = _ratio(c["nvme_bytes_written"] / GIB, stats.get("nvme_write_device_busy_s", 0.0))
     stats.update(_v30_figures(c, samples, entry_counts, windows))
-    stats["storage_reads_not_on_device"] = off_device = reads_not_on_device(
-        c["nvme_bytes_read"], None if stats.get("trace_mode") else device_stats)
+    device = None if stats.get("trace_mode") else device_stats
+    stats["storage_reads_device_share"] = share = device_read_share(c["nvme_bytes_read"], device)
+    stats["storage_reads_not_on_device"] = off_device = (None if page_cache_allowed else
+                                                         reads_not_on_device(c["nvme_bytes_read"], device))
     if off_device and "storage_io_mode" in stats:
         stats["storage_io_mode"] += ", but the reads did not reach the device (served from the page cache)"
+    elif page_cache_allowed and share is not None and "storage_io_mode" in stats:
+        stats["storage_io_mode"] += f"; the device served {share:.0%} of the reads (the page cache the rest)"
     stats["storage_health"] = evaluate_storage_performance(profile, stats)
     return stats
 
@@ -5146,17 +5877,10 @@ def saturation_score(read_p95_ms: Optional[float], write_p95_ms: Optional[float]
 
 
 # ============================================================================
-# MULTI-TIER CACHE
+# CACHE STATISTICS
 # ============================================================================
-
-def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> MemoryTiers:
-    """A run's GPU and CPU tiers (the GPU tier N x --gpu-mem-gb); with --io-trace-log, tiers
-    of the same budgets that move no bytes."""
-    if config.io_trace_log:
-        return open_traced_tiers(config)
-    return open_memory_tiers(config.gpu_mem_gb * config.num_gpus, config.cpu_mem_gb, config.gpu_library, generator,
-                             available_memory_bytes(), config.gpu_device, config.tunables.gpu_backend)
-
+# The cache's counters and samples (CacheStats), and the block tier's figures (KVBlockFigures:
+# --kv-block-tokens), a record that merges itself across ranks.
 
 class CacheStats:
     """Every counter and latency sample of the cache, updated in one place under one lock (the
@@ -5237,6 +5961,87 @@ class CacheStats:
                 new[key] = totals[marks.get(key, 0):]
                 marks[key] = len(totals)
             return dict(self.counters), new
+
+
+
+@dataclass
+class KVBlockFigures:
+    """The storage tier's blocks over the measured window (one rank's, or the ranks' merged):
+    objects and bytes moved, files made, renamed and removed, the fullest directory, the
+    lookups' count, hits and latencies (seconds; 8 bytes each)."""
+    scheme: Dict[str, Any]
+    counts: Dict[str, int]
+    lookup_seconds: Any                       # array('d')
+    lookup_hits: int = 0
+    largest_directory_files: int = 0
+
+    @classmethod
+    def of(cls, tier: Any) -> Optional["KVBlockFigures"]:
+        """The tier's, when it keeps blocks (a BlockTier), else None."""
+        if not hasattr(tier, "block_counts"):
+            return None
+        counts = tier.block_counts()
+        return cls(tier.scheme.summary(), {k: v for k, v in counts.items() if isinstance(v, int) and k not in (
+            "lookup_hits", "largest_directory_files")}, counts["lookup_seconds"], counts["lookup_hits"],
+            counts["largest_directory_files"])
+
+    @staticmethod
+    def merged(parts: Sequence[Optional["KVBlockFigures"]]) -> Optional["KVBlockFigures"]:
+        """The world's: counts and lookups summed, the fullest directory of any rank."""
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
+        counts: Dict[str, int] = defaultdict(int)
+        seconds = array.array("d")
+        for p in parts:
+            for k, v in p.counts.items():
+                counts[k] += v
+            seconds.extend(p.lookup_seconds)
+        return KVBlockFigures(parts[0].scheme, dict(counts), seconds, sum(p.lookup_hits for p in parts),
+                              max(p.largest_directory_files for p in parts))
+
+    def to_json(self, window_s: float) -> Dict[str, Any]:
+        """The results' `kv_blocks` (docs/metrics.md)."""
+        rate = (lambda n: round(n / window_s, 3)) if window_s > 0 else (lambda n: None)
+        c = self.counts
+        lookups = len(self.lookup_seconds)
+        return {**self.scheme, **c,
+                "files_created_per_sec": rate(c.get("files_created", 0)),
+                "files_deleted_per_sec": rate(c.get("files_deleted", 0)),
+                "largest_directory_files": self.largest_directory_files,
+                "lookups": {"count": lookups, "hits": self.lookup_hits, "per_sec": rate(lookups),
+                            "latency_ms": latency_summary_ms(self.lookup_seconds)}}
+
+
+def format_kv_blocks(b: Dict[str, Any]) -> List[str]:
+    """The report's KV BLOCKS section (pure)."""
+    lookups, latency = b["lookups"], b["lookups"]["latency_ms"]
+    engine = f" as {b['engine']}" if b.get("engine") else ""
+    return ["### KV BLOCKS ###",
+            f"  {b['block_tokens']} tokens a block, {b['layout']}{engine}, --kv-io {b['kv_io']}",
+            f"  objects written {b.get('objects_written', 0):,} ({b.get('object_bytes_written', 0) / GIB:.2f} GiB), "
+            f"read {b.get('objects_read', 0):,} ({b.get('object_bytes_read', 0) / GIB:.2f} GiB)",
+            f"  files created {b.get('files_created', 0):,} ({b['files_created_per_sec'] or 0:,.1f}/s), deleted "
+            f"{b.get('files_deleted', 0):,}, largest directory {b['largest_directory_files']:,} files",
+            f"  lookups {lookups['count']:,} ({lookups['per_sec'] or 0:,.0f}/s, {lookups['hits']:,} found): "
+            f"P50 {_fmt_ms(latency['p50'])}, P95 {_fmt_ms(latency['p95'])}, P99 {_fmt_ms(latency['p99'])}"]
+
+
+# ============================================================================
+# MULTI-TIER CACHE
+# ============================================================================
+
+def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> MemoryTiers:
+    """A run's GPU and CPU tiers (the GPU tier N x --gpu-mem-gb); with --io-trace-log, tiers
+    of the same budgets that move no bytes."""
+    if config.io_trace_log:
+        return open_traced_tiers(config)
+    tiers = open_memory_tiers(config.gpu_mem_gb * config.num_gpus, config.cpu_mem_gb, config.gpu_library, generator,
+                              available_memory_bytes(), config.gpu_device, config.tunables.gpu_backend)
+    if config.kv_blocks.blocks:
+        tiers.open_storage = block_tier_opener(config.kv_blocks, config.model.name,
+                                               config.shards.model.kv_cache_size_per_token)
+    return tiers
 
 
 @dataclass
@@ -5508,6 +6313,10 @@ class MultiTierCache:
         allocation slot apart, as the original times the write after it) and the tokens moved (its
         own and its demotions'). An entry another worker is writing right now is left to it."""
         t0 = time.perf_counter()
+        stored = self.config.kv_blocks.whole_blocks(num_tokens)       # --kv-block-tokens: whole blocks only
+        if stored == 0 < num_tokens:
+            self.stats.count("entries_below_one_block")
+        num_tokens = stored
         if num_tokens <= 0:
             return CacheResult(False, None, 0.0, 0)
         if self._alloc_slots is not None:
@@ -7873,6 +8682,7 @@ class RunMeasurements:
     precondition: Optional[Dict[str, Any]] = merged_by(merge_precondition)    # --precondition (precondition_storage)
     burst_trace: Optional[Dict[str, Any]] = merged_by(merge_trace_stats)      # --use-burst-trace (trace_stats)
     latency_tracing: Optional[Dict[str, Any]] = merged_by(merge_latency_tracing)  # --enable-latency-tracing
+    kv_blocks: Optional[KVBlockFigures] = merged_by(KVBlockFigures.merged)     # --kv-block-tokens (KVBlockFigures.of)
 
     @property
     def interrupted(self) -> bool:
@@ -7974,6 +8784,7 @@ class IntegratedBenchmark:
         self.process_cpu_s = 0.0
         self.shutdown_tail_s = 0.0
         self.stop_counters: Optional[Dict[str, int]] = None
+        self.stop_blocks: Optional[KVBlockFigures] = None
         self.latency_samples: Dict[str, List[float]] = {}     # per tier and operation, seconds (for --plot)
         self.scheduler: Arrivals = (
             ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop, config.max_requests,
@@ -8103,6 +8914,7 @@ class IntegratedBenchmark:
                 self.request_stop("duration")
         self.recorder.close()
         self.stop_counters = self.cache.stats.snapshot()[0]     # the measured window's bytes, for its rates
+        self.stop_blocks = KVBlockFigures.of(self.cache.storage)  # the window's blocks (clean-up is not in it)
         self.cache.abort_io()
 
     def _spawn(self, target: Callable, name: str, *args: Any) -> threading.Thread:
@@ -8287,7 +9099,8 @@ class IntegratedBenchmark:
             dataset_stats=self.dataset.stats() if self.dataset else None,
             device_stats=None if self.cache.tiers.trace else self.device_stats,      # trace mode: no I/O to see
             decode_contexts=self.decode_contexts, precondition=self.precondition,
-            burst_trace=self.scheduler.trace_stats(), latency_tracing=self.latency_tracing)
+            burst_trace=self.scheduler.trace_stats(), latency_tracing=self.latency_tracing,
+            kv_blocks=self.stop_blocks)
 
 
 # ============================================================================
@@ -8367,7 +9180,8 @@ def cache_figures(m: RunMeasurements) -> Dict[str, Any]:
     sums of the ranks')."""
     windows = [(p.window_counters if p.window_counters is not None else p.cache.counters, p.elapsed_s)
                for p in (m.ranks or [m])]
-    return cache_stats_summary(m.cache, m.config.performance_profile, windows, m.device_stats)
+    return cache_stats_summary(m.cache, m.config.performance_profile, windows, m.device_stats,
+                               page_cache_allowed=m.config.kv_io == "engine")
 
 
 def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
@@ -8405,6 +9219,7 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "node_role": node_role(m.config), "decode_contexts": m.decode_contexts, "precondition": m.precondition,
         "thread_errors": list(m.thread_errors),
         **_storage_figures(cache_stats, m),
+        **({"kv_blocks": m.kv_blocks.to_json(m.elapsed_s)} if m.kv_blocks else {}),     # --kv-block-tokens
         **m.fio,
     }
     results = {
@@ -8593,6 +9408,8 @@ def format_report(results: Dict[str, Any]) -> str:
     lines += ["", *format_device_section(s.get("device_stats") or {}, s.get("device_comparison"))]
     if results.get("device_latency_tracing"):
         lines += ["", *format_latency_tracing(results["device_latency_tracing"])]
+    if results["summary"].get("kv_blocks"):
+        lines += ["", *format_kv_blocks(results["summary"]["kv_blocks"])]
     if s.get("fio_comparison"):
         _report_fio(add, s["fio_comparison"])
     _report_cache_types(add, s, cs)
@@ -9797,6 +10614,19 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
                    help="first measure the cache directory's raw direct-I/O bandwidth (a few seconds) "
                         "and report the workload's storage efficiency against it")
     m.add_argument("--verify", action="store_true", help="checksum every entry written and check every read against it")
+    k = p.add_argument_group("KV blocks: the storage I/O of inference engines (docs/engines.md)")
+    k.add_argument("--kv-engine", choices=list(KV_ENGINES),
+                   help="store KV as this engine does by default: block size, layout, object names, lookups "
+                        "(default: none, one object per entry as the original)")
+    k.add_argument("--kv-block-tokens", type=int,
+                   help="tokens per stored block, each block one object per TP rank; 0: one object per entry "
+                        "(default: the --kv-engine's, else 0)")
+    k.add_argument("--kv-layout", choices=list(KV_LAYOUTS),
+                   help="how blocks are kept: a file each, slots in a preallocated file per rank, or records in "
+                        "bucket files (default: the --kv-engine's, else file-per-block)")
+    k.add_argument("--kv-io", choices=["direct", "engine"],
+                   help="direct: every write durable and every read from the device; engine: the --kv-engine's "
+                        "own I/O mode (page cache, no fsync where it does so) (default: %(default)s)")
     m.add_argument("--precondition", action="store_true",
                    help="before the timer, age the drive: write incompressible entries of the run's sizes straight "
                         "to the storage tier (the oldest evicted when it is full)")

@@ -16,6 +16,7 @@ is installed and a CUDA device answers. Every file a test writes lives under
 pytest's tmp_path.
 """
 import argparse
+import array
 import builtins
 import collections
 import contextlib
@@ -1921,6 +1922,201 @@ def device_fill(dev, layout, entry_offset: int, nbytes: int) -> bytes:
     dev.d2h(back, out)
     dev.sync()
     return back.tobytes()
+
+
+# ============================================================================
+# STORAGE TIER: KV BLOCKS (--kv-block-tokens, --kv-layout, --kv-engine)
+# ============================================================================
+
+def thread_io() -> Dict[str, int]:
+    """This thread's I/O counters (syscr, syscw: read and write system calls; Linux), read in one
+    read() call, which the next reading counts (hence `- 1` on syscr between two of them)."""
+    fd = os.open("/proc/thread-self/io", os.O_RDONLY)
+    try:
+        text = os.read(fd, 4096).decode()
+    finally:
+        os.close(fd)
+    return {k: int(v) for k, v in (line.split(": ") for line in text.splitlines())}
+
+
+def write_and_read_entry(tier, key: str, nbytes: int, seed: int = 1):
+    """Write `nbytes` of random bytes under `key`, read them back; (bytes, bytes read, the
+    write's and the read's system-call counts and CRCs)."""
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    before = thread_io()
+    with kv.Transfer("write", nbytes, verify=True) as written:
+        tier.write_from(key, kv.EntrySource.of_array(data), written)
+    middle = thread_io()
+    sink = kv.HostSink()
+    with kv.Transfer("read", nbytes, verify=True) as read:
+        tier.read_into(key, sink, read)
+    after = thread_io()
+    return {"writes": middle["syscw"] - before["syscw"], "reads": after["syscr"] - middle["syscr"] - 1,
+            "write_crc": written.crc, "read_crc": read.crc, "crc": zlib.crc32(data)}
+
+
+def our_files(directory: Path) -> list:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+BPT_8B = 131_072                       # llama3.1-8b bf16: bytes of K and V per token
+
+
+class TestKVBlocks:
+    """--kv-block-tokens, --kv-layout, --kv-engine: an entry stored as the engines store KV."""
+
+    def test_lmcache_objects_are_its_files_one_write_and_one_read_call_each(self, tmp_path):
+        scheme = kv.KV_ENGINES["lmcache"]
+        tier = kv.BlockTier(tmp_path, scheme, "meta-llama/Llama-3.1-8B", BPT_8B)
+        nbytes = scheme.whole_blocks(1000) * BPT_8B                   # 3 whole chunks of 256 tokens
+        io = write_and_read_entry(tier, "user_1_req_1", nbytes)
+        files = our_files(tmp_path)
+        assert len(files) == 3 and all(re.fullmatch(r"meta-llama-SEP-Llama-3\.1-8B@0x01000100@0@[0-9a-f]{16}\.data", f)
+                                       for f in files)
+        assert {(tmp_path / f).stat().st_size for f in files} == {33_554_432}
+        assert io["writes"] == 3 and io["reads"] == 3                 # one 32 MiB call per object, each way
+        assert io["write_crc"] == io["read_crc"] == io["crc"]
+        counts = tier.block_counts()
+        assert (counts["objects_written"], counts["files_renamed"], counts["files_created"]) == (3, 3, 3)
+        assert len(counts["lookup_seconds"]) == 6 and counts["lookup_hits"] == 3   # a stat before each store and load
+        tier.delete("user_1_req_1")
+        assert our_files(tmp_path) == [] and tier.block_counts()["files_deleted"] == 3
+
+    def test_whole_blocks_only_and_tp_ranks_each_their_objects(self, tmp_path):
+        scheme = kv.KV_ENGINES["lmcache"]
+        assert scheme.whole_blocks(255) == 0 and scheme.whole_blocks(1000) == 768
+        tier = kv.BlockTier(tmp_path, scheme, "llama3.1-8b", BPT_8B, shards=2)
+        io = write_and_read_entry(tier, "k", 2 * 256 * BPT_8B)
+        files = our_files(tmp_path)
+        ranks = sorted(f.split("@")[1] for f in files)
+        assert ranks == ["0x02000200", "0x02000200", "0x02010201", "0x02010201"]   # (world<<24)|(rank<<16)|...
+        assert {(tmp_path / f).stat().st_size for f in files} == {16 * MIB}
+        assert io["write_crc"] == io["read_crc"] == io["crc"]
+
+    def test_vllm_hashed_tree_one_file_for_every_rank(self, tmp_path):
+        scheme = kv.KV_ENGINES["vllm"]
+        tier = kv.BlockTier(tmp_path, scheme, "llama3.1-8b", BPT_8B, shards=2)
+        io = write_and_read_entry(tier, "k", 5 * 16 * BPT_8B)
+        files = our_files(tmp_path)
+        assert len(files) == 5 and {(tmp_path / f).stat().st_size for f in files} == {2 * MIB}
+        for f in files:
+            top, first, second, name = f.split("/")
+            assert re.fullmatch(r"llama3\.1-8b_[0-9a-f]{12}_r0", top)
+            assert name == f"{first}{second[:2]}{name[5:]}" and second.endswith("_g0") and len(name) == 64 + 4
+        assert io["writes"] == 5 and io["reads"] == 5
+        assert tier.block_counts()["largest_directory_files"] == 1
+
+    def test_sglang_flat_pages_named_by_hash_model_and_rank(self, tmp_path):
+        tier = kv.BlockTier(tmp_path, kv.KV_ENGINES["sglang"], "llama3.1-8b", BPT_8B)
+        write_and_read_entry(tier, "k", 2 * 64 * BPT_8B)
+        files = our_files(tmp_path)
+        assert len(files) == 2 and all(re.fullmatch(r"[0-9a-f]{64}_llama3\.1-8b_0_1\.bin", f) for f in files)
+        assert tier.block_counts()["largest_directory_files"] == 2
+
+    def test_the_same_entry_is_the_same_objects(self, tmp_path):
+        """Names are a chain over the blocks before: a shared prefix's blocks are one set of
+        objects whoever writes them; another entry's are others."""
+        a = kv.kv_block_objects(kv.KV_ENGINES["lmcache"], "m", "system_prompt_1", 4 * 256 * BPT_8B, 1, BPT_8B)
+        b = kv.kv_block_objects(kv.KV_ENGINES["lmcache"], "m", "system_prompt_1", 2 * 256 * BPT_8B, 1, BPT_8B)
+        c = kv.kv_block_objects(kv.KV_ENGINES["lmcache"], "m", "system_prompt_2", 2 * 256 * BPT_8B, 1, BPT_8B)
+        assert [o.name for o in b] == [o.name for o in a[:2]]
+        assert not {o.name for o in c} & {o.name for o in a}
+
+    def test_dynamo_slots_in_one_unlinked_file_per_rank(self, tmp_path):
+        tier = kv.BlockTier(tmp_path, kv.KV_ENGINES["dynamo"], "llama3.1-8b", BPT_8B, shards=2)
+        io = write_and_read_entry(tier, "k", 4 * 16 * BPT_8B)
+        assert our_files(tmp_path) == []                          # made with mkstemp, unlinked at once
+        counts = tier.block_counts()
+        assert counts["objects_written"] == 8 and counts["files_created"] == 2 and counts["files_renamed"] == 0
+        assert io["writes"] == 8 + 0 and io["reads"] == 8         # no file made per block: one pwrite each
+        assert io["write_crc"] == io["read_crc"] == io["crc"]
+        tier.delete("k")
+        write_and_read_entry(tier, "k2", 4 * 16 * BPT_8B)          # freed slots are reused
+        assert tier.block_counts()["files_created"] == 2
+
+    def test_mooncake_buckets_of_k_and_v_objects(self, tmp_path):
+        tier = kv.BlockTier(tmp_path, kv.KV_ENGINES["mooncake"], "llama3.1-8b", BPT_8B // 8)
+        nbytes = 300 * 64 * BPT_8B // 8                            # 300 pages: 600 objects of 512 KiB
+        io = write_and_read_entry(tier, "k", nbytes)
+        files = our_files(tmp_path)
+        assert sorted(Path(f).suffix for f in files) == [".bucket", ".bucket", ".meta", ".meta"]   # 500 keys, then 100
+        metas = [json.loads((tmp_path / f).read_text()) for f in files if f.endswith(".meta")]
+        assert sorted(len(m["keys"]) for m in metas) == [100, 500]
+        assert all(k.endswith(("_0_k", "_0_v")) for m in metas for k in m["keys"])
+        assert io["reads"] == 600 and io["write_crc"] == io["read_crc"] == io["crc"]
+        tier.delete("k")
+        assert our_files(tmp_path) == []
+
+    def test_a_vanished_object_of_ours_is_an_io_error(self, tmp_path):
+        tier = kv.BlockTier(tmp_path, kv.KV_ENGINES["lmcache"], "m", BPT_8B // 64)
+        write_and_read_entry(tier, "k", 2 * 256 * BPT_8B // 64)
+        (tmp_path / our_files(tmp_path)[0]).unlink()
+        with pytest.raises(OSError) as raised, kv.Transfer("read", 1) as t:
+            tier.read_into("k", kv.HostSink(), t)
+        assert raised.value.errno == errno.ENOENT and "vanished" in str(raised.value)
+
+    @pytest.mark.parametrize("engine", ["lmcache", "dynamo", "mooncake"])
+    def test_a_run_as_each_layout_counts_its_objects_and_leaves_nothing(self, tmp_path, engine):
+        base = results_of(run_in_process(*small_run(tmp_path / "entry", "--num-users", "4", "--max-requests", "12",
+                                                    "--cpu-mem-gb", "0", "--seed", "7")), tmp_path / "entry")
+        (tmp_path / "cache").mkdir()
+        run = run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "12", "--cpu-mem-gb", "0",
+                                        "--seed", "7", "--kv-engine", engine, "--kv-io", "engine"))
+        results = results_of(run, tmp_path)
+        blocks = results["summary"]["kv_blocks"]
+        assert "kv_blocks" not in base["summary"] and results["workload_digest"] == base["workload_digest"]
+        assert (blocks["engine"], blocks["kv_io"]) == (engine, "engine")
+        per_object = kv.KV_ENGINES[engine].object_bytes(kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token, 1)
+        assert blocks["objects_written"] > 0 and blocks["objects_read"] > 0
+        assert blocks["object_bytes_written"] == blocks["objects_written"] * per_object
+        assert blocks["object_bytes_read"] == blocks["objects_read"] * per_object
+        lookups = blocks["lookups"]
+        assert lookups["count"] >= blocks["objects_written"] + blocks["objects_read"]    # one before each store and load
+        assert lookups["hits"] >= blocks["objects_read"] and lookups["latency_ms"]["count"] == lookups["count"]
+        stored = results["summary"]["cache_stats"]["tier_storage_kv_bytes_written_gb"] * GIB
+        assert stored == pytest.approx(blocks["object_bytes_written"], rel=1e-9)      # the tier's bytes are the blocks'
+        assert "### KV BLOCKS ###" in run.stdout
+        assert list((tmp_path / "cache").iterdir()) == []
+
+    def test_an_entry_below_one_block_is_not_cached(self, tmp_path):
+        cache = kv.MultiTierCache.for_run(kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0,
+                                                             cache_dir=str(tmp_path), kv_engine="lmcache"))
+        try:
+            assert not cache.write_entry("short", 255).success and cache.write_entry("long", 600).success
+            assert cache.stored_entries()[0].num_tokens == 512                   # two whole blocks of 256
+            assert cache.stats.read(lambda c, s: c["entries_below_one_block"]) == 1
+        finally:
+            cache.close()
+
+    @pytest.mark.skipif(not shutil.which("strace"), reason="strace is not installed")
+    @pytest.mark.parametrize("kv_io, syncs", [("engine", 0), ("direct", 2)])
+    def test_lmcache_engine_io_never_syncs(self, tmp_path, kv_io, syncs):
+        """--kv-io engine: LMCache's own mode, buffered, no fsync; direct: each object made
+        durable before its write counts. Seen by strace on the real system calls."""
+        code = textwrap.dedent(f"""
+            import importlib.util, sys, numpy as np
+            spec = importlib.util.spec_from_file_location("kv", {str(SCRIPT)!r})
+            kv = importlib.util.module_from_spec(spec); spec.loader.exec_module(kv)
+            import dataclasses
+            scheme = dataclasses.replace(kv.KV_ENGINES["lmcache"], kv_io={kv_io!r})
+            tier = kv.BlockTier({str(tmp_path / 'store')!r}, scheme, "m", 4096)
+            data = np.random.default_rng(1).integers(0, 256, 2 * 256 * 4096, dtype=np.uint8)
+            with kv.Transfer("write", data.size) as t:
+                tier.write_from("k", kv.EntrySource.of_array(data), t)
+            print(tier.io_mode)
+            tier.clear()
+        """)
+        trace = tmp_path / "strace.txt"
+        proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=fsync,fdatasync,openat,rename", "-o", trace,
+                               sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        calls = trace.read_text()
+        assert len(re.findall(r"\bf(?:data)?sync\(", calls)) == syncs
+        assert len(re.findall(r'rename\("[^"]+\.data\.tmp", "[^"]+\.data"\)', calls)) == 2
+        opens = re.findall(r'openat\([^,]+, "[^"]+\.data\.tmp", ([A-Z_|]+)', calls)
+        assert len(opens) == 2 and all("O_EXCL" in flags for flags in opens)      # never over a file not ours
+        direct = "O_DIRECT" in proc.stdout.splitlines()[-1]                     # where the file system takes it
+        assert all(("O_DIRECT" in flags) == direct for flags in opens) and direct <= (kv_io == "direct")
 
 
 # ============================================================================
@@ -7205,6 +7401,15 @@ class TestReliability:
                      id="TP not dividing the KV heads"),
         pytest.param(["--plot", "{tmp}/inputs", "--output", "{tmp}/inputs/tier_occupancy.png"], "--output",
                      id="output named as a chart"),
+        pytest.param(["--kv-block-tokens", "-1"], "--kv-block-tokens", id="kv-block-tokens -1"),
+        pytest.param(["--kv-block-tokens", str(2 ** 21)], "--kv-block-tokens", id="kv-block-tokens too many"),
+        pytest.param(["--kv-layout", "slot-file"], "--kv-layout", id="kv layout without blocks"),
+        pytest.param(["--kv-layout", "entry", "--kv-block-tokens", "16"], "--kv-layout", id="entry layout of blocks"),
+        pytest.param(["--kv-io", "engine"], "--kv-io", id="kv-io engine without an engine"),
+        pytest.param(["--kv-engine", "nginx"], "--kv-engine", id="kv-engine unknown"),
+        pytest.param(["--kv-engine", "lmcache", "--io-trace-log", "{tmp}/t.csv"], "--io-trace-log",
+                     id="kv blocks in trace mode"),
+        pytest.param(["--kv-block-tokens", "64", "--fio-job", "{tmp}/j.fio"], "--fio-job", id="kv blocks with fio"),
     ])
     def test_bad_input_exits_2_with_one_line_and_touches_nothing(self, tmp_path, argv, flag):
         inputs = tmp_path / "inputs"
@@ -8572,6 +8777,13 @@ TWO_RANK_FEATURES = {
     "decode_contexts": (lambda r: dict(DECODE_SET_UP, contexts_written=3 - r),
                         lambda s: (s["decode_contexts"]["users"], s["decode_contexts"]["contexts_written"]) == (6, 5),
                         "Contexts written before the timer: 5 of 6 users"),
+    "kv_blocks": (lambda r: kv.KVBlockFigures(kv.KV_ENGINES["lmcache"].summary(),
+                                              {"objects_written": 3 + r, "files_created": 3 + r},
+                                              array.array("d", [0.001 * (r + 1)] * (r + 1)), r, 4 - r),
+                  lambda s: (s["kv_blocks"]["objects_written"], s["kv_blocks"]["lookups"]["count"],
+                             s["kv_blocks"]["lookups"]["hits"], s["kv_blocks"]["largest_directory_files"],
+                             s["kv_blocks"]["lookups"]["latency_ms"]["max"]) == (7, 3, 1, 4, pytest.approx(2.0)),
+                  "objects written 7"),
     "burst_trace": (lambda r: dict(BURST_FIGURES, requests_admitted=4 + r),
                     lambda s: (s["burst_trace"]["rows"], s["burst_trace"]["requests_admitted"],
                                s["burst_trace"]["bad_rows_by_reason"]) == (10, 9, {"not a number": 2}),

@@ -112,8 +112,8 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import (Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, Union,
-                    runtime_checkable)
+from typing import (Any, Callable, ContextManager, Dict, Iterator, List, NamedTuple, Optional, Protocol, Sequence,
+                    Tuple, Union, runtime_checkable)
 
 import numpy as np
 
@@ -3756,10 +3756,10 @@ def _pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
 # the objects live is the layout's (a BlockStore): a file each (file-per-block), a slot in a
 # preallocated file per rank (slot-file) or a record in a bucket file (bucket).
 
-@dataclass(frozen=True)
-class BlockObject:
+class BlockObject(NamedTuple):
     """One stored object of an entry: its name (a relative path for file layouts), the TP rank
-    (`part`) whose bytes it holds, where those bytes start in the entry, and how many."""
+    (`part`) whose bytes it holds, where those bytes start in the entry, and how many. A tuple:
+    a million of them are a million blocks' index (docs/performance.md)."""
     name: str
     part: int
     offset: int
@@ -3843,6 +3843,7 @@ class BlockStore(Protocol):
     def remove(self, obj: BlockObject) -> None: ...
     def clear(self) -> None: ...
     def largest_directory(self) -> int: ...                                           # the most files one held
+    def reset_counts(self) -> None: ...                            # the census and the peak start again from now
 
 
 class FileBlocks:
@@ -3963,6 +3964,11 @@ class FileBlocks:
         with self._lock:
             return self._fullest
 
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.files = dict.fromkeys(self.files, 0)
+            self._fullest = max(self._dirs.values(), default=0)
+
 
 class SlotBlocks:
     """slot-file (Dynamo KVBM's disk tier): one file per rank, made with mkstemp, opened O_DIRECT
@@ -4058,6 +4064,9 @@ class SlotBlocks:
 
     def largest_directory(self) -> int:
         return len(self._fds)
+
+    def reset_counts(self) -> None:
+        self.files = dict.fromkeys(self.files, 0)
 
 
 SLOT_FILE_EXTENT_BYTES = 1 << 30        # a slot file grows by this much at a time (fallocate)
@@ -4198,6 +4207,11 @@ class BucketBlocks:
         with self._lock:
             return self._fullest
 
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.files = dict.fromkeys(self.files, 0)
+            self._fullest = 2 * len(self._buckets)
+
 
 class BlockTier(StorageTier):
     """Tier 3 of --kv-block-tokens N: an entry's whole blocks (kv_block_objects), each object
@@ -4222,16 +4236,17 @@ class BlockTier(StorageTier):
         mode = "O_DIRECT" if self.direct_io else "buffered" + (" + fdatasync + fadvise(DONTNEED)" if durable else "")
         self.io_mode = f"{scheme.describe()}; {mode}" + ("" if supported or not direct_io else f": {reason}")
         self.lookups = LookupSamples()
-        super().__init__(shards)
         self.metadata: Dict[str, Dict[str, Any]] = {}
+        self.store: BlockStore
         if scheme.layout == "bucket":
             self.store = BucketBlocks(self.base_path, durable)
         elif scheme.layout == "slot-file":
-            parts = shards if scheme.per_rank else 1
-            self.store: BlockStore = SlotBlocks(self.base_path, parts, scheme.object_bytes(bytes_per_token, shards),
-                                                self.direct_io, durable)
+            parts = max(1, shards) if scheme.per_rank else 1
+            self.store = SlotBlocks(self.base_path, parts, scheme.object_bytes(bytes_per_token, max(1, shards)),
+                                    self.direct_io, durable)
         else:
             self.store = FileBlocks(self.base_path, scheme, self.direct_io, durable)
+        super().__init__(shards)
 
     def reset_accounting(self) -> None:
         with self._lock:
@@ -4239,6 +4254,7 @@ class BlockTier(StorageTier):
             self.moved = {"objects_written": 0, "objects_read": 0, "object_bytes_written": 0, "object_bytes_read": 0}
             self.request_sizes: Dict[str, Dict[int, int]] = {"read": defaultdict(int), "write": defaultdict(int)}
         self.lookups.reset()
+        self.store.reset_counts()
 
     def entry_info(self, key: str) -> StoredEntry:
         with self._lock:

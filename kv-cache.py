@@ -1305,11 +1305,9 @@ class BenchmarkConfig:
                              f"({', '.join(KV_ENGINES)})")
         if not self.kv_blocks.blocks:
             return
-        for flag, given in (("--io-trace-log", self.io_trace_log), ("--replay-io-trace", self.replay_io_trace),
-                            ("--fio-job", self.fio_job), ("--fio-compare", self.fio_compare)):
-            if given:
-                raise UsageError(f"{flag} cannot be combined with KV blocks (--kv-block-tokens, --kv-engine) yet: "
-                                 "its trace and fio job know one object per entry")
+        if self.replay_io_trace:
+            raise UsageError("--replay-io-trace replays the trace's own objects: it cannot be combined with "
+                             "--kv-block-tokens or --kv-engine (the trace of a block run has a row per block)")
 
     def _check_node_role(self) -> None:
         if self.prefill_only and self.decode_only:
@@ -4361,8 +4359,14 @@ class BlockTier(StorageTier):
             moved = dict(self.moved)
         count = moved["objects_written"]
         size = moved["object_bytes_written"] / count if count else None
-        profile.update(files_written=self.store.files["created"], file_bytes_mean=size, file_bytes_min=size,
-                       file_bytes_max=size, shards_per_entry=self.shards, object_sizes=[])
+        for op, clock in self.busy.items():
+            profile[f"{op}_mean_inflight"] = clock.mean_inflight()
+            profile[f"{op}_peak_inflight"] = clock.peak_inflight
+            profile[f"{op}_request_mean_ms"] = clock.request_s / clock.requests * 1000 if clock.requests else None
+        # An operation moves its objects one at a time (depth 1), each made durable alone (--kv-io direct).
+        profile.update(files_written=count, file_bytes_mean=size, file_bytes_min=size, file_bytes_max=size,
+                       shards_per_entry=self.shards, object_sizes=[], depth_per_operation=1,
+                       bytes_per_sync=STAGING_BYTES if self.scheme.kv_io == "direct" else 0)
         return profile
 
     def block_counts(self) -> Dict[str, Any]:
@@ -5514,12 +5518,15 @@ class TracedTier(StorageTier):
     and timed as the operation's device time) and writes its rows: a demotion both halves (the
     source tier's Read and this tier's Write, phase Evict), with --io-trace-deletes a deletion
     a Delete row (Evict after a demotion, Cleanup at the end). A storage tier of --tensor-parallel TP writes a row per
-    shard, named as the files would be (shard_objects)."""
+    shard, named as the files would be (shard_objects); with --kv-block-tokens, a row per block
+    object (`objects`: kv_block_objects), as the block tier would store them."""
 
     trace_mode = True
 
-    def __init__(self, name: str, log: TraceLog, shards: int = 1):
+    def __init__(self, name: str, log: TraceLog, shards: int = 1,
+                 objects: Optional[Callable[[str, int], List[Tuple[str, int]]]] = None):
         self.name, self.log, self.model = name, log, log.model
+        self._objects = objects or (lambda key, nbytes: shard_objects(key, nbytes, self.shards))
         self._entries: Dict[str, StoredEntry] = {}
         self._delete_phase: Dict[str, str] = {}      # a key's Delete row's phase, where not Delete
         self.io_mode = f"trace mode, no I/O (--io-trace-log {log.path}); latency model: {log.model.describe()}"
@@ -5532,7 +5539,7 @@ class TracedTier(StorageTier):
         start, end = self.model.reserve([tier for _, tier in rows], nbytes)
         phase = TRACE_PHASES.get(transfer.reason, transfer.reason.capitalize())
         for op, tier in rows:                              # the other tier of a demotion holds it whole
-            for name, size in shard_objects(key, nbytes, self.shards if tier == self.name else 1):
+            for name, size in (self._objects(key, nbytes) if tier == self.name else [(key, nbytes)]):
                 self.log.row(start, op, size, tier, name, phase)
 
         def wait() -> None:
@@ -5572,7 +5579,7 @@ class TracedTier(StorageTier):
         if info is None:
             return False
         at = time.perf_counter()
-        for name, size in shard_objects(key, info.nbytes, self.shards):
+        for name, size in self._objects(key, info.nbytes):
             self.log.row(at, "Delete", size, self.name, name, phase)
         return True
 
@@ -5592,8 +5599,13 @@ def open_traced_tiers(config: BenchmarkConfig) -> MemoryTiers:
     """Trace mode's GPU and CPU tiers, at their budgets as asked (nothing is allocated), and
     the trace they and the storage tier write to."""
     log = TraceLog(config.io_trace_log, LatencyModel.for_run(config), config.io_trace_deletes)
-    tiers = MemoryTiers({}, {}, cpu_memory="none (trace mode)", trace=log,
-                        open_storage=lambda directory, shards: TracedTier("nvme", log, shards))
+    scheme, bpt = config.kv_blocks, config.shards.model.kv_cache_size_per_token
+
+    def storage(directory: Path, shards: int) -> TracedTier:
+        objects = (None if not scheme.blocks else lambda key, nbytes: [
+            (o.name, o.nbytes) for o in kv_block_objects(scheme, config.model.name, key, nbytes, shards, bpt)])
+        return TracedTier("nvme", log, shards, objects)
+    tiers = MemoryTiers({}, {}, cpu_memory="none (trace mode)", trace=log, open_storage=storage)
     for tier, gb in (("gpu", config.gpu_mem_gb * config.num_gpus), ("cpu", config.cpu_mem_gb)):
         if gb > 0:
             tiers.backends[tier], tiers.limits[tier] = TracedTier(tier, log), gb * GIB
@@ -7443,9 +7455,9 @@ def fio_job_text(run: Dict[str, Any]) -> str:
         # Entries are picked across the cache and each one is read or written front to back.
         "file_service_type=random",
         *_fio_file_lines(run, data_bytes, streams),
-        # The run makes each written entry durable (fdatasync once per entry): so does fio.
-        *([f"fdatasync={max(1, round(int(run['file_size_bytes']) / IO_CHUNK_BYTES))}"]
-          if write_sizes and run.get("file_size_bytes") else []),
+        # The run makes each written entry (block) durable, fdatasync once per file: so does fio.
+        *([f"fdatasync={max(1, round(int(run['file_size_bytes']) / int(run.get('bytes_per_sync') or IO_CHUNK_BYTES)))}"]
+          if write_sizes and run.get("file_size_bytes") and run.get("bytes_per_sync", 1) else []),
         "", f"[{FIO_JOB_NAME}]", *rw_lines, f"numjobs={streams}", ""]
     return "\n".join(lines)
 
@@ -7464,7 +7476,8 @@ def fio_replay_spec(cs: Dict[str, Any], run_label: str, elapsed_s: float, direct
         # The data set fio lays out: what the run wrote, at most FIO_MAX_DATASET_BYTES.
         "bytes_read": min(int(cs["nvme_bytes_read_gb"] * GIB), FIO_MAX_DATASET_BYTES),
         "bytes_written": min(int(cs["nvme_bytes_written_gb"] * GIB), FIO_MAX_DATASET_BYTES),
-        "streams": max(1, round(inflight / IO_DEPTH)), "depth": IO_DEPTH,
+        "streams": max(1, round(inflight / req.get("depth_per_operation", IO_DEPTH))),
+        "depth": req.get("depth_per_operation", IO_DEPTH), "bytes_per_sync": req.get("bytes_per_sync"),
         "file_sizes": sizes, "file_size_bytes": req.get("file_bytes_mean"),
         "runtime_s": runtime_s or elapsed_s or 60,
         "header": {

@@ -2089,6 +2089,31 @@ class TestKVBlocks:
         finally:
             cache.close()
 
+    def test_trace_mode_writes_a_row_per_block_object(self, tmp_path):
+        trace = tmp_path / "t.csv"
+        results = results_of(run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "8",
+                                                       "--cpu-mem-gb", "0", "--seed", "3", "--kv-engine", "vllm",
+                                                       "--io-trace-log", trace, "--io-trace-deletes")), tmp_path)
+        rows = [r for r in csv.DictReader(trace.read_text().splitlines()) if r["Tier"] == "Tier-2"]
+        per_object = kv.KV_ENGINES["vllm"].object_bytes(kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token, 1)
+        assert rows and {int(r["Object_Size_Bytes"]) for r in rows} == {per_object}
+        assert all(re.fullmatch(r"tiny-1b_[0-9a-f]{12}_r0/([0-9a-f]{3})/([0-9a-f]{2})_g0/\1\2[0-9a-f]{59}\.bin", r["Key"])
+                   for r in rows)
+        written = sum(int(r["Object_Size_Bytes"]) for r in rows if r["Operation"] == "Write")
+        assert written == results["summary"]["cache_stats"]["tier_storage_kv_bytes_written_gb"] * GIB
+        deleted = collections.Counter(r["Key"] for r in rows if r["Operation"] == "Delete")
+        assert set(deleted) == {r["Key"] for r in rows if r["Operation"] == "Write"}     # every block, at the end
+
+    def test_the_fio_job_moves_one_object_per_io_each_made_durable(self, tmp_path):
+        job = tmp_path / "j.fio"
+        results_of(run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "8", "--cpu-mem-gb", "0",
+                                             "--seed", "3", "--kv-engine", "lmcache", "--fio-job", job)), tmp_path)
+        lines = set(job.read_text().splitlines())
+        per_object = kv.KV_ENGINES["lmcache"].object_bytes(kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token, 1)
+        assert {"iodepth=1", "ioengine=psync", "fdatasync=1", f"filesize={per_object}", "direct=1"} <= lines
+        assert any(line.startswith("bssplit=") and set(re.findall(r"(\d+)/", line)) == {str(per_object)}
+                   for line in lines)
+
     @pytest.mark.skipif(not shutil.which("strace"), reason="strace is not installed")
     @pytest.mark.parametrize("kv_io, syncs", [("engine", 0), ("direct", 2)])
     def test_lmcache_engine_io_never_syncs(self, tmp_path, kv_io, syncs):
@@ -7408,9 +7433,8 @@ class TestReliability:
         pytest.param(["--kv-layout", "entry", "--kv-block-tokens", "16"], "--kv-layout", id="entry layout of blocks"),
         pytest.param(["--kv-io", "engine"], "--kv-io", id="kv-io engine without an engine"),
         pytest.param(["--kv-engine", "nginx"], "--kv-engine", id="kv-engine unknown"),
-        pytest.param(["--kv-engine", "lmcache", "--io-trace-log", "{tmp}/t.csv"], "--io-trace-log",
-                     id="kv blocks in trace mode"),
-        pytest.param(["--kv-block-tokens", "64", "--fio-job", "{tmp}/j.fio"], "--fio-job", id="kv blocks with fio"),
+        pytest.param(["--kv-engine", "lmcache", "--replay-io-trace", "{burst}"], "cannot be combined with --kv-block",
+                     id="kv blocks in a replay"),
     ])
     def test_bad_input_exits_2_with_one_line_and_touches_nothing(self, tmp_path, argv, flag):
         inputs = tmp_path / "inputs"

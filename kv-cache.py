@@ -9790,6 +9790,15 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
         **{f"Traced {label.split(' (')[0]} P95 (us)": _fmt_range(_dig(results, "device_latency_tracing", name,
                                                                       "p95_range_us"))
            for name, label in LATENCY_HISTOGRAMS.items()},
+        "KV Engine": s("kv_blocks", "engine"),
+        "KV Block Tokens": s("kv_blocks", "block_tokens"),
+        "KV Layout": s("kv_blocks", "layout"),
+        "KV Objects Written": s("kv_blocks", "objects_written"),
+        "KV Objects Read": s("kv_blocks", "objects_read"),
+        "KV Files Created/s": s("kv_blocks", "files_created_per_sec"),
+        "KV Largest Directory (files)": s("kv_blocks", "largest_directory_files"),
+        "KV Lookups/s": s("kv_blocks", "lookups", "per_sec"),
+        "KV Lookup P95 (ms)": s("kv_blocks", "lookups", "latency_ms", "p95"),
     }
 
 

@@ -2062,7 +2062,8 @@ class TestKVBlocks:
                                                     "--cpu-mem-gb", "0", "--seed", "7")), tmp_path / "entry")
         (tmp_path / "cache").mkdir()
         run = run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "12", "--cpu-mem-gb", "0",
-                                        "--seed", "7", "--kv-engine", engine, "--kv-io", "engine"))
+                                        "--seed", "7", "--kv-engine", engine, "--kv-io", "engine",
+                                        "--xlsx-output", tmp_path / "r.csv"))
         results = results_of(run, tmp_path)
         blocks = results["summary"]["kv_blocks"]
         assert "kv_blocks" not in base["summary"] and results["workload_digest"] == base["workload_digest"]
@@ -2077,6 +2078,8 @@ class TestKVBlocks:
         stored = results["summary"]["cache_stats"]["tier_storage_kv_bytes_written_gb"] * GIB
         assert stored == pytest.approx(blocks["object_bytes_written"], rel=1e-9)      # the tier's bytes are the blocks'
         assert "### KV BLOCKS ###" in run.stdout
+        row = next(csv.DictReader((tmp_path / "r.csv").read_text().splitlines()))
+        assert (row["KV Engine"], row["KV Objects Written"]) == (engine, str(blocks["objects_written"]))
         assert list((tmp_path / "cache").iterdir()) == []
 
     def test_an_entry_below_one_block_is_not_cached(self, tmp_path):

@@ -35,8 +35,9 @@ Sections, in the order data flows through the program (each uses only those abov
     TRANSFERS: ONE OPERATION ...      Transfer (stop, clock, staging, CRC, record), sources, sinks,
                                       StorageBackend: what every tier supplies, GPUDevice
     STORAGE TIER: ONE FILE PER ENTRY  StorageTier (its face); NVMeBackend: O_DIRECT .npy files, chunks in flight
-    STORAGE TIER: KV BLOCKS           --kv-block-tokens: BlockTier, its layouts (BlockStore: FileBlocks,
-                                      SlotBlocks, BucketBlocks), block names and lookups
+    KV BLOCK LAYOUTS                  block names (kv_block_objects), lookups, BlockStore: FileBlocks,
+                                      SlotBlocks, BucketBlocks
+    STORAGE TIER: KV BLOCKS           --kv-block-tokens: BlockTier, an entry as whole blocks
     HOST MEMORY TIER                  HostArena, CPUMemoryBackend
     GPU DEVICES                       KV made on the device, pinning, the PyTorch and CuPy devices
     GPU TIER AND DELIVERY TO THE GPU  GPUDelivery (a sink), GPUMemoryBackend
@@ -3745,14 +3746,13 @@ def _pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
 
 
 # ============================================================================
-# STORAGE TIER: KV BLOCKS
+# KV BLOCK LAYOUTS
 # ============================================================================
-# --kv-block-tokens N: the storage tier keeps an entry as blocks of N tokens, each block one
-# object per TP rank, named by a hash chained over the blocks before it, as inference engines
-# keep KV (docs/engines.md). The cache stores whole blocks only (an entry's partial last block
-# stays with the engine, as in every engine), so an entry here is always whole blocks. Where
-# the objects live is the layout's (a BlockStore): a file each (file-per-block), a slot in a
-# preallocated file per rank (slot-file) or a record in a bucket file (bucket).
+# --kv-block-tokens N: an entry is stored as blocks of N tokens, each block one object per TP
+# rank, named by a hash chained over the blocks before it, as inference engines keep KV
+# (docs/engines.md). Where the objects live is the layout's (a BlockStore): a file each
+# (file-per-block), a slot in a preallocated file per rank (slot-file) or a record in a bucket
+# file (bucket).
 
 class BlockObject(NamedTuple):
     """One stored object of an entry: its name (a relative path for file layouts), the TP rank
@@ -3968,6 +3968,9 @@ class FileBlocks:
             self._fullest = max(self._dirs.values(), default=0)
 
 
+SLOT_FILE_EXTENT_BYTES = 1 << 30        # a slot file grows by this much at a time (fallocate)
+
+
 class SlotBlocks:
     """slot-file (Dynamo KVBM's disk tier): one file per rank, made with mkstemp, opened O_DIRECT
     and unlinked at once (its blocks live while the tier holds the descriptor; nothing is left
@@ -4065,9 +4068,6 @@ class SlotBlocks:
 
     def reset_counts(self) -> None:
         self.files = dict.fromkeys(self.files, 0)
-
-
-SLOT_FILE_EXTENT_BYTES = 1 << 30        # a slot file grows by this much at a time (fallocate)
 
 
 class BucketBlocks:
@@ -4210,6 +4210,13 @@ class BucketBlocks:
             self.files = dict.fromkeys(self.files, 0)
             self._fullest = 2 * len(self._buckets)
 
+
+# ============================================================================
+# STORAGE TIER: KV BLOCKS
+# ============================================================================
+# The storage tier of --kv-block-tokens: an entry's whole blocks (the cache stores whole blocks
+# only: an entry's partial last block stays with the engine, as in every engine), each object
+# kept by the scheme's layout and looked up the engine's way before it is stored or loaded.
 
 class BlockTier(StorageTier):
     """Tier 3 of --kv-block-tokens N: an entry's whole blocks (kv_block_objects), each object

@@ -3862,9 +3862,13 @@ class FileBlocks:
         with self._lock:
             self.files[name] += amount
 
+    def _direct(self, nbytes: int) -> bool:
+        """O_DIRECT for this object: only for whole 4 KiB blocks (else buffered, and with `durable`
+        synced and its pages dropped, as LMCache falls back)."""
+        return self.direct and nbytes % BLOCK_BYTES == 0
+
     def _flags(self, nbytes: int) -> int:
-        direct = self.direct and nbytes % BLOCK_BYTES == 0
-        return getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if direct else 0)
+        return getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self._direct(nbytes) else 0)
 
     def exists(self, obj: BlockObject) -> bool:
         try:
@@ -3908,7 +3912,7 @@ class FileBlocks:
                 transfer.timed(_pwrite_all, fd, buf, offset, busy=busy)
             if self.durable:
                 transfer.timed(os.fdatasync, fd, busy=busy)
-                if not self.direct:
+                if not self._direct(obj.nbytes):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             if self.scheme.temp_rename:
                 transfer.timed(os.rename, target, path)
@@ -3933,7 +3937,7 @@ class FileBlocks:
                 if got < want:
                     raise OSError(errno.EIO, f"short read of {obj.name}: {got} of {want} bytes")
                 deliver(offset, room[:want])
-            if self.durable and not self.direct:
+            if self.durable and not self._direct(obj.nbytes):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
@@ -4236,6 +4240,9 @@ class BlockTier(StorageTier):
         supported, reason = probe_direct_io(self.base_path)
         if direct_io is None:
             direct_io = scheme.kv_io == "direct" or scheme.engine_direct
+        object_bytes = scheme.object_bytes(bytes_per_token, max(1, shards))
+        if object_bytes % BLOCK_BYTES:
+            supported, reason = False, f"objects of {object_bytes:,} bytes are not whole {BLOCK_BYTES} B blocks"
         self.direct_io = direct_io and supported and scheme.layout != "bucket"     # Mooncake's buckets: buffered
         durable = scheme.kv_io == "direct"
         mode = "O_DIRECT" if self.direct_io else "buffered" + (" + fdatasync + fadvise(DONTNEED)" if durable else "")

@@ -2048,6 +2048,21 @@ class TestKVBlocks:
         tier.delete("k")
         assert our_files(tmp_path) == []
 
+    def test_objects_not_of_whole_4k_blocks_are_still_read_from_the_device(self, tmp_path):
+        """deepseek-v3's 70,272 bytes a token make 16-token objects of 1,124,352 bytes: no O_DIRECT,
+        so each is synced and its pages dropped, and its read fetches every byte from the disk."""
+        if os.major(os.stat(tmp_path).st_dev) == 0:
+            pytest.skip("the temporary directory is on no block device (its reads are never the device's)")
+        tier = kv.BlockTier(tmp_path, kv.dataclasses.replace(kv.KV_ENGINES["lmcache"], block_tokens=16), "m", 70_272)
+        assert not tier.direct_io and "not whole 4096 B blocks" in tier.io_mode
+        data = np.random.default_rng(2).integers(0, 256, 4 * 16 * 70_272, dtype=np.uint8)
+        with kv.Transfer("write", data.size) as t:
+            tier.write_from("k", kv.EntrySource.of_array(data), t)
+        before = thread_io()["read_bytes"]
+        with kv.Transfer("read", data.size) as t:
+            tier.read_into("k", kv.HostSink(), t)
+        assert thread_io()["read_bytes"] - before >= data.size
+
     def test_a_vanished_object_of_ours_is_an_io_error(self, tmp_path):
         tier = kv.BlockTier(tmp_path, kv.KV_ENGINES["lmcache"], "m", BPT_8B // 64)
         write_and_read_entry(tier, "k", 2 * 256 * BPT_8B // 64)

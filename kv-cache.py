@@ -70,7 +70,6 @@ Sections, in the order data flows through the program (each uses only those abov
     COMMAND LINE                      parser, main, replay_main
 """
 import argparse
-import array
 import bisect
 import dataclasses
 import errno
@@ -325,7 +324,6 @@ MAX_KV_BLOCK_TOKENS = 1 << 20          # --kv-block-tokens: at most a million to
 
 # --- KV blocks (--kv-block-tokens, --kv-layout, --kv-engine, --kv-io; docs/engines.md) ---
 KV_LAYOUTS = ("entry", "file-per-block", "slot-file", "bucket")
-KV_NAMINGS = ("plain", "lmcache", "vllm", "llm-d", "sglang", "dynamo", "mooncake")
 
 
 @dataclass(frozen=True)
@@ -333,9 +331,9 @@ class KVBlockScheme:
     """How the storage tier keeps an entry (--kv-block-tokens, --kv-layout, --kv-engine, --kv-io;
     docs/engines.md). `block_tokens` 0 is the original's layout: one object per entry (shard)."""
     block_tokens: int = 0
-    layout: str = "entry"               # entry | file-per-block | slot-file
+    layout: str = "entry"               # one of KV_LAYOUTS
     engine: str = ""                    # the --kv-engine preset it came from
-    naming: str = "plain"               # how objects are named (and file-per-block's directory tree)
+    naming: str = "plain"               # an engine's object names (block_object_name), or plain
     temp_rename: bool = False           # file-per-block: written as a temporary file, then renamed
     per_rank: bool = True               # one object per TP rank (vLLM's file tier: every rank in one)
     split_kv: bool = False              # K and V as two objects (SGLang's Mooncake backend)
@@ -2714,6 +2712,32 @@ class IOAborted(Exception):
         self.nbytes = nbytes
 
 
+class LatencyHistogram:
+    """Latency samples in a fixed memory: counts in buckets 1 % wide (1 us to 3 hours), with the
+    exact count, mean and maximum. A replay of ten million rows, or a run's millions of block
+    lookups, keeps its percentiles without keeping its samples (histogram_summary_ms: each
+    percentile is its bucket's geometric middle, within 0.5 %); histograms of ranks add up."""
+
+    LOW_S, GROWTH, BUCKETS = 1e-6, 1.01, 2400
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(self.BUCKETS, dtype=np.int64)
+        self.count, self.total_s, self.max_s = 0, 0.0, None
+
+    def add(self, seconds: float) -> None:
+        where = math.log(max(seconds, self.LOW_S) / self.LOW_S) / math.log(self.GROWTH)
+        self.counts[min(int(where), self.BUCKETS - 1)] += 1
+        self.count, self.total_s = self.count + 1, self.total_s + seconds
+        self.max_s = seconds if self.max_s is None else max(self.max_s, seconds)
+
+    def merged(self, other: "LatencyHistogram") -> "LatencyHistogram":
+        both = LatencyHistogram()
+        both.counts = self.counts + other.counts
+        both.count, both.total_s = self.count + other.count, self.total_s + other.total_s
+        both.max_s = max((m for m in (self.max_s, other.max_s) if m is not None), default=None)
+        return both
+
+
 class BusyClock:
     """Wall time during which at least one operation was in flight (iostat's %util). Summing
     per-operation times instead would count overlaps N times. A Transfer keeps one for its own
@@ -3810,21 +3834,25 @@ def kv_block_objects(scheme: KVBlockScheme, model: str, key: str, nbytes: int, s
 
 
 class LookupSamples:
-    """The lookups' latencies (seconds, a float array: 8 bytes each) and hits, under a lock."""
+    """The lookups' latencies (a LatencyHistogram: fixed memory however many) and hits, under a lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.seconds = array.array("d")
-        self.hits = 0
+        self.reset()
 
     def add(self, seconds: float, hit: bool) -> None:
         with self._lock:
-            self.seconds.append(seconds)
-            self.hits += hit
+            self._latency.add(seconds)
+            self._hits += hit
 
     def reset(self) -> None:
         with self._lock:
-            self.seconds, self.hits = array.array("d"), 0
+            self._latency, self._hits = LatencyHistogram(), 0
+
+    def snapshot(self) -> Tuple[LatencyHistogram, int]:
+        """A copy of the latencies, and the hits."""
+        with self._lock:
+            return self._latency.merged(LatencyHistogram()), self._hits
 
 
 class BlockStore(Protocol):
@@ -4385,13 +4413,13 @@ class BlockTier(StorageTier):
 
     def block_counts(self) -> Dict[str, Any]:
         """What the tier did since the last reset: objects and bytes moved, files made, renamed and
-        removed, the fullest directory, the lookups (count, hits, latencies in seconds)."""
+        removed, the fullest directory, the lookups (hits, a LatencyHistogram of their latencies)."""
         with self._lock:
             counts: Dict[str, Any] = dict(self.moved)
         counts.update({f"files_{k}": v for k, v in self.store.files.items()},
                       largest_directory_files=self.store.largest_directory())
-        with self.lookups._lock:
-            counts.update(lookup_hits=self.lookups.hits, lookup_seconds=array.array("d", self.lookups.seconds))
+        latency, hits = self.lookups.snapshot()
+        counts.update(lookup_hits=hits, lookup_latency=latency)
         return counts
 
 
@@ -5645,6 +5673,17 @@ def latency_summary_ms(samples_s: Sequence[float]) -> Dict[str, Optional[float]]
             "max": float(a.max()), "count": int(a.size)}
 
 
+def histogram_summary_ms(h: LatencyHistogram) -> Dict[str, Optional[float]]:
+    """A LatencyHistogram as latency_summary_ms gives samples: mean, percentiles, maximum, count."""
+    if h.count == 0:
+        return latency_summary_ms([])
+    cumulative = np.cumsum(h.counts)
+    middles_ms = h.LOW_S * h.GROWTH ** (np.arange(h.BUCKETS) + 0.5) * 1000.0
+    at = {p: min(float(middles_ms[np.searchsorted(cumulative, q / 100 * h.count)]), h.max_s * 1000.0)
+          for p, q in PERCENTILES.items()}
+    return {"mean": h.total_s / h.count * 1000.0, **at, "max": h.max_s * 1000.0, "count": h.count}
+
+
 def _fmt_ms(value: Optional[float]) -> str:
     if value is None:
         return "n/a"
@@ -6010,10 +6049,10 @@ class CacheStats:
 class KVBlockFigures:
     """The storage tier's blocks over the measured window (one rank's, or the ranks' merged):
     objects and bytes moved, files made, renamed and removed, the fullest directory, the
-    lookups' count, hits and latencies (seconds; 8 bytes each)."""
+    lookups' hits and latencies (a LatencyHistogram: its count is the lookups')."""
     scheme: Dict[str, Any]
     counts: Dict[str, int]
-    lookup_seconds: Any                       # array('d')
+    lookup_latency: LatencyHistogram
     lookup_hits: int = 0
     largest_directory_files: int = 0
 
@@ -6024,7 +6063,7 @@ class KVBlockFigures:
             return None
         counts = tier.block_counts()
         return cls(tier.scheme.summary(), {k: v for k, v in counts.items() if isinstance(v, int) and k not in (
-            "lookup_hits", "largest_directory_files")}, counts["lookup_seconds"], counts["lookup_hits"],
+            "lookup_hits", "largest_directory_files")}, counts["lookup_latency"], counts["lookup_hits"],
             counts["largest_directory_files"])
 
     @staticmethod
@@ -6034,25 +6073,25 @@ class KVBlockFigures:
         if not parts:
             return None
         counts: Dict[str, int] = defaultdict(int)
-        seconds = array.array("d")
+        latency = LatencyHistogram()
         for p in parts:
             for k, v in p.counts.items():
                 counts[k] += v
-            seconds.extend(p.lookup_seconds)
-        return KVBlockFigures(parts[0].scheme, dict(counts), seconds, sum(p.lookup_hits for p in parts),
+            latency = latency.merged(p.lookup_latency)
+        return KVBlockFigures(parts[0].scheme, dict(counts), latency, sum(p.lookup_hits for p in parts),
                               max(p.largest_directory_files for p in parts))
 
     def to_json(self, window_s: float) -> Dict[str, Any]:
         """The results' `kv_blocks` (docs/metrics.md)."""
         rate = (lambda n: round(n / window_s, 3)) if window_s > 0 else (lambda n: None)
         c = self.counts
-        lookups = len(self.lookup_seconds)
+        lookups = self.lookup_latency.count
         return {**self.scheme, **c,
                 "files_created_per_sec": rate(c.get("files_created", 0)),
                 "files_deleted_per_sec": rate(c.get("files_deleted", 0)),
                 "largest_directory_files": self.largest_directory_files,
                 "lookups": {"count": lookups, "hits": self.lookup_hits, "per_sec": rate(lookups),
-                            "latency_ms": latency_summary_ms(self.lookup_seconds)}}
+                            "latency_ms": histogram_summary_ms(self.lookup_latency)}}
 
 
 def format_kv_blocks(b: Dict[str, Any]) -> List[str]:
@@ -8163,34 +8202,6 @@ REPLAY_BACKLOG = 4 * REPLAY_WORKERS     # operations issued and not done, at mos
 REPLAY_FAILURES_KEPT = 100              # failures named in the results; the rest are counted
 
 
-class LatencyHistogram:
-    """Latency samples in a fixed memory: counts in buckets 1 % wide (1 us to 3 hours), with the
-    exact count, mean and maximum. A replay of ten million rows keeps its percentiles without
-    keeping its samples; each percentile is its bucket's geometric middle (within 0.5 %)."""
-
-    LOW_S, GROWTH, BUCKETS = 1e-6, 1.01, 2400
-
-    def __init__(self) -> None:
-        self.counts = np.zeros(self.BUCKETS, dtype=np.int64)
-        self.count, self.total_s, self.max_s = 0, 0.0, None
-
-    def add(self, seconds: float) -> None:
-        where = math.log(max(seconds, self.LOW_S) / self.LOW_S) / math.log(self.GROWTH)
-        self.counts[min(int(where), self.BUCKETS - 1)] += 1
-        self.count, self.total_s = self.count + 1, self.total_s + seconds
-        self.max_s = seconds if self.max_s is None else max(self.max_s, seconds)
-
-    def summary_ms(self) -> Dict[str, Optional[float]]:
-        """As latency_summary_ms gives it: mean, percentiles, maximum, count (None when empty)."""
-        if self.count == 0:
-            return latency_summary_ms([])
-        cumulative = np.cumsum(self.counts)
-        middles_ms = self.LOW_S * self.GROWTH ** (np.arange(self.BUCKETS) + 0.5) * 1000.0
-        at = {p: min(float(middles_ms[np.searchsorted(cumulative, q / 100 * self.count)]), self.max_s * 1000.0)
-              for p, q in PERCENTILES.items()}
-        return {"mean": self.total_s / self.count * 1000.0, **at, "max": self.max_s * 1000.0, "count": self.count}
-
-
 @dataclass(frozen=True)
 class TraceOp:
     at_s: float                # from the trace's first storage row
@@ -8351,14 +8362,14 @@ class TraceReplay:
         operations = {op.lower(): {"count": samples.count, "trace_count": c[f"trace_{op}_count"],
                                    "bytes": c[f"{op}_bytes"], "trace_bytes": c[f"trace_{op}_bytes"],
                                    "gib_per_s": c[f"{op}_bytes"] / elapsed / GIB if elapsed > 0 else None,
-                                   "latency_ms": samples.summary_ms()}
+                                   "latency_ms": histogram_summary_ms(samples)}
                       for op, samples in self.samples.items()}
         return {"benchmark": "kv-cache", "version": __version__, "mode": "replay-io-trace",
                 "trace": self.config.replay_io_trace, "trace_speedup": self.config.trace_speedup,
                 "cache_dir": str(self.run_dir.parent), "storage_io_mode": self.backend.io_mode,
                 "interrupted": self.stop.is_set(), "stop_reason": stop_reason, "elapsed_s": elapsed,
                 "operations": operations,
-                "lag_ms": self.lags.summary_ms(), "unknown_reads": c["unknown_reads"],
+                "lag_ms": histogram_summary_ms(self.lags), "unknown_reads": c["unknown_reads"],
                 "reads_not_of_the_rows_size": c["reads_not_of_the_rows_size"], "trace_error": self.trace_error,
                 "unknown_deletes": c["unknown_deletes"], "io_errors": c["io_errors"], "aborted": c["aborted"],
                 "failures": self.failures, "failure_count": c["failures"],

@@ -16,7 +16,6 @@ is installed and a CUDA device answers. Every file a test writes lives under
 pytest's tmp_path.
 """
 import argparse
-import array
 import builtins
 import collections
 import contextlib
@@ -1978,7 +1977,7 @@ class TestKVBlocks:
         assert io["write_crc"] == io["read_crc"] == io["crc"]
         counts = tier.block_counts()
         assert (counts["objects_written"], counts["files_renamed"], counts["files_created"]) == (3, 3, 3)
-        assert len(counts["lookup_seconds"]) == 6 and counts["lookup_hits"] == 3   # a stat before each store and load
+        assert counts["lookup_latency"].count == 6 and counts["lookup_hits"] == 3   # a stat before each store and load
         tier.delete("user_1_req_1")
         assert our_files(tmp_path) == [] and tier.block_counts()["files_deleted"] == 3
 
@@ -8799,6 +8798,14 @@ DECODE_SET_UP = {"users": 3, "contexts_written": 3, "gb": 1.5, "seconds": 2.0, "
 BURST_FIGURES = {"files": ["b.csv"], "rows": 5, "bad_rows": 1, "bad_rows_by_reason": {"not a number": 1},
                  "passes_completed": 1, "trace_speedup": 1.0, "replay_cycles": 1, "requests_admitted": 4,
                  "admission_lag_mean_ms": 1.0, "admission_lag_max_ms": 2.0}
+def _lookups(seconds):
+    """A LatencyHistogram of these lookup latencies."""
+    histogram = kv.LatencyHistogram()
+    for s in seconds:
+        histogram.add(s)
+    return histogram
+
+
 # Each optional feature of a run: rank r's figures, what the world's summary must say, and its report line.
 TWO_RANK_FEATURES = {
     "precondition": (lambda r: dict(PRECONDITIONED, entries=10 + r, seconds=1.0 + r),
@@ -8822,7 +8829,7 @@ TWO_RANK_FEATURES = {
                         "Contexts written before the timer: 5 of 6 users"),
     "kv_blocks": (lambda r: kv.KVBlockFigures(kv.KV_ENGINES["lmcache"].summary(),
                                               {"objects_written": 3 + r, "files_created": 3 + r},
-                                              array.array("d", [0.001 * (r + 1)] * (r + 1)), r, 4 - r),
+                                              _lookups([0.001 * (r + 1)] * (r + 1)), r, 4 - r),
                   lambda s: (s["kv_blocks"]["objects_written"], s["kv_blocks"]["lookups"]["count"],
                              s["kv_blocks"]["lookups"]["hits"], s["kv_blocks"]["largest_directory_files"],
                              s["kv_blocks"]["lookups"]["latency_ms"]["max"]) == (7, 3, 1, 4, pytest.approx(2.0)),

@@ -4015,6 +4015,8 @@ class SlotBlocks:
         self.stride = -(-object_bytes // BLOCK_BYTES) * BLOCK_BYTES
         self._lock = threading.Lock()
         self._index: Dict[str, Tuple[int, int]] = {}         # name -> (part, slot)
+        self._reading: Dict[Tuple[int, int], int] = defaultdict(int)   # slot -> reads in progress
+        self._freed_when_read: set = set()                   # slots removed while being read
         self._free: List[List[int]] = [[] for _ in range(parts)]
         self._slots = [0] * parts                              # slots ever handed out, per part
         self._reserved = [0] * parts                           # bytes fallocated, per part
@@ -4070,16 +4072,27 @@ class SlotBlocks:
     def load(self, obj: BlockObject, room: np.ndarray, deliver: Callable[[int, np.ndarray], None],
              transfer: Transfer, busy: BusyClock) -> None:
         with self._lock:
-            part, slot = self._index[obj.name]
-        for offset in range(0, obj.nbytes, room.size):
-            want = min(room.size, obj.nbytes - offset)
-            length = -(-want // BLOCK_BYTES) * BLOCK_BYTES if self.direct else want
-            got = transfer.timed(os.preadv, self._fds[part], [room[:length]], slot * self.stride + offset, busy=busy)
-            if got < want:
-                raise OSError(errno.EIO, f"short read of slot {slot}: {got} of {want} bytes")
-            deliver(offset, room[:want])
-        if self.durable and not self.direct:
-            os.posix_fadvise(self._fds[part], slot * self.stride, self.stride, os.POSIX_FADV_DONTNEED)
+            part, slot = self._index[obj.name]            # KeyError: removed since its lookup
+            self._reading[part, slot] += 1               # not reused until this read ends
+        try:
+            for offset in range(0, obj.nbytes, room.size):
+                want = min(room.size, obj.nbytes - offset)
+                length = -(-want // BLOCK_BYTES) * BLOCK_BYTES if self.direct else want
+                got = transfer.timed(os.preadv, self._fds[part], [room[:length]], slot * self.stride + offset,
+                                     busy=busy)
+                if got < want:
+                    raise OSError(errno.EIO, f"short read of slot {slot}: {got} of {want} bytes")
+                deliver(offset, room[:want])
+            if self.durable and not self.direct:
+                os.posix_fadvise(self._fds[part], slot * self.stride, self.stride, os.POSIX_FADV_DONTNEED)
+        finally:
+            with self._lock:
+                self._reading[part, slot] -= 1
+                if not self._reading[part, slot]:
+                    del self._reading[part, slot]
+                    if (part, slot) in self._freed_when_read:
+                        self._freed_when_read.discard((part, slot))
+                        heapq.heappush(self._free[part], slot)
 
     def seal(self, transfer: Transfer) -> None:
         """Nothing to do: each slot was complete when written."""
@@ -4087,7 +4100,9 @@ class SlotBlocks:
     def remove(self, obj: BlockObject) -> None:
         with self._lock:
             place = self._index.pop(obj.name, None)
-            if place is not None:
+            if place is not None and self._reading.get(place):
+                self._freed_when_read.add(place)
+            elif place is not None:
                 heapq.heappush(self._free[place[0]], place[1])
 
     def clear(self) -> None:
@@ -4353,17 +4368,20 @@ class BlockTier(StorageTier):
         with sink.chunks(transfer) as deliver:
             for obj in meta["objects"]:
                 transfer.check_stop()
-                if not self._lookup(obj, transfer):
-                    with self._lock:
-                        if key not in self.metadata:      # deleted by us while we read
-                            raise KeyError(key)
-                    raise OSError(errno.ENOENT, f"block object {obj.name} of {key} vanished")
 
                 def delivered(offset: int, view: np.ndarray, obj: BlockObject = obj) -> None:
                     transfer.observe(view, obj.part)
                     deliver(obj.offset + offset, view)
                     transfer.advance(view.size)
-                self.store.load(obj, transfer.staging, delivered, transfer, self.busy["read"])
+                try:
+                    if not self._lookup(obj, transfer):
+                        raise FileNotFoundError(errno.ENOENT, f"block object {obj.name} of {key} vanished")
+                    self.store.load(obj, transfer.staging, delivered, transfer, self.busy["read"])
+                except (FileNotFoundError, KeyError) as exc:
+                    with self._lock:
+                        if key not in self.metadata:      # evicted by us while we read: a miss
+                            raise KeyError(key) from None
+                    raise OSError(errno.ENOENT, f"block object {obj.name} of {key} vanished") from exc
                 self._count("read", obj)
 
     # --- removal ---

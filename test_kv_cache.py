@@ -2062,6 +2062,39 @@ class TestKVBlocks:
             tier.read_into("k", kv.HostSink(), t)
         assert thread_io()["read_bytes"] - before >= data.size
 
+    def test_a_slot_being_read_is_not_reused_until_the_read_ends(self, tmp_path):
+        """An entry evicted while a reader is inside its slot (a 2 MiB object read through a 1 MiB
+        staging area, paused between its two reads): a new entry must not be written over it."""
+        tier = kv.BlockTier(tmp_path, kv.KV_ENGINES["dynamo"], "m", BPT_8B)
+        old = np.random.default_rng(3).integers(0, 256, 16 * BPT_8B, dtype=np.uint8)
+        with kv.Transfer("write", old.size) as t:
+            tier.write_from("old", kv.EntrySource.of_array(old), t)
+        first_piece, release, got = threading.Event(), threading.Event(), bytearray()
+
+        class Paused(kv.HostSink):
+            @contextlib.contextmanager
+            def chunks(self, transfer):
+                def land(offset, chunk):
+                    got.extend(chunk.tobytes())
+                    first_piece.set()
+                    release.wait(30)
+                yield land
+        pool = kv.StagingPool(1, MIB)
+
+        def read():
+            with kv.Transfer("read", old.size, pool=pool) as t:
+                tier.read_into("old", Paused(), t)
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert first_piece.wait(30)
+        tier.delete("old")                                        # evicted between its two reads
+        new = np.random.default_rng(4).integers(0, 256, 16 * BPT_8B, dtype=np.uint8)
+        with kv.Transfer("write", new.size) as t:
+            tier.write_from("new", kv.EntrySource.of_array(new), t)
+        release.set()
+        reader.join(30)
+        assert bytes(got) == old.tobytes()                        # both halves the old entry's
+
     def test_a_vanished_object_of_ours_is_an_io_error(self, tmp_path):
         tier = kv.BlockTier(tmp_path, kv.KV_ENGINES["lmcache"], "m", BPT_8B // 64)
         write_and_read_entry(tier, "k", 2 * 256 * BPT_8B // 64)

@@ -2164,6 +2164,46 @@ class TestKVBlocks:
         assert any(line.startswith("bssplit=") and set(re.findall(r"(\d+)/", line)) == {str(per_object)}
                    for line in lines)
 
+    def test_a_shared_prompt_is_stored_once_and_a_turn_writes_only_its_own_blocks(self, tmp_path):
+        config = kv.BenchmarkConfig(model="llama3.1-8b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
+                                    kv_engine="lmcache")
+        cache = kv.MultiTierCache.for_run(config)
+        try:
+            for user in ("user_1", "user_2", "user_3"):        # each looks the prompt up; the first writes it
+                if not cache.read_entry("system_prompt_0", kv.InferencePhase.PREFILL, "system").success:
+                    assert cache.write_entry("system_prompt_0", 600).success, user
+            assert cache.storage.block_counts()["objects_written"] == 2          # 600 tokens: 2 whole blocks, once
+            assert cache.write_entry("user_1_conv_1_turn_1", 700).success        # 2 blocks
+            assert cache.write_entry("user_1_conv_1_turn_2", 900).success        # its own 900 tokens: 3 blocks
+            counts = cache.storage.block_counts()
+            assert counts["objects_written"] == 2 + 2 + 3 and counts["lookup_hits"] >= 2 * 2
+        finally:
+            cache.close()
+
+    @pytest.mark.skipif(not shutil.which("strace"), reason="strace is not installed")
+    def test_dynamo_writes_slots_at_offsets_of_one_file_it_made_and_unlinked(self, tmp_path):
+        code = textwrap.dedent(f"""
+            import importlib.util, numpy as np
+            spec = importlib.util.spec_from_file_location("kv", {str(SCRIPT)!r})
+            kv = importlib.util.module_from_spec(spec); spec.loader.exec_module(kv)
+            tier = kv.BlockTier({str(tmp_path / 'store')!r}, kv.KV_ENGINES["dynamo"], "m", 4096)
+            data = np.random.default_rng(1).integers(0, 256, 4 * 16 * 4096, dtype=np.uint8)
+            with kv.Transfer("write", data.size) as t:
+                tier.write_from("k", kv.EntrySource.of_array(data), t)
+            tier.clear()
+        """)
+        trace = tmp_path / "strace.txt"
+        proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=openat,unlink,pwrite64,rename", "-o", trace,
+                               sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        calls = trace.read_text()
+        made = re.findall(r'openat\([^,]+, "([^"]*dynamo-kvbm-disk-cache-[^"]+)", [^)]*O_CREAT', calls)
+        unlinked = [path for path in re.findall(r'unlink\("([^"]+)"\)', calls) if "odirect_probe" not in path]
+        assert len(made) == 1 and unlinked == made                              # made once, unlinked at once
+        offsets = sorted(int(o) for o in re.findall(r"pwrite64\(\d+, .*, 65536, (\d+)\)", calls))
+        assert offsets == [0, 65536, 2 * 65536, 3 * 65536]              # four 64 KiB slots, one pwrite each
+        assert "rename(" not in calls and not re.search(r'openat\([^)]*store/[^"]*\.(data|bin)', calls)
+
     @pytest.mark.skipif(not shutil.which("strace"), reason="strace is not installed")
     @pytest.mark.parametrize("kv_io, syncs", [("engine", 0), ("direct", 2)])
     def test_lmcache_engine_io_never_syncs(self, tmp_path, kv_io, syncs):

@@ -339,6 +339,7 @@ class KVBlockScheme:
     split_kv: bool = False              # K and V as two objects (SGLang's Mooncake backend)
     kv_io: str = "direct"               # direct: every byte reaches the device; engine: the engine's mode
     engine_direct: bool = False         # the engine's own mode opens its files O_DIRECT
+    admission: str = "all"              # all, or reused: an entry reaches storage from its second use (Dynamo)
 
     @property
     def blocks(self) -> bool:
@@ -358,12 +359,13 @@ class KVBlockScheme:
             return "one object per entry"
         who = f"--kv-engine {self.engine}: " if self.engine else ""
         return (f"{who}blocks of {self.block_tokens} tokens, {self.layout} ({self.naming} names"
-                f"{', temp file + rename' if self.temp_rename else ''}), --kv-io {self.kv_io}")
+                f"{', temp file + rename' if self.temp_rename else ''}), --kv-io {self.kv_io}"
+                f"{', reused blocks only' if self.admission == 'reused' else ''}")
 
     def summary(self) -> Dict[str, Any]:
         return {"block_tokens": self.block_tokens, "layout": self.layout, "engine": self.engine or None,
                 "naming": self.naming, "temp_rename": self.temp_rename, "object_per_rank": self.per_rank,
-                "kv_split": self.split_kv, "kv_io": self.kv_io}
+                "kv_split": self.split_kv, "kv_io": self.kv_io, "storage_admission": self.admission}
 
 
 # --kv-engine: each engine's defaults as docs/engines.md sources them ("Preset parameters").
@@ -372,7 +374,7 @@ KV_ENGINES: Dict[str, KVBlockScheme] = {
     "vllm": KVBlockScheme(16, "file-per-block", "vllm", "vllm", temp_rename=True, per_rank=False, engine_direct=True),
     "llm-d": KVBlockScheme(256, "file-per-block", "llm-d", "llm-d", temp_rename=True),
     "sglang": KVBlockScheme(64, "file-per-block", "sglang", "sglang", temp_rename=True),
-    "dynamo": KVBlockScheme(16, "slot-file", "dynamo", "dynamo", engine_direct=True),
+    "dynamo": KVBlockScheme(16, "slot-file", "dynamo", "dynamo", engine_direct=True, admission="reused"),
     "mooncake": KVBlockScheme(64, "bucket", "mooncake", "mooncake", split_kv=True),
 }
 
@@ -1111,6 +1113,7 @@ class BenchmarkConfig:
     kv_block_tokens: Optional[int] = None         # tokens per stored block (0: one object per entry); None: the engine's
     kv_layout: Optional[str] = None               # how blocks are kept (KV_LAYOUTS); None: the engine's or file-per-block
     kv_io: str = "direct"                         # direct: every byte reaches the device; engine: the engine's own mode
+    storage_admission: Optional[str] = None       # all | reused (an entry stored from its second use); None: the engine's
     cpu_mem_gb: float = 32.0
     gpu_library: str = "auto"                     # 'auto' (PyTorch, then CuPy), 'torch' or 'cupy'
     cache_dir: Optional[str] = None
@@ -1289,7 +1292,8 @@ class BenchmarkConfig:
         base = KV_ENGINES[self.kv_engine] if self.kv_engine else KVBlockScheme()
         tokens = base.block_tokens if self.kv_block_tokens is None else self.kv_block_tokens
         layout = self.kv_layout or (base.layout if base.blocks else "file-per-block")
-        return dataclasses.replace(base, block_tokens=tokens, layout=layout if tokens else "entry", kv_io=self.kv_io)
+        return dataclasses.replace(base, block_tokens=tokens, layout=layout if tokens else "entry", kv_io=self.kv_io,
+                                   admission=self.storage_admission or base.admission)
 
     def _check_kv_blocks(self) -> None:
         blocks = self.kv_engine or self.kv_block_tokens
@@ -1302,6 +1306,9 @@ class BenchmarkConfig:
         if self.kv_io == "engine" and not self.kv_engine:
             raise UsageError("--kv-io engine is the --kv-engine's own I/O mode: give --kv-engine "
                              f"({', '.join(KV_ENGINES)})")
+        if self.storage_admission == "reused" and not blocks:
+            raise UsageError("--storage-admission reused counts the uses of blocks: give --kv-block-tokens N or "
+                             "--kv-engine")
         if not self.kv_blocks.blocks:
             return
         if self.replay_io_trace:
@@ -5898,7 +5905,7 @@ def cache_stats_summary(report: CacheReport, profile: str, windows: Sequence[Tup
     stats["nvme_write_gib_per_sec_wall"] = wall_rate("nvme_bytes_written", scale=GIB)
     stats["tokens_read"] = sum(c[f"{t}_tokens_read"] for t in TIER_NAMES)
     stats["tokens_written"] = sum(c[f"{t}_tokens_written"] for t in TIER_NAMES)
-    for name in ("retired_entries_deleted", "verify_checked", "verify_mismatches"):
+    for name in ("retired_entries_deleted", "verify_checked", "verify_mismatches", "storage_admission_refused"):
         stats[name] = c[name]
     stats.update(report.tiers_info)
     # Device-busy basis: bytes over the wall time during which at least one such I/O was in flight.
@@ -6112,8 +6119,8 @@ class KVBlockFigures:
                             "latency_ms": histogram_summary_ms(self.lookup_latency)}}
 
 
-def format_kv_blocks(b: Dict[str, Any]) -> List[str]:
-    """The report's KV BLOCKS section (pure)."""
+def format_kv_blocks(b: Dict[str, Any], admission_refused: int = 0) -> List[str]:
+    """The report's KV BLOCKS section (pure); `admission_refused`: cache_stats' storage_admission_refused."""
     lookups, latency = b["lookups"], b["lookups"]["latency_ms"]
     engine = f" as {b['engine']}" if b.get("engine") else ""
     return ["### KV BLOCKS ###",
@@ -6123,7 +6130,9 @@ def format_kv_blocks(b: Dict[str, Any]) -> List[str]:
             f"  files created {b.get('files_created', 0):,} ({b['files_created_per_sec'] or 0:,.1f}/s), deleted "
             f"{b.get('files_deleted', 0):,}, largest directory {b['largest_directory_files']:,} files",
             f"  lookups {lookups['count']:,} ({lookups['per_sec'] or 0:,.0f}/s, {lookups['hits']:,} found): "
-            f"P50 {_fmt_ms(latency['p50'])}, P95 {_fmt_ms(latency['p95'])}, P99 {_fmt_ms(latency['p99'])}"]
+            f"P50 {_fmt_ms(latency['p50'])}, P95 {_fmt_ms(latency['p95'])}, P99 {_fmt_ms(latency['p99'])}",
+            *([f"  storage admission: reused entries only; {admission_refused:,} kept off the storage tier (first use)"]
+              if b.get("storage_admission") == "reused" else [])]
 
 
 # ============================================================================
@@ -6256,6 +6265,28 @@ def invariant_violations(entries: Dict[str, "CacheEntry"], backends: Dict[str, S
 NEAR_EMPTY_SHARE = 0.05                 # a tier this empty takes one entry above its target usage
 
 
+class AdmissionFilter:
+    """--storage-admission reused (Dynamo KVBM's disk filter, docs/engines.md): an entry reaches the
+    storage tier only from its second use, a use being a write of it (its KV computed) or a read
+    hit, counted per key for the last ADMISSION_KEYS keys (Dynamo's capacity; its 600 s decay of
+    the counts is not modelled)."""
+
+    def __init__(self, capacity: int = 1_000_000):
+        self._lock = threading.Lock()
+        self._uses: "OrderedDict[str, int]" = OrderedDict()
+        self._capacity = capacity
+
+    def use(self, key: str) -> None:
+        with self._lock:
+            self._uses[key] = self._uses.pop(key, 0) + 1
+            if len(self._uses) > self._capacity:
+                self._uses.popitem(last=False)
+
+    def admits(self, key: str) -> bool:
+        with self._lock:
+            return self._uses.get(key, 0) >= 2
+
+
 @dataclass(frozen=True)
 class EvictionPolicy:
     """The waterfall's rules, from --config eviction (the defaults are the seeds' 80 % rule):
@@ -6356,6 +6387,7 @@ class MultiTierCache:
         self._usage: Dict[str, int] = {t: 0 for t in self.backends}
         self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
         self._policy = EvictionPolicy.for_run(config.tunables)
+        self._admission = AdmissionFilter() if config.kv_blocks.admission == "reused" else None
 
     # --- introspection ---
     def tier_order(self) -> List[str]:
@@ -6444,10 +6476,11 @@ class MultiTierCache:
             self._entries[key] = entry
         if old is not None:
             self._discard_data(old.tier, key)
-        tier, demoted = self._reserve(size, first_tier)
+        admitted = self._used(key)                      # this write is a use (--storage-admission)
+        tier, demoted = self._reserve(size, first_tier, storage=admitted)
         if tier is None:
             self._drop(entry, reserved_tier=None)
-            self.stats.count("allocation_failures")
+            self.stats.count("allocation_failures" if admitted else "storage_admission_refused")
             return False, None, demoted, False, 0.0
         source = EntrySource.generated(self.generator, key, size, entry.shape, entry.dtype)
         reason = "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE) else "decode"
@@ -6465,12 +6498,21 @@ class MultiTierCache:
         transfer.record(num_tokens)
         return True, tier, num_tokens + demoted, False, transfer.waited_s
 
-    def _reserve(self, size: int, first_tier_index: int, depth: int = 0) -> Tuple[Optional[str], int]:
-        """Reserve `size` bytes in the fastest tier from `first_tier_index` on, demoting LRU entries
-        to make room (EvictionPolicy; `depth`: demotions down the waterfall so far): the tier (None:
-        none had room) and the tokens the demotions moved."""
+    def _used(self, key: str) -> bool:
+        """Count a use of `key` (a write or a read hit): whether the storage tier may take it now."""
+        if self._admission is None:
+            return True
+        self._admission.use(key)
+        return self._admission.admits(key)
+
+    def _reserve(self, size: int, first_tier_index: int, depth: int = 0,
+                 storage: bool = True) -> Tuple[Optional[str], int]:
+        """Reserve `size` bytes in the fastest tier from `first_tier_index` on (the storage tier only
+        where `storage`: --storage-admission), demoting LRU entries to make room (EvictionPolicy;
+        `depth`: demotions down the waterfall so far): the tier (None: none had room) and the tokens
+        the demotions moved."""
         policy, moved = self._policy, 0
-        for tier in self.tier_order()[first_tier_index:]:
+        for tier in [t for t in self.tier_order()[first_tier_index:] if storage or t != "nvme"]:
             limit, last = self._limits[tier], tier == "nvme"
             if policy.skips(size, limit, last):
                 continue                                   # too big for this tier: skip it
@@ -6505,8 +6547,11 @@ class MultiTierCache:
         cache. Returns the tokens moved: the entry's, and those of the demotions it caused below."""
         source = victim.tier
         order = self.tier_order()
-        dest, moved = self._reserve(victim.size_bytes, order.index(source) + 1, depth)
+        admitted = self._admission is None or self._admission.admits(victim.key)
+        dest, moved = self._reserve(victim.size_bytes, order.index(source) + 1, depth, storage=admitted)
         if dest is None:
+            if not admitted and "nvme" in order[order.index(source) + 1:]:
+                self.stats.count("storage_admission_refused")
             with self._lock:                        # off the books and out of the way in one step
                 self._drop_locked(victim, reserved_tier=source)
                 trash = self._remove_data_locked(source, victim.key)
@@ -6599,6 +6644,7 @@ class MultiTierCache:
             if replaced:                               # rewritten while we read: those were another entry's bytes
                 continue
             self.stats.record_lookup(cache_type, True, tier, entry.size_bytes)
+            self._used(key)                            # a hit is a use (--storage-admission)
             transfer.record(entry.num_tokens)
             if verify:
                 self._check_read(key, tier, entry.checksum, transfer.crc)
@@ -9481,7 +9527,8 @@ def format_report(results: Dict[str, Any]) -> str:
     if results.get("device_latency_tracing"):
         lines += ["", *format_latency_tracing(results["device_latency_tracing"])]
     if results["summary"].get("kv_blocks"):
-        lines += ["", *format_kv_blocks(results["summary"]["kv_blocks"])]
+        lines += ["", *format_kv_blocks(results["summary"]["kv_blocks"],
+                                        results["summary"]["cache_stats"].get("storage_admission_refused", 0))]
     if s.get("fio_comparison"):
         _report_fio(add, s["fio_comparison"])
     _report_cache_types(add, s, cs)
@@ -10705,6 +10752,9 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     k.add_argument("--kv-layout", choices=list(KV_LAYOUTS),
                    help="how blocks are kept: a file each, slots in a preallocated file per rank, or records in "
                         "bucket files (default: the --kv-engine's, else file-per-block)")
+    k.add_argument("--storage-admission", choices=["all", "reused"],
+                   help="all: every entry may reach the storage tier; reused: only from its second use (a write or "
+                        "a read hit), as Dynamo's disk filter (default: the --kv-engine's, else all)")
     k.add_argument("--kv-io", choices=["direct", "engine"],
                    help="direct: every write durable and every read from the device; engine: the --kv-engine's "
                         "own I/O mode (page cache, no fsync where it does so) (default: %(default)s)")

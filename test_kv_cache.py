@@ -2110,7 +2110,7 @@ class TestKVBlocks:
         (tmp_path / "cache").mkdir()
         run = run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "12", "--cpu-mem-gb", "0",
                                         "--seed", "7", "--kv-engine", engine, "--kv-io", "engine",
-                                        "--xlsx-output", tmp_path / "r.csv"))
+                                        "--storage-admission", "all", "--xlsx-output", tmp_path / "r.csv"))
         results = results_of(run, tmp_path)
         blocks = results["summary"]["kv_blocks"]
         assert "kv_blocks" not in base["summary"] and results["workload_digest"] == base["workload_digest"]
@@ -2177,6 +2177,36 @@ class TestKVBlocks:
             assert cache.write_entry("user_1_conv_1_turn_2", 900).success        # its own 900 tokens: 3 blocks
             counts = cache.storage.block_counts()
             assert counts["objects_written"] == 2 + 2 + 3 and counts["lookup_hits"] >= 2 * 2
+        finally:
+            cache.close()
+
+    @pytest.mark.parametrize("admission, stored_at_first", [(None, False), ("all", True)])
+    def test_dynamo_stores_an_entry_from_its_second_use(self, tmp_path, admission, stored_at_first):
+        config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
+                                    kv_engine="dynamo", storage_admission=admission)
+        cache = kv.MultiTierCache.for_run(config)
+        try:
+            first = cache.write_entry("system_prompt_0", 64)
+            assert first.success == stored_at_first and cache.read_entry("system_prompt_0").success == stored_at_first
+            second = cache.write_entry("system_prompt_0", 64)                # computed again: its second use
+            assert second.success and second.tier == "nvme" and cache.read_entry("system_prompt_0").success
+            refused = cache.stats.read(lambda c, _: c["storage_admission_refused"])
+            assert refused == (0 if stored_at_first else 1)
+        finally:
+            cache.close()
+
+    def test_dynamo_demotes_to_storage_only_what_was_used_twice(self, tmp_path):
+        entry = 64 * kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token
+        config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=2.5 * entry / GIB,
+                                    cache_dir=str(tmp_path), kv_engine="dynamo", storage_admission="reused")
+        cache = kv.MultiTierCache.for_run(config)
+        try:
+            assert cache.write_entry("once", 64).tier == "cpu" and cache.write_entry("twice", 64).tier == "cpu"
+            assert cache.read_entry("twice").success                          # its second use
+            for i in range(4):                                                # the CPU tier overflows
+                cache.write_entry(f"later_{i}", 64)
+            assert cache.entry_location("twice") == "nvme" and cache.entry_location("once") is None
+            assert cache.stats.read(lambda c, _: c["storage_admission_refused"]) >= 1
         finally:
             cache.close()
 
@@ -7525,6 +7555,7 @@ class TestReliability:
         pytest.param(["--kv-engine", "nginx"], "--kv-engine", id="kv-engine unknown"),
         pytest.param(["--kv-engine", "lmcache", "--replay-io-trace", "{burst}"], "cannot be combined with --kv-block",
                      id="kv blocks in a replay"),
+        pytest.param(["--storage-admission", "reused"], "--storage-admission", id="admission without blocks"),
     ])
     def test_bad_input_exits_2_with_one_line_and_touches_nothing(self, tmp_path, argv, flag):
         inputs = tmp_path / "inputs"

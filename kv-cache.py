@@ -917,7 +917,10 @@ def read_config_file(path: str) -> Tuple[Dict[str, Any], Tunables, str]:
     if not YAML_AVAILABLE:
         raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml)")
     try:
-        with open(Path(path).expanduser(), "rb") as f:
+        # Non-blocking open: a FIFO nobody writes to reads as empty instead of hanging the start.
+        fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
             raw = f.read(CONFIG_MAX_BYTES + 1)              # /dev/zero too: never more than this
     except OSError as exc:
         raise UsageError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None

@@ -8280,6 +8280,19 @@ class TestForeignFilesAndHostileInputs:
         assert said in lines[0]
         assert [p.name for p in tmp_path.iterdir()] == ([] if text is None else ["c.yaml"])
 
+    def test_a_config_fifo_nobody_writes_to_does_not_hang_the_start(self):
+        """Read as an empty file (the built-in values), where open() used to wait for a writer forever."""
+        with tempfile.TemporaryDirectory() as fifo_dir:
+            fifo = Path(fifo_dir) / "config.yaml"
+            os.mkfifo(fifo)
+            read = {}
+            reader = threading.Thread(target=lambda: read.update(done=kv.read_config_file(str(fifo))), daemon=True)
+            reader.start()
+            reader.join(30)
+            assert not reader.is_alive(), "read_config_file waits for a writer"
+        data, tunables, _ = read["done"]
+        assert data == {} and tunables == kv.BUILT_IN_TUNABLES
+
     def test_merge_keys_are_not_keys_given_twice(self, tmp_path):
         config = config_file(tmp_path, """\
             user_templates:

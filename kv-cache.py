@@ -3882,7 +3882,31 @@ class BlockStore(Protocol):
     def reset_counts(self) -> None: ...                            # the census and the peak start again from now
 
 
-class FileBlocks:
+class FileCensus:
+    """What a layout did to the file system, counted under its lock: files created, deleted and
+    renamed and directories made (`files`), and the most files of ours one directory has held
+    (`largest_directory`); `reset_counts` starts both again with the measured window."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fullest = 0
+        self.files = {"created": 0, "deleted": 0, "renamed": 0, "directories_created": 0}
+
+    def _held_now(self) -> int:
+        """Under the lock: the most files of ours one directory holds now."""
+        return 0
+
+    def largest_directory(self) -> int:
+        with self._lock:
+            return self._fullest
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.files = dict.fromkeys(self.files, 0)
+            self._fullest = self._held_now()
+
+
+class FileBlocks(FileCensus):
     """file-per-block: each object a file of its own, flat or in the engine's directory tree,
     written as a temporary file renamed into place where the engine does so. Every file is
     opened O_EXCL (never over a file that is not ours); `direct`: O_DIRECT for objects of whole
@@ -3890,15 +3914,9 @@ class FileBlocks:
     transfer, so every read reaches the device (--kv-io direct)."""
 
     def __init__(self, root: Path, scheme: KVBlockScheme, direct: bool, durable: bool):
+        super().__init__()
         self.root, self.scheme, self.direct, self.durable = root, scheme, direct, durable
-        self._lock = threading.Lock()
         self._dirs: Dict[Path, int] = {}             # our directories and how many of our files each holds
-        self._fullest = 0                            # the most files of ours one directory has held
-        self.files = {"created": 0, "deleted": 0, "renamed": 0, "directories_created": 0}
-
-    def _count(self, name: str, amount: int = 1) -> None:
-        with self._lock:
-            self.files[name] += amount
 
     def _direct(self, nbytes: int) -> bool:
         """O_DIRECT for this object: only for whole 4 KiB blocks (else buffered, and with `durable`
@@ -4000,20 +4018,14 @@ class FileBlocks:
             with contextlib.suppress(OSError):
                 directory.rmdir()
 
-    def largest_directory(self) -> int:
-        with self._lock:
-            return self._fullest
-
-    def reset_counts(self) -> None:
-        with self._lock:
-            self.files = dict.fromkeys(self.files, 0)
-            self._fullest = max(self._dirs.values(), default=0)
+    def _held_now(self) -> int:
+        return max(self._dirs.values(), default=0)
 
 
 SLOT_FILE_EXTENT_BYTES = 1 << 30        # a slot file grows by this much at a time (fallocate)
 
 
-class SlotBlocks:
+class SlotBlocks(FileCensus):
     """slot-file (Dynamo KVBM's disk tier): one file per rank, made with mkstemp, opened O_DIRECT
     and unlinked at once (its blocks live while the tier holds the descriptor; nothing is left
     behind); objects are fixed-size slots at `slot x stride`, found in an in-memory index. The
@@ -4021,9 +4033,9 @@ class SlotBlocks:
     start); no file is created, renamed or deleted per block."""
 
     def __init__(self, root: Path, parts: int, object_bytes: int, direct: bool, durable: bool):
+        super().__init__()
         self.direct, self.durable = direct and object_bytes % BLOCK_BYTES == 0, durable
         self.stride = -(-object_bytes // BLOCK_BYTES) * BLOCK_BYTES
-        self._lock = threading.Lock()
         self._index: Dict[str, Tuple[int, int]] = {}         # name -> (part, slot)
         self._reading: Dict[Tuple[int, int], int] = defaultdict(int)   # slot -> reads in progress
         self._freed_when_read: set = set()                   # slots removed while being read
@@ -4041,7 +4053,7 @@ class SlotBlocks:
         except BaseException:
             self.clear()
             raise
-        self.files = {"created": parts, "deleted": 0, "renamed": 0, "directories_created": 0}
+        self.files["created"], self._fullest = parts, parts
 
     def exists(self, obj: BlockObject) -> bool:
         with self._lock:
@@ -4120,14 +4132,11 @@ class SlotBlocks:
         for fd in fds:
             os.close(fd)
 
-    def largest_directory(self) -> int:
+    def _held_now(self) -> int:
         return len(self._fds)
 
-    def reset_counts(self) -> None:
-        self.files = dict.fromkeys(self.files, 0)
 
-
-class BucketBlocks:
+class BucketBlocks(FileCensus):
     """bucket (Mooncake store's SSD offload): an operation's objects are appended as records
     (the key's bytes, then the value's) to a bucket file of its own, a new one past
     `limit_bytes` or `limit_keys`, each with a `.meta` file (JSON: keys, offsets, sizes; Mooncake
@@ -4138,15 +4147,13 @@ class BucketBlocks:
     and the pages dropped, so that reads reach the device)."""
 
     def __init__(self, root: Path, durable: bool, limit_bytes: int = 256 * MIB, limit_keys: int = 500):
+        super().__init__()
         self.root, self.durable = root, durable
         self.limit_bytes, self.limit_keys = limit_bytes, limit_keys
-        self._lock = threading.Lock()
         self._ids = itertools.count()
         self._open: Dict[int, Dict[str, Any]] = {}          # id(transfer) -> its bucket being written
         self._index: Dict[str, Tuple[int, int]] = {}        # name -> (bucket id, value offset)
         self._buckets: Dict[int, int] = {}                  # bucket id -> objects still in it
-        self._fullest = 0                                   # the most bucket files held at once
-        self.files = {"created": 0, "deleted": 0, "renamed": 0, "directories_created": 0}
 
     def exists(self, obj: BlockObject) -> bool:
         with self._lock:
@@ -4258,14 +4265,8 @@ class BucketBlocks:
         for bucket in left:
             self._drop(bucket)
 
-    def largest_directory(self) -> int:
-        with self._lock:
-            return self._fullest
-
-    def reset_counts(self) -> None:
-        with self._lock:
-            self.files = dict.fromkeys(self.files, 0)
-            self._fullest = 2 * len(self._buckets)
+    def _held_now(self) -> int:
+        return 2 * len(self._buckets)
 
 
 # ============================================================================

@@ -7778,6 +7778,8 @@ class RequestRecord:
     decoded_tokens: int = 0       # generated with decode reads (a prefill-only request's count 0)
     storage_wait_s: float = 0.0   # of storage_s: waiting for a staging area
     allocation_wait_s: float = 0.0  # not in storage_s: waiting for an allocation slot (--max-concurrent-allocs)
+    load_s: float = 0.0           # of prefill_s: its reads of cached context (prefix, earlier turns, RAG chunks)
+    loads: int = 0                # those reads (0: it loaded nothing)
 
 
 class RunRecorder:
@@ -8746,11 +8748,15 @@ class RequestIO:
     aborted: bool = False
     wait_s: float = 0.0
     admission_s: float = 0.0
+    load_s: float = 0.0           # the prefill's reads of cached context: the storage part of time to first token
+    loads: int = 0
 
-    def add(self, phase: str, result: CacheResult) -> CacheResult:
+    def add(self, phase: str, result: CacheResult, load: bool = False) -> CacheResult:
         self.storage_s += result.latency_s
         self.wait_s += result.wait_s
         self.admission_s += result.admission_s
+        if load:
+            self.load_s, self.loads = self.load_s + result.latency_s, self.loads + 1
         if phase == "decode":
             self.decode_s += result.latency_s
         else:
@@ -9156,24 +9162,24 @@ class IntegratedBenchmark:
         return RequestRecord(req.qos_level.value, req.context_tokens, generated,
                              req.complete_time - req.submit_time, req.start_time - req.submit_time,
                              io.storage_s, io.prefill_s, io.decode_s, generation_s, io.tokens, decoded, io.wait_s,
-                             io.admission_s)
+                             io.admission_s, io.load_s, io.loads)
 
     def _prefill(self, req: InferenceRequest, io: RequestIO) -> None:
         """The prefill: shared prefix, multi-turn resume (every earlier turn), RAG chunks, then the
         request's own KV written."""
         cache = self.cache
         if req.prefix_key and self.config.prefix_caching:
-            found = io.add("prefill", cache.read_entry(req.prefix_key, InferencePhase.PREFILL, req.prefix_type))
+            found = io.add("prefill", cache.read_entry(req.prefix_key, InferencePhase.PREFILL, req.prefix_type), load=True)
             if not found.success:                  # evicted or never written: prefill it again
                 io.add("prefill", cache.write_entry(req.prefix_key, req.prefix_tokens, InferencePhase.PREFILL))
         if req.previous_cache_keys:                 # resume: every earlier turn still cached (a miss costs no I/O)
             cache.stats.count("multi_turn_resumes")
             for key in req.previous_cache_keys:
-                io.add("prefill", cache.read_entry(key, InferencePhase.PREFILL, "multi_turn"))
+                io.add("prefill", cache.read_entry(key, InferencePhase.PREFILL, "multi_turn"), load=True)
         if req.rag_chunks:                         # the retrieved chunks' KV is the query's context
             self.rag.record_query()
             for key, _ in req.rag_chunks:
-                read = io.add("prefill", cache.read_entry(key, InferencePhase.PREFILL, "rag"))
+                read = io.add("prefill", cache.read_entry(key, InferencePhase.PREFILL, "rag"), load=True)
                 if not read.aborted:
                     self.rag.record_read(read.latency_s)
         io.add("prefill", cache.write_entry(req.cache_key, req.context_tokens, InferencePhase.PREFILL))
@@ -9314,6 +9320,8 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
                  (("end_to_end_latency_ms", "end_to_end_s"), ("storage_io_latency_ms", "storage_s"),
                   ("generation_latency_ms", "generation_s"), ("queue_wait_latency_ms", "queue_wait_s"),
                   ("storage_wait_latency_ms", "storage_wait_s"), ("allocation_wait_latency_ms", "allocation_wait_s"))}
+    # A request's reads of cached context (prefix, earlier turns, RAG chunks): of those that made any.
+    latencies["prefix_load_latency_ms"] = latency_summary_ms([r.load_s for r in records if r.loads])
     multi_hits, multi_misses = cache_stats["multi_turn_hits"], cache_stats["multi_turn_misses"]
     summary = {
         **_request_figures(m),
@@ -9636,8 +9644,10 @@ def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
     for label, key in (("End-to-End", "end_to_end"), ("Queue Wait (measured)", "queue_wait"),
                        ("Storage I/O", "storage_io"), ("  of it, waiting for a staging area", "storage_wait"),
                        ("Allocation slot wait", "allocation_wait"),
+                       ("Prefix load (requests that read cached context)", "prefix_load"),
                        ("Generation (simulated)", "generation")):
-        add(_fmt_latency(label, s[f"{key}_latency_ms"]))
+        if f"{key}_latency_ms" in s:
+            add(_fmt_latency(label, s[f"{key}_latency_ms"]))
     # Seed 000's summary lines, labels kept for existing parsers; values in seconds as there.
     e2e, sio = s["end_to_end_latency_ms"], s["storage_io_latency_ms"]
     add(f"  End-to-end latency: mean {_fmt_s(e2e.get('mean'))}, P50 {_fmt_s(e2e.get('p50'))}, P95 {_fmt_s(e2e.get('p95'))}, "
@@ -9863,6 +9873,7 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
         "E2E Latency Mean (ms)": s("end_to_end_latency_ms", "mean"),
         "Queue Wait Mean (ms)": s("queue_wait_latency_ms", "mean"),
         "Storage Wait Mean (ms)": s("storage_wait_latency_ms", "mean"),
+        "Prefix Load P95 (ms)": s("prefix_load_latency_ms", "p95"),
         "Allocation Wait Mean (ms)": s("allocation_wait_latency_ms", "mean"),
         "Cache I/O Throughput (tok/s)": s("cache_io_throughput_tokens_per_sec"),
         "Tokens Decoded": s("total_tokens_decoded"),

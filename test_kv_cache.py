@@ -2129,6 +2129,19 @@ class TestKVBlocks:
         assert (row["KV Engine"], row["KV Objects Written"]) == (engine, str(blocks["objects_written"]))
         assert list((tmp_path / "cache").iterdir()) == []
 
+    def test_the_prefix_load_is_the_prefills_reads_of_cached_context(self, tmp_path):
+        run = run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "16", "--cpu-mem-gb", "0",
+                                        "--seed", "11", "--kv-engine", "lmcache"))
+        summary = results_of(run, tmp_path)["summary"]
+        records = run.bench.recorder.records
+        loaded = [r for r in records if r.loads]
+        assert loaded and summary["prefix_load_latency_ms"]["count"] == len(loaded)
+        assert all(0 <= r.load_s <= r.prefill_s <= r.storage_s for r in records)
+        plain = run_in_process(*small_run(tmp_path / "none", "--num-users", "2", "--max-requests", "4", "--cpu-mem-gb",
+                                          "0", "--disable-multi-turn", "--disable-prefix-caching"))
+        assert results_of(plain, tmp_path / "none")["summary"]["prefix_load_latency_ms"] == {"count": 0}
+        assert all(r.loads == 0 for r in plain.bench.recorder.records)
+
     def test_an_entry_below_one_block_is_not_cached(self, tmp_path):
         cache = kv.MultiTierCache.for_run(kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0,
                                                              cache_dir=str(tmp_path), kv_engine="lmcache"))

@@ -4374,13 +4374,15 @@ class TestAutoscaler:
 
     # --- the scheduler adds and retires users ---------------------------------------
     def test_added_users_get_arrivals(self, scheduler_harness):
-        h = scheduler_harness(StubWorkloadPlan(2))
+        # Users 0 and 1 think 0.5 s: their next requests fall due after the added users' first ones
+        # (with 0.01 s, a loaded machine took the first two late, and their next ones came first).
+        h = scheduler_harness(StubWorkloadPlan(2, think_s=0.5))
         assert h.take(2) == [0, 1] and h.scheduler.active_users == 2
         h.scheduler.set_active_users(5)
         assert h.scheduler.active_users == 5
         assert h.take(3) == [2, 3, 4]
         wait_until(lambda: h.queued_users() == [0, 1, 2, 3, 4])   # every user's next request waits ...
-        time.sleep(0.1)                                   # ... and 10 think times later, a backlog of 10 each
+        time.sleep(1.5)                                   # ... and 3 think times later, a backlog of 3 each
         assert h.queued_users() == [0, 1, 2, 3, 4]        # is still one waiting request per user
 
     def test_retired_users_send_no_more(self, scheduler_harness):

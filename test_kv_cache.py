@@ -1961,6 +1961,28 @@ def our_files(directory: Path) -> list:
 BPT_8B = 131_072                       # llama3.1-8b bf16: bytes of K and V per token
 
 
+def strace_block_write(tmp_path: Path, scheme_code: str, nbytes: int, syscalls: str):
+    """Write one entry of `nbytes` through a BlockTier of `scheme_code` (an expression over kv,
+    4096 bytes a token) in a child process traced by strace: (the trace's text, the child's stdout:
+    the tier's io_mode)."""
+    code = textwrap.dedent(f"""
+        import dataclasses, importlib.util, numpy as np
+        spec = importlib.util.spec_from_file_location("kv", {str(SCRIPT)!r})
+        kv = importlib.util.module_from_spec(spec); spec.loader.exec_module(kv)
+        tier = kv.BlockTier({str(tmp_path / 'store')!r}, {scheme_code}, "m", 4096)
+        data = np.random.default_rng(1).integers(0, 256, {nbytes}, dtype=np.uint8)
+        with kv.Transfer("write", data.size) as t:
+            tier.write_from("k", kv.EntrySource.of_array(data), t)
+        print(tier.io_mode)
+        tier.clear()
+    """)
+    trace = tmp_path / "strace.txt"
+    proc = subprocess.run(["strace", "-f", "-qq", "-e", f"trace={syscalls}", "-o", trace, sys.executable, "-c", code],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return trace.read_text(), proc.stdout
+
+
 class TestKVBlocks:
     """--kv-block-tokens, --kv-layout, --kv-engine: an entry stored as the engines store KV."""
 
@@ -2225,21 +2247,8 @@ class TestKVBlocks:
 
     @pytest.mark.skipif(not shutil.which("strace"), reason="strace is not installed")
     def test_dynamo_writes_slots_at_offsets_of_one_file_it_made_and_unlinked(self, tmp_path):
-        code = textwrap.dedent(f"""
-            import importlib.util, numpy as np
-            spec = importlib.util.spec_from_file_location("kv", {str(SCRIPT)!r})
-            kv = importlib.util.module_from_spec(spec); spec.loader.exec_module(kv)
-            tier = kv.BlockTier({str(tmp_path / 'store')!r}, kv.KV_ENGINES["dynamo"], "m", 4096)
-            data = np.random.default_rng(1).integers(0, 256, 4 * 16 * 4096, dtype=np.uint8)
-            with kv.Transfer("write", data.size) as t:
-                tier.write_from("k", kv.EntrySource.of_array(data), t)
-            tier.clear()
-        """)
-        trace = tmp_path / "strace.txt"
-        proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=openat,unlink,pwrite64,rename", "-o", trace,
-                               sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        calls = trace.read_text()
+        calls, _ = strace_block_write(tmp_path, 'kv.KV_ENGINES["dynamo"]', 4 * 16 * 4096,
+                                      "openat,unlink,pwrite64,rename")
         made = re.findall(r'openat\([^,]+, "([^"]*dynamo-kvbm-disk-cache-[^"]+)", [^)]*O_CREAT', calls)
         unlinked = [path for path in re.findall(r'unlink\("([^"]+)"\)', calls) if "odirect_probe" not in path]
         assert len(made) == 1 and unlinked == made                              # made once, unlinked at once
@@ -2252,29 +2261,13 @@ class TestKVBlocks:
     def test_lmcache_engine_io_never_syncs(self, tmp_path, kv_io, syncs):
         """--kv-io engine: LMCache's own mode, buffered, no fsync; direct: each object made
         durable before its write counts. Seen by strace on the real system calls."""
-        code = textwrap.dedent(f"""
-            import importlib.util, sys, numpy as np
-            spec = importlib.util.spec_from_file_location("kv", {str(SCRIPT)!r})
-            kv = importlib.util.module_from_spec(spec); spec.loader.exec_module(kv)
-            import dataclasses
-            scheme = dataclasses.replace(kv.KV_ENGINES["lmcache"], kv_io={kv_io!r})
-            tier = kv.BlockTier({str(tmp_path / 'store')!r}, scheme, "m", 4096)
-            data = np.random.default_rng(1).integers(0, 256, 2 * 256 * 4096, dtype=np.uint8)
-            with kv.Transfer("write", data.size) as t:
-                tier.write_from("k", kv.EntrySource.of_array(data), t)
-            print(tier.io_mode)
-            tier.clear()
-        """)
-        trace = tmp_path / "strace.txt"
-        proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=fsync,fdatasync,openat,rename", "-o", trace,
-                               sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        calls = trace.read_text()
+        calls, io_mode = strace_block_write(tmp_path, f'dataclasses.replace(kv.KV_ENGINES["lmcache"], kv_io={kv_io!r})',
+                                            2 * 256 * 4096, "fsync,fdatasync,openat,rename")
         assert len(re.findall(r"\bf(?:data)?sync\(", calls)) == syncs
         assert len(re.findall(r'rename\("[^"]+\.data\.tmp", "[^"]+\.data"\)', calls)) == 2
         opens = re.findall(r'openat\([^,]+, "[^"]+\.data\.tmp", ([A-Z_|]+)', calls)
         assert len(opens) == 2 and all("O_EXCL" in flags for flags in opens)      # never over a file not ours
-        direct = "O_DIRECT" in proc.stdout.splitlines()[-1]                     # where the file system takes it
+        direct = "O_DIRECT" in io_mode.splitlines()[-1]                         # where the file system takes it
         assert all(("O_DIRECT" in flags) == direct for flags in opens) and direct <= (kv_io == "direct")
 
 

@@ -45,6 +45,8 @@ Sections, in the order data flows through the program (each uses only those abov
     I/O TRACE: THE TIERS WITHOUT I/O  --io-trace-log: LatencyModel, TraceLog, TracedTier
     METRIC MATH                       pure functions over counters and samples, saturation_score
     CACHE STATISTICS                  CacheStats (the cache's counters and samples), KVBlockFigures
+    THE WATERFALL'S RULES             EvictionPolicy (--config eviction), AdmissionFilter (--storage-admission)
+    WRITE-BACK                        --write-back async: WriteBack (the queue and its threads), WriteBackFigures
     MULTI-TIER CACHE                  the run's tiers, EvictionPolicy, waterfall LRU over the tiers
     THE DRIVE'S OWN VIEW              block-layer counters of the cache directory's device
     BLOCK-LAYER LATENCY               --enable-latency-tracing: bpftrace's D2C histograms of that device
@@ -368,6 +370,41 @@ class KVBlockScheme:
                 "kv_split": self.split_kv, "kv_io": self.kv_io, "storage_admission": self.admission}
 
 
+MAX_WRITE_BACK_OBJECTS = 10_000_000    # --write-back-queue: at most ten million objects queued
+MAX_WRITE_BACK_QUEUE_S = 3600.0        # ... or an hour of queued work
+
+
+@dataclass(frozen=True)
+class WriteBackPolicy:
+    """How a write reaches the storage tier (--write-back; docs/engines.md, "Write-back"): `sync`,
+    the original's (the request waits for it), or `async`, an engine's: the write is queued and
+    `threads` threads drain the queue. The queue holds at most `queue_objects` objects (0: no such
+    bound) and at most `queue_seconds` of queued work (llm-d's rule: objects queued x mean write
+    time / threads; 0: no such bound); a write that finds it full waits (`full` block) or is
+    dropped (drop: the entry is not stored, a future miss)."""
+    mode: str = "sync"
+    threads: int = 4
+    queue_objects: int = 0
+    queue_seconds: float = 0.0
+    full: str = "block"
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.mode == "async"
+
+    def describe(self) -> str:
+        if not self.asynchronous:
+            return "sync (a request waits for its storage writes)"
+        bound = " and ".join(b for b in (f"{self.queue_objects:,} objects" if self.queue_objects else "",
+                                          f"{self.queue_seconds:g} s of work" if self.queue_seconds else "") if b)
+        return (f"async, {self.threads} thread{'s' if self.threads != 1 else ''}, queue "
+                f"{'of at most ' + bound + ', then ' + self.full if bound else 'unbounded'}")
+
+    def summary(self) -> Dict[str, Any]:
+        return {"mode": self.mode, "threads": self.threads, "queue_objects": self.queue_objects,
+                "queue_seconds": self.queue_seconds, "full": self.full}
+
+
 # --kv-engine: each engine's defaults as docs/engines.md sources them ("Preset parameters").
 KV_ENGINES: Dict[str, KVBlockScheme] = {
     "lmcache": KVBlockScheme(256, "file-per-block", "lmcache", "lmcache", temp_rename=True),
@@ -376,6 +413,15 @@ KV_ENGINES: Dict[str, KVBlockScheme] = {
     "sglang": KVBlockScheme(64, "file-per-block", "sglang", "sglang", temp_rename=True),
     "dynamo": KVBlockScheme(16, "slot-file", "dynamo", "dynamo", engine_direct=True, admission="reused"),
     "mooncake": KVBlockScheme(64, "bucket", "mooncake", "mooncake", split_kv=True),
+}
+# ... and how each queues its storage writes (docs/engines.md, "Write-back").
+WRITE_BACK_ENGINES: Dict[str, WriteBackPolicy] = {
+    "lmcache": WriteBackPolicy("async", 4),                     # local_disk's disk_io_threads; never drops
+    "vllm": WriteBackPolicy("async", 16),                       # n_write_threads; unbounded deques
+    "llm-d": WriteBackPolicy("async", 64, queue_seconds=30.0, full="drop"),   # max_write_queued_seconds
+    "sglang": WriteBackPolicy("async", 1),                      # one backup thread, unbounded Queue
+    "dynamo": WriteBackPolicy("async", 4),                      # 4 concurrent transfers, unbounded channel
+    "mooncake": WriteBackPolicy("async", 1, queue_objects=50_000, full="drop"),   # --offloading_queue_limit
 }
 
 
@@ -1117,6 +1163,10 @@ class BenchmarkConfig:
     kv_layout: Optional[str] = None               # how blocks are kept (KV_LAYOUTS); None: the engine's or file-per-block
     kv_io: str = "direct"                         # direct: every byte reaches the device; engine: the engine's own mode
     storage_admission: Optional[str] = None       # all | reused (an entry stored from its second use); None: the engine's
+    write_back: Optional[str] = None              # sync | async (WriteBackPolicy); None: the engine's, else sync
+    write_back_threads: Optional[int] = None      # async: threads draining the queue; None: the engine's, else 4
+    write_back_queue: Optional[str] = None        # async: 'N' objects or 'Ns' of work at most; None: the engine's
+    write_back_full: Optional[str] = None         # async, queue full: block | drop; None: the engine's, else block
     cpu_mem_gb: float = 32.0
     gpu_library: str = "auto"                     # 'auto' (PyTorch, then CuPy), 'torch' or 'cupy'
     cache_dir: Optional[str] = None
@@ -1237,11 +1287,12 @@ class BenchmarkConfig:
              "cannot be negative"),
             ("--tensor-parallel", self.tensor_parallel, 1, MAX_GPUS, f"between 1 and {MAX_GPUS:,}"),
             ("--kv-block-tokens", self.kv_block_tokens, 0, MAX_KV_BLOCK_TOKENS,
-             f"0 (one object per entry) or a block of 1 to {MAX_KV_BLOCK_TOKENS:,} tokens", "cannot be negative")]
+             f"0 (one object per entry) or a block of 1 to {MAX_KV_BLOCK_TOKENS:,} tokens", "cannot be negative"),
+            ("--write-back-threads", self.write_back_threads, 1, 1024, "between 1 and 1024")]
         checks: List[Callable[[], None]] = [functools.partial(_check_range, *r) for r in ranges if r[1] is not None]
         return checks + [lambda: _check_dataset(self.dataset_path), lambda: _check_cache_dir(self.cache_dir),
                          lambda: _check_outputs(self), self._check_fio, self._check_node_role, self._check_shards,
-                         self._check_burst_trace, self._check_io_trace, self._check_kv_blocks]
+                         self._check_burst_trace, self._check_io_trace, self._check_kv_blocks, self._check_write_back]
 
     def _check_fio(self) -> None:
         if self.fio_compare and shutil.which("fio") is None:
@@ -1297,6 +1348,27 @@ class BenchmarkConfig:
         layout = self.kv_layout or (base.layout if base.blocks else "file-per-block")
         return dataclasses.replace(base, block_tokens=tokens, layout=layout if tokens else "entry", kv_io=self.kv_io,
                                    admission=self.storage_admission or base.admission)
+
+    @property
+    def write_back_policy(self) -> WriteBackPolicy:
+        """How writes reach the storage tier: --kv-engine's (none: the original's, sync), each part
+        overridden by its own flag."""
+        base = WRITE_BACK_ENGINES.get(self.kv_engine or "", WriteBackPolicy())
+        objects, seconds = (base.queue_objects, base.queue_seconds) if self.write_back_queue is None else \
+            parse_write_back_queue(self.write_back_queue)
+        return WriteBackPolicy(self.write_back or base.mode, self.write_back_threads or base.threads, objects,
+                               seconds, self.write_back_full or base.full)
+
+    def _check_write_back(self) -> None:
+        policy = self.write_back_policy                         # (a bad --write-back-queue is said here)
+        if policy.asynchronous:
+            return
+        for flag, given in (("--write-back-threads", self.write_back_threads),
+                            ("--write-back-queue", self.write_back_queue),
+                            ("--write-back-full", self.write_back_full)):
+            if given is not None:
+                raise UsageError(f"{flag} sets how --write-back async queues writes: give --write-back async "
+                                 f"(a --kv-engine's default), or leave {flag} out")
 
     def _check_kv_blocks(self) -> None:
         blocks = self.kv_engine or self.kv_block_tokens
@@ -1363,6 +1435,26 @@ def _check_range(flag: str, value: float, low: float, high: float, what: str,
         side = below if not value > high else above
         said = f"{side} (accepted: {what})" if side else f"must be {what}"
         raise UsageError(f"{flag} {said}, got {_shown(value)}")
+
+
+def parse_write_back_queue(text: str) -> Tuple[int, float]:
+    """--write-back-queue: 'N' objects (0: unbounded) or 'Ns' seconds of queued work, as
+    (objects, seconds); UsageError naming the flag otherwise."""
+    what = (f"a count of objects (0: unbounded, at most {MAX_WRITE_BACK_OBJECTS:,}) or seconds of queued work "
+            f"such as 30s (above 0, at most {MAX_WRITE_BACK_QUEUE_S:g}s)")
+    value = str(text).strip()
+    try:
+        if value.endswith("s"):
+            seconds = float(value[:-1])
+            if not 0 < seconds <= MAX_WRITE_BACK_QUEUE_S:
+                raise ValueError
+            return 0, seconds
+        objects = int(value)
+        if not 0 <= objects <= MAX_WRITE_BACK_OBJECTS:
+            raise ValueError
+        return objects, 0.0
+    except ValueError:
+        raise UsageError(f"--write-back-queue must be {what}, got {_shown(text)}") from None
 
 
 def tier_values(flag: str, text: str, defaults: Dict[str, float], low: float, high: float) -> Dict[str, float]:
@@ -6140,6 +6232,296 @@ def format_kv_blocks(b: Dict[str, Any], admission_refused: int = 0) -> List[str]
 
 
 # ============================================================================
+# THE WATERFALL'S RULES (--config eviction, --storage-admission)
+# ============================================================================
+# How the waterfall makes room in a tier (EvictionPolicy), and which entries the storage tier
+# takes at all (AdmissionFilter).
+
+NEAR_EMPTY_SHARE = 0.05                 # a tier this empty takes one entry above its target usage
+
+
+class AdmissionFilter:
+    """--storage-admission reused (Dynamo KVBM's disk filter, docs/engines.md): an entry reaches the
+    storage tier only from its second use, a use being a write of it (its KV computed) or a read
+    hit, counted per key for the last ADMISSION_KEYS keys (Dynamo's capacity; its 600 s decay of
+    the counts is not modelled)."""
+
+    def __init__(self, capacity: int = 1_000_000):
+        self._lock = threading.Lock()
+        self._uses: "OrderedDict[str, int]" = OrderedDict()
+        self._capacity = capacity
+
+    def use(self, key: str) -> None:
+        with self._lock:
+            self._uses[key] = self._uses.pop(key, 0) + 1
+            if len(self._uses) > self._capacity:
+                self._uses.popitem(last=False)
+
+    def admits(self, key: str) -> bool:
+        with self._lock:
+            return self._uses.get(key, 0) >= 2
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """The waterfall's rules, from --config eviction (the defaults are the seeds' 80 % rule):
+
+    - a memory tier is full at `target_usage_ratio` of its budget (the storage tier at its
+      capacity), and its LRU entries are demoted to make room;
+    - an entry above `large_entry_limit_ratio` of a memory tier's budget skips that tier; one
+      between the target and that share goes in only while the tier is nearly empty (< 5 %).
+      Built in, both are 0.8: an entry above 80 % skips the tier (the seeds' rule); v3.0's
+      file says 0.95;
+    - making room in one tier for one entry demotes at most min(max_evictions_hard_cap,
+      max(max_evictions_min, entries in the tier + 100)) entries (the GPU tier: at most
+      gpu_backend.max_eviction_attempts), then the entry tries the next tier;
+    - a demotion that needs a demotion below it is one level deeper; a memory tier reached at
+      `max_recursion_depth` levels demotes nothing (the entry, or the demoted entry, tries the
+      next tier; 0: a write never demotes out of a memory tier)."""
+    target_usage_ratio: float
+    large_entry_limit_ratio: float
+    max_recursion_depth: int
+    max_evictions_hard_cap: int
+    max_evictions_min: int
+    gpu_max_evictions: int                # --config gpu_backend.max_eviction_attempts: the GPU tier's own cap
+
+    @classmethod
+    def for_run(cls, tunables: Tunables) -> "EvictionPolicy":
+        rules = {f.name: getattr(tunables.eviction, f.name) for f in dataclasses.fields(EvictionTunables)}
+        return cls(gpu_max_evictions=tunables.gpu_backend.max_eviction_attempts, **rules)
+
+    def skips(self, size: int, limit: float, last: bool) -> bool:
+        return size > (limit if last else limit * self.large_entry_limit_ratio)
+
+    def has_room(self, usage: int, size: int, limit: float, last: bool) -> bool:
+        if last:
+            return usage + size <= limit
+        target = limit * self.target_usage_ratio
+        return usage + size <= target or (size > target and usage < NEAR_EMPTY_SHARE * limit)
+
+    def eviction_budget(self, tier: str, entries_in_tier: int) -> int:
+        budget = min(self.max_evictions_hard_cap, max(self.max_evictions_min, entries_in_tier + 100))
+        return min(budget, self.gpu_max_evictions) if tier == "gpu" else budget
+
+
+# ============================================================================
+# WRITE-BACK (--write-back async)
+# ============================================================================
+# An engine does not make a request wait for its KV to reach storage: the write is queued and a
+# pool of threads drains the queue (docs/engines.md, "Write-back"). WriteBack is that queue, its
+# bound (objects, or seconds of queued work) and what a full queue does (block or drop); its
+# figures (WriteBackFigures) are a record that merges itself across ranks.
+
+class WriteBackJob(NamedTuple):
+    """One queued write: the entry, its bytes and objects, when it was queued, and `write`, which
+    does the write and its bookkeeping (True: stored; False: failed or stopped, counted)."""
+    key: str
+    nbytes: int
+    objects: int
+    queued_at: float
+    write: Callable[[], bool]
+
+
+WRITE_BACK_COUNTS = ("submitted", "submitted_bytes", "submitted_objects", "written", "written_bytes",
+                     "written_objects", "failed", "failed_bytes", "dropped", "dropped_bytes", "dropped_objects", "blocked",
+                     "reads_served")
+
+
+@dataclass
+class WriteBackFigures:
+    """The write-back over the measured window (one rank's, or the ranks' merged): counts
+    (WRITE_BACK_COUNTS), the lag of each write from queued to stored and the waits of writes
+    that found the queue full (LatencyHistograms), the deepest queue, and what was still queued
+    at the stop."""
+    policy: Dict[str, Any]
+    counts: Dict[str, int]
+    lag: LatencyHistogram
+    full_wait: LatencyHistogram
+    peak_objects: int = 0
+    peak_bytes: int = 0
+    queued_at_stop_objects: int = 0
+    queued_at_stop_bytes: int = 0
+
+    @staticmethod
+    def merged(parts: Sequence[Optional["WriteBackFigures"]]) -> Optional["WriteBackFigures"]:
+        """The world's: counts, histograms and what was queued summed; the deepest queues summed
+        too (each rank's own queue at its peak: an upper bound of the node's)."""
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
+        lag, full_wait = LatencyHistogram(), LatencyHistogram()
+        for p in parts:
+            lag, full_wait = lag.merged(p.lag), full_wait.merged(p.full_wait)
+        total = lambda name: sum(getattr(p, name) for p in parts)         # noqa: E731
+        return WriteBackFigures(parts[0].policy, {k: sum(p.counts.get(k, 0) for p in parts) for k in WRITE_BACK_COUNTS},
+                                lag, full_wait, total("peak_objects"), total("peak_bytes"),
+                                total("queued_at_stop_objects"), total("queued_at_stop_bytes"))
+
+    def to_json(self, window_s: float) -> Dict[str, Any]:
+        """The results' `write_back` (docs/metrics.md)."""
+        rate = (lambda n: round(n / window_s / GIB, 4)) if window_s > 0 else (lambda n: None)
+        c = self.counts
+        return {**self.policy, **c,
+                "submitted_gib_per_sec": rate(c["submitted_bytes"]), "written_gib_per_sec": rate(c["written_bytes"]),
+                "lag_ms": histogram_summary_ms(self.lag), "full_wait_ms": histogram_summary_ms(self.full_wait),
+                "peak_queue_objects": self.peak_objects, "peak_queue_bytes": self.peak_bytes,
+                "queued_at_stop_objects": self.queued_at_stop_objects,
+                "queued_at_stop_bytes": self.queued_at_stop_bytes}
+
+
+def format_write_back(w: Dict[str, Any]) -> List[str]:
+    """The report's WRITE-BACK section (pure)."""
+    lag = w["lag_ms"]
+    return ["### WRITE-BACK (--write-back async) ###",
+            f"  {w['threads']} thread{'s' if w['threads'] != 1 else ''}; queued {w['submitted']:,} writes ({w['submitted_bytes'] / GIB:.2f} GiB, "
+            f"{w['submitted_gib_per_sec'] or 0:.3f} GiB/s asked of the drive), written {w['written']:,} "
+            f"({w['written_gib_per_sec'] or 0:.3f} GiB/s)",
+            f"  lag from queued to stored: P50 {_fmt_ms(lag['p50'])}, P95 {_fmt_ms(lag['p95'])}, "
+            f"P99 {_fmt_ms(lag['p99'])}",
+            f"  deepest queue {w['peak_queue_objects']:,} objects ({w['peak_queue_bytes'] / GIB:.2f} GiB); still "
+            f"queued at the stop {w['queued_at_stop_objects']:,} ({w['queued_at_stop_bytes'] / GIB:.2f} GiB)",
+            f"  dropped {w['dropped']:,} writes ({w['dropped_objects']:,} objects), {w['blocked']:,} waited for room "
+            f"(P95 {_fmt_ms(w['full_wait_ms']['p95'])}), failed {w['failed']:,}; reads served before the write "
+            f"{w['reads_served']:,}"]
+
+
+class WriteBack:
+    """--write-back async: a queue of writes drained by `policy.threads` threads, in the order
+    they came. `submit` returns at once, or waits while the queue is full (policy.full block;
+    a stop ends the wait) or drops the write (drop). The queue counts the objects and bytes
+    queued or being written; its seconds of work are the objects queued x the mean write time
+    of an object so far / threads (llm-d's rule: no bound until a write has completed)."""
+
+    def __init__(self, policy: WriteBackPolicy, stop: threading.Event):
+        self.policy, self._stop = policy, stop
+        self._cond = threading.Condition()
+        self._queue: "collections.deque[WriteBackJob]" = collections.deque()
+        self._objects = self._bytes = 0                  # queued or being written
+        self._closed = False
+        self._write_s = 0.0                              # seconds of completed writes, and their objects
+        self._write_objects = 0
+        self.reset()
+        self._threads = [threading.Thread(target=self._drain, name=f"write-back-{i}", daemon=True)
+                         for i in range(policy.threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def reset(self) -> None:
+        """The figures start again from now (the queue's contents stay)."""
+        with self._cond:
+            self._counts = dict.fromkeys(WRITE_BACK_COUNTS, 0)
+            self._lag, self._full_wait = LatencyHistogram(), LatencyHistogram()
+            self._peak_objects, self._peak_bytes = self._objects, self._bytes
+
+    def _full(self, objects: int) -> bool:
+        """Under the lock: whether `objects` more would pass a bound (an empty queue takes anything)."""
+        if not self._objects:
+            return False
+        p = self.policy
+        if p.queue_objects and self._objects + objects > p.queue_objects:
+            return True
+        if p.queue_seconds and self._write_objects:
+            work_s = (self._objects + objects) * self._write_s / self._write_objects / p.threads
+            return work_s > p.queue_seconds
+        return False
+
+    def submit(self, job: WriteBackJob) -> Optional[bool]:
+        """Queue a write: True queued, False dropped (the queue full, policy.full drop), None
+        stopped while waiting for room."""
+        with self._cond:
+            if self._full(job.objects) and self.policy.full == "drop":
+                self._counts["dropped"] += 1
+                self._counts["dropped_bytes"] += job.nbytes
+                self._counts["dropped_objects"] += job.objects
+                return False
+            if self._full(job.objects):
+                t0 = time.perf_counter()
+                self._counts["blocked"] += 1
+                while self._full(job.objects) and not (self._stop.is_set() or self._closed):
+                    self._cond.wait(0.05)
+                self._full_wait.add(time.perf_counter() - t0)
+                if self._stop.is_set() or self._closed:
+                    return None
+            self._queue.append(job._replace(queued_at=time.perf_counter()))
+            self._objects, self._bytes = self._objects + job.objects, self._bytes + job.nbytes
+            self._peak_objects, self._peak_bytes = max(self._peak_objects, self._objects), max(self._peak_bytes,
+                                                                                               self._bytes)
+            self._counts["submitted"] += 1
+            self._counts["submitted_bytes"] += job.nbytes
+            self._counts["submitted_objects"] += job.objects
+            self._cond.notify_all()
+            return True
+
+    def served(self) -> None:
+        """A read of an entry still queued, served from the memory that holds it until it is written."""
+        with self._cond:
+            self._counts["reads_served"] += 1
+
+    def depth(self) -> Tuple[int, int]:
+        """Objects and bytes queued or being written now."""
+        with self._cond:
+            return self._objects, self._bytes
+
+    def _drain(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._queue.popleft()
+            t0 = time.perf_counter()
+            try:
+                stored = job.write()
+            except Exception:                             # a bug must not stop the queue: counted as failed
+                logger.exception("write-back of %s failed", job.key)
+                stored = False
+            done = time.perf_counter()
+            with self._cond:
+                self._objects, self._bytes = self._objects - job.objects, self._bytes - job.nbytes
+                if stored:
+                    self._write_s, self._write_objects = self._write_s + done - t0, self._write_objects + job.objects
+                    self._lag.add(done - job.queued_at)
+                    for name, amount in (("written", 1), ("written_bytes", job.nbytes),
+                                         ("written_objects", job.objects)):
+                        self._counts[name] += amount
+                else:
+                    self._counts["failed"] += 1
+                    self._counts["failed_bytes"] += job.nbytes
+                self._cond.notify_all()
+
+    def flush(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until nothing is queued or being written (or the stop, or `timeout_s`): whether it is."""
+        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+        with self._cond:
+            while self._objects and not self._stop.is_set():
+                left = None if deadline is None else deadline - time.perf_counter()
+                if left is not None and left <= 0:
+                    break
+                self._cond.wait(0.05 if left is None else min(left, 0.05))
+            return not self._objects
+
+    def figures(self) -> WriteBackFigures:
+        """What it did since the last reset, and what is queued now."""
+        with self._cond:
+            return WriteBackFigures(self.policy.summary(), dict(self._counts), self._lag.merged(LatencyHistogram()),
+                                    self._full_wait.merged(LatencyHistogram()), self._peak_objects, self._peak_bytes,
+                                    self._objects, self._bytes)
+
+    def close(self) -> List[WriteBackJob]:
+        """Stop the threads once their writes in progress end (a stop makes those give up);
+        returns the writes never begun."""
+        with self._cond:
+            self._closed = True
+            left, self._queue = list(self._queue), collections.deque()
+            self._cond.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
+        return left
+
+
+# ============================================================================
 # MULTI-TIER CACHE
 # ============================================================================
 
@@ -6174,7 +6556,7 @@ class CacheEntry:
     size_bytes: int
     num_tokens: int
     tier: Optional[str] = None
-    state: str = "writing"            # writing -> ready <-> moving
+    state: str = "writing"            # writing -> ready <-> moving; queued -> ready (--write-back async)
     shape: Tuple[int, ...] = ()
     dtype: str = "<f2"
     checksum: Optional[int] = None    # CRC-32 of the entry's bytes, with --verify
@@ -6250,7 +6632,7 @@ def invariant_violations(entries: Dict[str, "CacheEntry"], backends: Dict[str, S
     live: Dict[str, int] = defaultdict(int)
     for key, entry in entries.items():
         holders = [t for t, b in backends.items() if key in b]
-        if entry.state != "writing" and holders != [entry.tier]:
+        if entry.state not in ("writing", "queued") and holders != [entry.tier]:
             problems.append(f"{key}: bookkeeping says {entry.tier}, data is in {holders}")
         if entry.tier is not None:
             live[entry.tier] += entry.size_bytes
@@ -6262,75 +6644,6 @@ def invariant_violations(entries: Dict[str, "CacheEntry"], backends: Dict[str, S
         if used > capacity(tier):
             problems.append(f"{tier}: usage {used} exceeds its capacity")
     return problems
-
-
-# --- How the waterfall makes room (--config eviction) ------------------------------------
-
-NEAR_EMPTY_SHARE = 0.05                 # a tier this empty takes one entry above its target usage
-
-
-class AdmissionFilter:
-    """--storage-admission reused (Dynamo KVBM's disk filter, docs/engines.md): an entry reaches the
-    storage tier only from its second use, a use being a write of it (its KV computed) or a read
-    hit, counted per key for the last ADMISSION_KEYS keys (Dynamo's capacity; its 600 s decay of
-    the counts is not modelled)."""
-
-    def __init__(self, capacity: int = 1_000_000):
-        self._lock = threading.Lock()
-        self._uses: "OrderedDict[str, int]" = OrderedDict()
-        self._capacity = capacity
-
-    def use(self, key: str) -> None:
-        with self._lock:
-            self._uses[key] = self._uses.pop(key, 0) + 1
-            if len(self._uses) > self._capacity:
-                self._uses.popitem(last=False)
-
-    def admits(self, key: str) -> bool:
-        with self._lock:
-            return self._uses.get(key, 0) >= 2
-
-
-@dataclass(frozen=True)
-class EvictionPolicy:
-    """The waterfall's rules, from --config eviction (the defaults are the seeds' 80 % rule):
-
-    - a memory tier is full at `target_usage_ratio` of its budget (the storage tier at its
-      capacity), and its LRU entries are demoted to make room;
-    - an entry above `large_entry_limit_ratio` of a memory tier's budget skips that tier; one
-      between the target and that share goes in only while the tier is nearly empty (< 5 %).
-      Built in, both are 0.8: an entry above 80 % skips the tier (the seeds' rule); v3.0's
-      file says 0.95;
-    - making room in one tier for one entry demotes at most min(max_evictions_hard_cap,
-      max(max_evictions_min, entries in the tier + 100)) entries (the GPU tier: at most
-      gpu_backend.max_eviction_attempts), then the entry tries the next tier;
-    - a demotion that needs a demotion below it is one level deeper; a memory tier reached at
-      `max_recursion_depth` levels demotes nothing (the entry, or the demoted entry, tries the
-      next tier; 0: a write never demotes out of a memory tier)."""
-    target_usage_ratio: float
-    large_entry_limit_ratio: float
-    max_recursion_depth: int
-    max_evictions_hard_cap: int
-    max_evictions_min: int
-    gpu_max_evictions: int                # --config gpu_backend.max_eviction_attempts: the GPU tier's own cap
-
-    @classmethod
-    def for_run(cls, tunables: Tunables) -> "EvictionPolicy":
-        rules = {f.name: getattr(tunables.eviction, f.name) for f in dataclasses.fields(EvictionTunables)}
-        return cls(gpu_max_evictions=tunables.gpu_backend.max_eviction_attempts, **rules)
-
-    def skips(self, size: int, limit: float, last: bool) -> bool:
-        return size > (limit if last else limit * self.large_entry_limit_ratio)
-
-    def has_room(self, usage: int, size: int, limit: float, last: bool) -> bool:
-        if last:
-            return usage + size <= limit
-        target = limit * self.target_usage_ratio
-        return usage + size <= target or (size > target and usage < NEAR_EMPTY_SHARE * limit)
-
-    def eviction_budget(self, tier: str, entries_in_tier: int) -> int:
-        budget = min(self.max_evictions_hard_cap, max(self.max_evictions_min, entries_in_tier + 100))
-        return min(budget, self.gpu_max_evictions) if tier == "gpu" else budget
 
 
 class MultiTierCache:
@@ -6379,6 +6692,8 @@ class MultiTierCache:
             self._release()
             raise
         self._abort = threading.Event()
+        policy = config.write_back_policy
+        self.write_back = WriteBack(policy, self._abort) if policy.asynchronous else None
         self.staging_pool = StagingPool(STAGING_AREAS, STAGING_BYTES)
         self.bounce_pool = StagingPool(STAGING_AREAS, BOUNCE_BYTES)   # memory reads: never behind storage I/O
         if self.tiers.gpu is not None:                 # storage staging crosses PCIe too: pinned
@@ -6486,8 +6801,11 @@ class MultiTierCache:
             self._drop(entry, reserved_tier=None)
             self.stats.count("allocation_failures" if admitted else "storage_admission_refused")
             return False, None, demoted, False, 0.0
-        source = EntrySource.generated(self.generator, key, size, entry.shape, entry.dtype)
         reason = "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE) else "decode"
+        if tier == "nvme" and self.write_back is not None:     # queued: the request goes on (WriteBack)
+            queued = self._queue_write(entry, reason, self.config.verify)
+            return bool(queued), "nvme" if queued else None, demoted, queued is None, 0.0
+        source = EntrySource.generated(self.generator, key, size, entry.shape, entry.dtype)
         transfer = self._transfer(tier, "write", size, self.config.verify, reason)
         try:
             with transfer:
@@ -6563,6 +6881,10 @@ class MultiTierCache:
                 _unlink_counted(self.stats, path)                  # the capacity cap holds on disk too
             self.stats.count("evictions")
             return moved
+        if dest == "nvme" and self.write_back is not None:    # into the write-back's memory, then queued
+            if self._queue_write(victim, "demotion", False, release=source):
+                self.stats.count("offloads_nvme")
+            return moved
         try:                                         # the next tier stores the entry from where it lies
             entry_source = self.backends[source].source(victim.key)
             with self._transfer(dest, "write", victim.size_bytes, False, "demotion") as transfer:
@@ -6581,6 +6903,48 @@ class MultiTierCache:
         self.stats.count(f"offloads_{dest}")
         transfer.record(victim.num_tokens)
         return moved + victim.num_tokens
+
+    # --- write-back (--write-back async) ---
+    def _queue_write(self, entry: CacheEntry, reason: str, verify: bool, release: Optional[str] = None) -> Optional[bool]:
+        """Queue `entry`'s write to the storage tier (its room there reserved; `release`: the tier it
+        is demoted from, whose copy goes now). Until written it is in the write-back's memory, where
+        a read finds it. True queued; False dropped (the queue full) and None stopped: it leaves the cache."""
+        with self._lock:
+            if release is not None:
+                self._usage[release] -= entry.size_bytes
+            entry.tier, entry.state = "nvme", "queued"
+        if release is not None:
+            self.backends[release].delete(entry.key)
+        scheme, bytes_per_token = self.config.kv_blocks, self.model_config.kv_cache_size_per_token
+        objects = (entry.size_bytes // scheme.object_bytes(bytes_per_token, self.config.tensor_parallel)
+                   if scheme.blocks else self.config.tensor_parallel)
+        queued = self.write_back.submit(WriteBackJob(entry.key, entry.size_bytes, objects, 0.0,
+                                                     functools.partial(self._write_back, entry, reason, verify)))
+        if not queued:
+            self._drop(entry, reserved_tier="nvme")
+        return queued
+
+    def _write_back(self, entry: CacheEntry, reason: str, verify: bool) -> bool:
+        """A write-back thread's write of a queued entry (its bytes made again: the same bytes)."""
+        source = EntrySource.generated(self.generator, entry.key, entry.size_bytes, entry.shape, entry.dtype)
+        transfer = self._transfer("nvme", "write", entry.size_bytes, verify, reason)
+        try:
+            with transfer:
+                self.storage.write_from(entry.key, source, transfer)
+        except (OSError, IOAborted):                   # counted by the transfer
+            self._drop(entry, reserved_tier="nvme")
+            return False
+        with self._lock:
+            if verify:
+                entry.checksum = transfer.crc
+            entry.state = "ready"
+            self._lru["nvme"][entry.key] = None
+        transfer.record(entry.num_tokens)
+        return True
+
+    def flush_write_back(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until every queued write is written (or the stop, or `timeout_s`): whether all are."""
+        return self.write_back is None or self.write_back.flush(timeout_s)
 
     def _forget(self, entry: CacheEntry) -> None:
         """Remove a ready entry's bookkeeping. Caller holds the lock."""
@@ -6627,9 +6991,14 @@ class MultiTierCache:
                 entry = self._entries.get(key)
                 if entry is None or entry.state == "writing":
                     break
-                tier = entry.tier
+                tier, queued = entry.tier, entry.state == "queued"
                 if key in self._lru[tier]:
                     self._lru[tier].move_to_end(key)
+            if queued:                                 # --write-back async: served from memory, no storage I/O
+                self.write_back.served()
+                self.stats.record_lookup(cache_type, True, "write_back", entry.size_bytes)
+                self._used(key)
+                return CacheResult(True, "write_back", time.perf_counter() - t0, entry.num_tokens, wait_s=waited_s)
             verify = entry.checksum is not None
             transfer = self._transfer(tier, "read", entry.size_bytes, verify, reason)
             try:
@@ -6719,6 +7088,8 @@ class MultiTierCache:
         """Forget every figure so far (the entries stay): the measurement starts now."""
         self.stats.reset()
         self.storage.reset_accounting()
+        if self.write_back is not None:
+            self.write_back.reset()
 
     def abort_io(self) -> None:
         """The run is stopping: storage operations in flight give up at their next chunk."""
@@ -6733,7 +7104,10 @@ class MultiTierCache:
 
     def close(self) -> None:
         """Delete everything the cache stored, including the run directory it made. A step that
-        fails is counted and the rest still run: a dying file system costs errors, not results."""
+        fails is counted and the rest still run: a dying file system costs errors, not results. Writes
+        still queued are not made (a run's stop has made those in progress give up)."""
+        if self.write_back is not None:
+            self.write_back.close()
         _cleanup_counted(self.stats, lambda: self.collect_garbage(count_retired=False))
         self._release()                                   # the rest of it; a second call does nothing
         with self._lock:
@@ -7875,6 +8249,9 @@ class StorageMonitor:
                                                   self._limits),
             "tier_usage_gb": {t: self._cache.tier_usage(t) / GIB for t in self._cache.tier_order()},
         }
+        if self._cache.write_back is not None:           # --write-back async: what is queued now
+            point["write_back_queue_objects"], queued_bytes = self._cache.write_back.depth()
+            point["write_back_queue_gb"] = queued_bytes / GIB
         # What the autoscaler judges: the mean over the last history_window_size windows (--config).
         self._recent.append(point["saturation_window"])
         del self._recent[:-self._limits.history_window_size]
@@ -8811,6 +9188,7 @@ class RunMeasurements:
     burst_trace: Optional[Dict[str, Any]] = merged_by(merge_trace_stats)      # --use-burst-trace (trace_stats)
     latency_tracing: Optional[Dict[str, Any]] = merged_by(merge_latency_tracing)  # --enable-latency-tracing
     kv_blocks: Optional[KVBlockFigures] = merged_by(KVBlockFigures.merged)     # --kv-block-tokens (KVBlockFigures.of)
+    write_back: Optional[WriteBackFigures] = merged_by(WriteBackFigures.merged)   # --write-back async
 
     @property
     def interrupted(self) -> bool:
@@ -8913,6 +9291,7 @@ class IntegratedBenchmark:
         self.shutdown_tail_s = 0.0
         self.stop_counters: Optional[Dict[str, int]] = None
         self.stop_blocks: Optional[KVBlockFigures] = None
+        self.stop_write_back: Optional[WriteBackFigures] = None
         self.latency_samples: Dict[str, List[float]] = {}     # per tier and operation, seconds (for --plot)
         self.scheduler: Arrivals = (
             ArrivalScheduler(self.plan, self._build_request, self.request_queue, self._stop, config.max_requests,
@@ -9043,6 +9422,7 @@ class IntegratedBenchmark:
         self.recorder.close()
         self.stop_counters = self.cache.stats.snapshot()[0]     # the measured window's bytes, for its rates
         self.stop_blocks = KVBlockFigures.of(self.cache.storage)  # the window's blocks (clean-up is not in it)
+        self.stop_write_back = self.cache.write_back.figures() if self.cache.write_back else None
         self.cache.abort_io()
 
     def _spawn(self, target: Callable, name: str, *args: Any) -> threading.Thread:
@@ -9228,7 +9608,7 @@ class IntegratedBenchmark:
             device_stats=None if self.cache.tiers.trace else self.device_stats,      # trace mode: no I/O to see
             decode_contexts=self.decode_contexts, precondition=self.precondition,
             burst_trace=self.scheduler.trace_stats(), latency_tracing=self.latency_tracing,
-            kv_blocks=self.stop_blocks)
+            kv_blocks=self.stop_blocks, write_back=self.stop_write_back)
 
 
 # ============================================================================
@@ -9350,6 +9730,7 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "thread_errors": list(m.thread_errors),
         **_storage_figures(cache_stats, m),
         **({"kv_blocks": m.kv_blocks.to_json(m.elapsed_s)} if m.kv_blocks else {}),     # --kv-block-tokens
+        **({"write_back": m.write_back.to_json(m.elapsed_s)} if m.write_back else {}),  # --write-back async
         **m.fio,
     }
     results = {
@@ -9541,6 +9922,8 @@ def format_report(results: Dict[str, Any]) -> str:
     if results["summary"].get("kv_blocks"):
         lines += ["", *format_kv_blocks(results["summary"]["kv_blocks"],
                                         results["summary"]["cache_stats"].get("storage_admission_refused", 0))]
+    if results["summary"].get("write_back"):
+        lines += ["", *format_write_back(results["summary"]["write_back"])]
     if s.get("fio_comparison"):
         _report_fio(add, s["fio_comparison"])
     _report_cache_types(add, s, cs)
@@ -9904,6 +10287,9 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
         "KV Largest Directory (files)": s("kv_blocks", "largest_directory_files"),
         "KV Lookups/s": s("kv_blocks", "lookups", "per_sec"),
         "KV Lookup P95 (ms)": s("kv_blocks", "lookups", "latency_ms", "p95"),
+        "Write-back Lag P95 (ms)": s("write_back", "lag_ms", "p95"),
+        "Write-back Dropped": s("write_back", "dropped"),
+        "Write-back Asked (GiB/s)": s("write_back", "submitted_gib_per_sec"),
     }
 
 
@@ -10773,6 +11159,17 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     k.add_argument("--kv-io", choices=["direct", "engine"],
                    help="direct: every write durable and every read from the device; engine: the --kv-engine's "
                         "own I/O mode (page cache, no fsync where it does so) (default: %(default)s)")
+    k.add_argument("--write-back", choices=["sync", "async"],
+                   help="sync: a request waits for its storage writes (the original's); async: they are queued and "
+                        "written by --write-back-threads, as an engine does (default: the --kv-engine's, else sync)")
+    k.add_argument("--write-back-threads", type=int,
+                   help="--write-back async: threads that drain the queue (default: the --kv-engine's, else 4)")
+    k.add_argument("--write-back-queue", metavar="N|Ns",
+                   help="--write-back async: the queue holds at most N objects (0: unbounded) or Ns seconds of "
+                        "queued work (default: the --kv-engine's, else 0)")
+    k.add_argument("--write-back-full", choices=["block", "drop"],
+                   help="--write-back async, queue full: the write waits for room, or is dropped (not stored) "
+                        "(default: the --kv-engine's, else block)")
     m.add_argument("--precondition", action="store_true",
                    help="before the timer, age the drive: write incompressible entries of the run's sizes straight "
                         "to the storage tier (the oldest evicted when it is full)")

@@ -2132,7 +2132,8 @@ class TestKVBlocks:
         (tmp_path / "cache").mkdir()
         run = run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "12", "--cpu-mem-gb", "0",
                                         "--seed", "7", "--kv-engine", engine, "--kv-io", "engine",
-                                        "--storage-admission", "all", "--xlsx-output", tmp_path / "r.csv"))
+                                        "--storage-admission", "all", "--write-back", "sync",
+                                        "--xlsx-output", tmp_path / "r.csv"))
         results = results_of(run, tmp_path)
         blocks = results["summary"]["kv_blocks"]
         assert "kv_blocks" not in base["summary"] and results["workload_digest"] == base["workload_digest"]
@@ -2207,9 +2208,11 @@ class TestKVBlocks:
             for user in ("user_1", "user_2", "user_3"):        # each looks the prompt up; the first writes it
                 if not cache.read_entry("system_prompt_0", kv.InferencePhase.PREFILL, "system").success:
                     assert cache.write_entry("system_prompt_0", 600).success, user
+                    assert cache.flush_write_back()                            # (lmcache writes back: async)
             assert cache.storage.block_counts()["objects_written"] == 2          # 600 tokens: 2 whole blocks, once
             assert cache.write_entry("user_1_conv_1_turn_1", 700).success        # 2 blocks
             assert cache.write_entry("user_1_conv_1_turn_2", 900).success        # its own 900 tokens: 3 blocks
+            assert cache.flush_write_back()
             counts = cache.storage.block_counts()
             assert counts["objects_written"] == 2 + 2 + 3 and counts["lookup_hits"] >= 2 * 2
         finally:
@@ -2277,6 +2280,152 @@ class TestKVBlocks:
 
 def base_of(view: np.ndarray) -> int:
     return view.__array_interface__["data"][0]
+
+
+# WRITE-BACK (--write-back async)
+class TestWriteBack:
+    """--write-back async: the queue, its bounds and full policies, and the cache's use of it."""
+
+    @staticmethod
+    def _job(key, gate=None, objects=1, nbytes=100, stored=True):
+        def write():
+            if gate is not None:
+                assert gate.wait(30)
+            return stored
+        return kv.WriteBackJob(key, nbytes, objects, 0.0, write)
+
+    def test_writes_are_queued_written_in_order_and_counted(self):
+        gate, stop = threading.Event(), threading.Event()
+        queue = kv.WriteBack(kv.WriteBackPolicy("async", 1), stop)
+        try:
+            assert [queue.submit(self._job(f"k{i}", gate, objects=2, nbytes=10)) for i in range(3)] == [True] * 3
+            assert queue.depth() == (6, 30)                                 # queued or being written
+            gate.set()
+            assert queue.flush(30) and queue.depth() == (0, 0)
+            figures = queue.figures()
+            assert (figures.counts["submitted"], figures.counts["written"], figures.counts["written_objects"],
+                    figures.counts["written_bytes"], figures.lag.count, figures.peak_objects) == (3, 3, 6, 30, 3, 6)
+        finally:
+            queue.close()
+
+    def test_a_full_queue_drops_under_drop_and_counts_it(self):
+        gate = threading.Event()
+        queue = kv.WriteBack(kv.WriteBackPolicy("async", 1, queue_objects=2, full="drop"), threading.Event())
+        try:
+            assert queue.submit(self._job("a", gate, objects=2))            # an empty queue takes anything
+            assert queue.submit(self._job("b", gate)) is False               # 2 + 1 > 2: dropped
+            gate.set()
+            assert queue.flush(30) and queue.submit(self._job("c", gate))    # room again
+            assert queue.flush(30)
+            c = queue.figures().counts
+            assert (c["dropped"], c["dropped_objects"], c["dropped_bytes"], c["written"]) == (1, 1, 100, 2)
+        finally:
+            queue.close()
+
+    def test_a_full_queue_blocks_the_writer_under_block_until_the_stop(self):
+        gate, stop = threading.Event(), threading.Event()
+        queue = kv.WriteBack(kv.WriteBackPolicy("async", 1, queue_objects=1), stop)
+        outcome = []
+        try:
+            assert queue.submit(self._job("a", gate))
+            waiter = threading.Thread(target=lambda: outcome.append(queue.submit(self._job("b", gate))))
+            waiter.start()
+            wait_until(lambda: queue.figures().counts["blocked"] == 1)
+            assert outcome == []                                              # still waiting for room
+            gate.set()
+            waiter.join(30)
+            assert outcome == [True] and queue.flush(30) and queue.figures().counts["written"] == 2
+            gate.clear()
+            queue.submit(self._job("c", gate))
+            late = threading.Thread(target=lambda: outcome.append(queue.submit(self._job("d", gate))))
+            late.start()
+            wait_until(lambda: queue.figures().counts["blocked"] == 2)
+            stop.set()                                                         # the stop ends the wait
+            late.join(30)
+            assert outcome[-1] is None and queue.figures().full_wait.count == 2
+        finally:
+            gate.set()
+            queue.close()
+
+    def test_seconds_of_queued_work_bound_the_queue_once_a_write_has_taken_time(self):
+        gate = threading.Event()
+        slow = kv.WriteBackJob("slow", 1, 1, 0.0, lambda: time.sleep(0.2) or True)
+        queue = kv.WriteBack(kv.WriteBackPolicy("async", 1, queue_seconds=0.1, full="drop"), threading.Event())
+        try:
+            assert queue.submit(self._job("a", gate)) and queue.submit(self._job("b", gate))   # no write timed yet
+            gate.set()
+            assert queue.flush(30) and queue.submit(slow) and queue.flush(30)
+            gate.clear()
+            assert queue.submit(self._job("c", gate))          # an empty queue takes anything
+            assert queue.submit(self._job("d", gate)) is False  # 2 objects x >= 0.2 s / 3 written, 1 thread > 0.1 s
+        finally:
+            gate.set()
+            queue.close()
+
+    def test_the_request_goes_on_and_a_read_before_the_write_is_served_from_memory(self, tmp_path):
+        config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
+                                    kv_block_tokens=64, write_back="async", write_back_threads=2)
+        cache = kv.MultiTierCache.for_run(config)
+        try:
+            with contextlib.ExitStack() as held:        # every staging area held: no write-back can start
+                for _ in range(kv.STAGING_AREAS):
+                    held.enter_context(cache.staging_pool.lease())
+                results = []
+                writer = threading.Thread(target=lambda: results.append(cache.write_entry("k", 200)), daemon=True)
+                writer.start()
+                writer.join(30)                              # (a write that waited for an area would never end)
+                (written,) = results
+                assert (written.success, written.tier, written.tokens) == (True, "nvme", 0)    # 192 tokens queued
+                assert cache.entry_location("k") == "nvme" and cache.write_back.depth()[0] == 3
+                read = cache.read_entry("k")
+                assert (read.success, read.tier, read.tokens) == (True, "write_back", 192)
+                assert [f for f in our_files(tmp_path) if str(f).endswith(".kvb")] == []
+            assert cache.flush_write_back(30) and len([f for f in our_files(tmp_path) if f.endswith(".kvb")]) == 3
+            assert cache.read_entry("k").tier == "nvme" and cache.check_invariants() == []
+            c = cache.stats.read(lambda c, _: dict(c))
+            assert (c["nvme_writes"], c["nvme_reads"], c["nvme_tokens_written"]) == (1, 1, 192)
+            figures = cache.write_back.figures()
+            assert (figures.counts["reads_served"], figures.counts["written_objects"]) == (1, 3)
+        finally:
+            cache.close()
+
+    def test_a_demotion_is_queued_and_its_memory_freed_at_once(self, tmp_path):
+        entry = 64 * kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token
+        config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=2.5 * entry / GIB,
+                                    cache_dir=str(tmp_path), write_back="async", verify=True)
+        cache = kv.MultiTierCache.for_run(config)
+        try:
+            for i in range(4):
+                assert cache.write_entry(f"e{i}", 64).success
+            assert cache.flush_write_back(30)
+            assert [cache.entry_location(f"e{i}") for i in range(4)] == ["nvme", "nvme", "cpu", "cpu"]
+            assert cache.tier_usage("cpu") == 2 * entry and cache.check_invariants() == []
+            assert cache.read_entry("e0").tier == "nvme"
+            assert cache.stats.read(lambda c, _: (c["verify_checked"], c["verify_mismatches"])) == (1, 0)
+        finally:
+            cache.close()
+
+    def test_an_engine_run_reports_its_write_back_and_the_default_stays_sync(self, tmp_path):
+        base = results_of(run_in_process(*small_run(tmp_path / "sync", "--num-users", "4", "--max-requests", "12",
+                                                    "--cpu-mem-gb", "0", "--seed", "7")), tmp_path / "sync")
+        (tmp_path / "cache").mkdir()
+        run = run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "12", "--cpu-mem-gb", "0",
+                                        "--seed", "7", "--kv-engine", "mooncake", "--monitor-interval", "0.1",
+                                        "--xlsx-output", tmp_path / "r.csv"))
+        results = results_of(run, tmp_path)
+        w = results["summary"]["write_back"]
+        assert "write_back" not in base["summary"] and results["workload_digest"] == base["workload_digest"]
+        assert (w["mode"], w["threads"], w["queue_objects"], w["full"]) == ("async", 1, 50_000, "drop")
+        assert w["submitted"] > 0 and w["written"] + w["failed"] <= w["submitted"]
+        assert w["submitted_bytes"] == w["written_bytes"] + w["failed_bytes"] + w["queued_at_stop_bytes"]
+        assert w["lag_ms"]["count"] == w["written"]
+        assert results["summary"]["cache_stats"]["tier_storage_kv_bytes_written_gb"] * GIB >= w["written_bytes"]
+        assert "### WRITE-BACK (--write-back async) ###" in run.stdout
+        assert results["timeline"] and all("write_back_queue_objects" in point for point in results["timeline"])
+        row = next(csv.DictReader((tmp_path / "r.csv").read_text().splitlines()))
+        assert row["Write-back Dropped"] == str(w["dropped"])
+        assert list((tmp_path / "cache").iterdir()) == []
+
 
 
 class TestHostArena:
@@ -7561,6 +7710,15 @@ class TestReliability:
         pytest.param(["--kv-layout", "entry", "--kv-block-tokens", "16"], "--kv-layout", id="entry layout of blocks"),
         pytest.param(["--kv-io", "engine"], "--kv-io", id="kv-io engine without an engine"),
         pytest.param(["--kv-engine", "nginx"], "--kv-engine", id="kv-engine unknown"),
+        pytest.param(["--write-back", "async", "--write-back-queue", "many"], "--write-back-queue",
+                     id="write-back-queue not a count"),
+        pytest.param(["--write-back", "async", "--write-back-queue", "1e400s"], "--write-back-queue",
+                     id="write-back-queue infinite seconds"),
+        pytest.param(["--write-back", "async", "--write-back-threads", "0"], "--write-back-threads",
+                     id="write-back-threads zero"),
+        pytest.param(["--write-back-full", "drop"], "--write-back-full", id="write-back-full without async"),
+        pytest.param(["--kv-engine", "vllm", "--write-back", "sync", "--write-back-threads", "2"],
+                     "--write-back-threads", id="write-back-threads with sync"),
         pytest.param(["--kv-engine", "lmcache", "--replay-io-trace", "{burst}"], "cannot be combined with --kv-block",
                      id="kv blocks in a replay"),
         pytest.param(["--storage-admission", "reused"], "--storage-admission", id="admission without blocks"),
@@ -8959,6 +9117,13 @@ TWO_RANK_FEATURES = {
                              s["kv_blocks"]["lookups"]["hits"], s["kv_blocks"]["largest_directory_files"],
                              s["kv_blocks"]["lookups"]["latency_ms"]["max"]) == (7, 3, 1, 4, pytest.approx(2.0)),
                   "objects written 7"),
+    "write_back": (lambda r: kv.WriteBackFigures(kv.WRITE_BACK_ENGINES["vllm"].summary(),
+                                                 dict.fromkeys(kv.WRITE_BACK_COUNTS, 2 + r), _lookups([0.01 * (r + 1)]),
+                                                 _lookups([]), 5 + r, 100, r, 10 * r),
+                   lambda s: (s["write_back"]["written"], s["write_back"]["lag_ms"]["count"],
+                              s["write_back"]["lag_ms"]["max"], s["write_back"]["peak_queue_objects"],
+                              s["write_back"]["queued_at_stop_bytes"]) == (5, 2, pytest.approx(20.0), 11, 10),
+                   "written 5"),
     "burst_trace": (lambda r: dict(BURST_FIGURES, requests_admitted=4 + r),
                     lambda s: (s["burst_trace"]["rows"], s["burst_trace"]["requests_admitted"],
                                s["burst_trace"]["bad_rows_by_reason"]) == (10, 9, {"not a number": 2}),

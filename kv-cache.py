@@ -1423,7 +1423,8 @@ SYSTEM_PATHS = ("/", "/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "
 SYSTEM_TREES = tuple(p for p in SYSTEM_PATHS if p != "/")     # nothing inside these either
 USER_TREES_IN_SYSTEM = ("/dev/shm",)    # shared memory: a tier users measure (tmpfs), not a system file
 SPREADSHEET_SUFFIXES = (".xlsx", ".csv")
-CHART_NAMES = ("throughput.png", "latency_cdf.png", "tier_occupancy.png", "autoscaler.png")   # --plot's files
+CHART_NAMES = ("throughput.png", "latency_cdf.png", "tier_occupancy.png", "autoscaler.png",    # --plot's files
+               "kv_storage.png")
 
 
 def _check_range(flag: str, value: float, low: float, high: float, what: str,
@@ -3951,6 +3952,12 @@ class LookupSamples:
         with self._lock:
             self._latency, self._hits = LatencyHistogram(), 0
 
+    @property
+    def count(self) -> int:
+        """Lookups so far."""
+        with self._lock:
+            return self._latency.count
+
     def snapshot(self) -> Tuple[LatencyHistogram, int]:
         """A copy of the latencies, and the hits."""
         with self._lock:
@@ -4527,8 +4534,10 @@ class BlockTier(StorageTier):
             profile[f"{op}_peak_inflight"] = clock.peak_inflight
             profile[f"{op}_request_mean_ms"] = clock.request_s / clock.requests * 1000 if clock.requests else None
         # An operation moves its objects one at a time (depth 1), each made durable alone (--kv-io direct).
+        sizes = [{"max_bytes": 1 << max(0, int(size) - 1).bit_length(), "count": count,
+                  "bytes": moved["object_bytes_written"]}] if count else []          # every object of one size
         profile.update(files_written=count, file_bytes_mean=size, file_bytes_min=size, file_bytes_max=size,
-                       shards_per_entry=self.shards, object_sizes=[], depth_per_operation=1,
+                       shards_per_entry=self.shards, object_sizes=sizes, depth_per_operation=1,
                        bytes_per_sync=STAGING_BYTES if self.scheme.kv_io == "direct" else 0)
         return profile
 
@@ -8154,6 +8163,8 @@ class RequestRecord:
     allocation_wait_s: float = 0.0  # not in storage_s: waiting for an allocation slot (--max-concurrent-allocs)
     load_s: float = 0.0           # of prefill_s: its reads of cached context (prefix, earlier turns, RAG chunks)
     loads: int = 0                # those reads (0: it loaded nothing)
+    load_tokens: int = 0          # the tokens they found
+    load_tier: Optional[str] = None   # the slowest place that served one of them (LOAD_TIERS; None: all missed)
 
 
 class RunRecorder:
@@ -8218,6 +8229,7 @@ class StorageMonitor:
         self._sample_marks: Dict[Tuple[str, str], int] = {}
         self._record_mark = 0
         self._recent: List[float] = []                   # the last windows' saturation scores
+        self._lookups = 0                                # --kv-block-tokens: the block lookups so far
         self.timeline: List[Dict[str, Any]] = []
 
     def sample(self, elapsed_s: float) -> Dict[str, Any]:
@@ -8252,6 +8264,10 @@ class StorageMonitor:
         if self._cache.write_back is not None:           # --write-back async: what is queued now
             point["write_back_queue_objects"], queued_bytes = self._cache.write_back.depth()
             point["write_back_queue_gb"] = queued_bytes / GIB
+        lookups = getattr(self._cache.storage, "lookups", None)
+        if isinstance(lookups, LookupSamples):          # --kv-block-tokens: the engine's existence checks
+            count = lookups.count
+            point["kv_lookups_per_sec"], self._lookups = max(0, count - self._lookups) / span, count
         # What the autoscaler judges: the mean over the last history_window_size windows (--config).
         self._recent.append(point["saturation_window"])
         del self._recent[:-self._limits.history_window_size]
@@ -9115,6 +9131,9 @@ def merge_trace_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dic
 # RUN MEASUREMENTS
 # ============================================================================
 
+LOAD_TIERS = ("gpu", "cpu", "write_back", "nvme")     # where a read is served, fastest first
+
+
 @dataclass
 class RequestIO:
     """Accumulates one request's cache operations."""
@@ -9127,13 +9146,19 @@ class RequestIO:
     admission_s: float = 0.0
     load_s: float = 0.0           # the prefill's reads of cached context: the storage part of time to first token
     loads: int = 0
+    load_tokens: int = 0
+    load_tier: Optional[str] = None
 
     def add(self, phase: str, result: CacheResult, load: bool = False) -> CacheResult:
         self.storage_s += result.latency_s
         self.wait_s += result.wait_s
         self.admission_s += result.admission_s
         if load:
-            self.load_s, self.loads = self.load_s + result.latency_s, self.loads + 1
+            self.load_s, self.loads, self.load_tokens = (self.load_s + result.latency_s, self.loads + 1,
+                                                         self.load_tokens + result.tokens)
+            if result.tier in LOAD_TIERS and (self.load_tier is None or
+                                              LOAD_TIERS.index(result.tier) > LOAD_TIERS.index(self.load_tier)):
+                self.load_tier = result.tier
         if phase == "decode":
             self.decode_s += result.latency_s
         else:
@@ -9542,7 +9567,7 @@ class IntegratedBenchmark:
         return RequestRecord(req.qos_level.value, req.context_tokens, generated,
                              req.complete_time - req.submit_time, req.start_time - req.submit_time,
                              io.storage_s, io.prefill_s, io.decode_s, generation_s, io.tokens, decoded, io.wait_s,
-                             io.admission_s, io.load_s, io.loads)
+                             io.admission_s, io.load_s, io.loads, io.load_tokens, io.load_tier)
 
     def _prefill(self, req: InferenceRequest, io: RequestIO) -> None:
         """The prefill: shared prefix, multi-turn resume (every earlier turn), RAG chunks, then the
@@ -9692,6 +9717,24 @@ def cache_figures(m: RunMeasurements) -> Dict[str, Any]:
                                page_cache_allowed=m.config.kv_io == "engine")
 
 
+def prefix_load_sizes(loaded: Sequence[RequestRecord], config: BenchmarkConfig) -> Dict[str, Any]:
+    """What the requests that found cached context loaded, each: tokens, bytes and, with blocks,
+    block objects (mean, P50, P95, max; docs/metrics.md)."""
+    if not loaded:
+        return {"count": 0}
+    tokens = np.array([r.load_tokens for r in loaded], dtype=np.float64)
+    scheme, model = config.kv_blocks, config.shards.model
+    sizes = {"tokens": tokens, "bytes": tokens * model.kv_cache_size_per_token}
+    if scheme.blocks:
+        per_object = scheme.object_bytes(model.kv_cache_size_per_token, config.tensor_parallel)
+        sizes["objects"] = sizes["bytes"] / per_object
+    out: Dict[str, Any] = {"count": len(loaded)}
+    for name, values in sizes.items():
+        out[name] = {"mean": float(values.mean()), "p50": float(np.percentile(values, 50)),
+                     "p95": float(np.percentile(values, 95)), "max": float(values.max())}
+    return out
+
+
 def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
     """The one place the results dict (and so the JSON) is put together, once every contributor
     (the workload, the clean-up, the MPI ranks, fio) has reported into `m`."""
@@ -9702,6 +9745,11 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
                   ("storage_wait_latency_ms", "storage_wait_s"), ("allocation_wait_latency_ms", "allocation_wait_s"))}
     # A request's reads of cached context (prefix, earlier turns, RAG chunks): of those that made any.
     latencies["prefix_load_latency_ms"] = latency_summary_ms([r.load_s for r in records if r.loads])
+    loaded = [r for r in records if r.load_tier is not None]
+    latencies["prefix_load_latency_ms_by_tier"] = {
+        tier: latency_summary_ms([r.load_s for r in loaded if r.load_tier == tier])
+        for tier in LOAD_TIERS if any(r.load_tier == tier for r in loaded)}
+    latencies["prefix_load_per_request"] = prefix_load_sizes(loaded, m.config)
     multi_hits, multi_misses = cache_stats["multi_turn_hits"], cache_stats["multi_turn_misses"]
     summary = {
         **_request_figures(m),
@@ -10031,6 +10079,8 @@ def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
                        ("Generation (simulated)", "generation")):
         if f"{key}_latency_ms" in s:
             add(_fmt_latency(label, s[f"{key}_latency_ms"]))
+        if key == "prefix_load":
+            _report_prefix_load(add, s)
     # Seed 000's summary lines, labels kept for existing parsers; values in seconds as there.
     e2e, sio = s["end_to_end_latency_ms"], s["storage_io_latency_ms"]
     add(f"  End-to-end latency: mean {_fmt_s(e2e.get('mean'))}, P50 {_fmt_s(e2e.get('p50'))}, P95 {_fmt_s(e2e.get('p95'))}, "
@@ -10041,6 +10091,17 @@ def _report_latency(add: Callable[[str], None], s: Dict[str, Any]) -> None:
     add("  Potential bottlenecks:")
     for note in s["bottlenecks"]:
         add(f"    - {note}")
+
+
+def _report_prefix_load(add: Callable[[str], None], s: Dict[str, Any]) -> None:
+    """The prefix load by the slowest tier that served it, and what a request loaded."""
+    for tier, summary in (s.get("prefix_load_latency_ms_by_tier") or {}).items():
+        add(_fmt_latency(f"  reaching {tier}", summary))
+    sizes = s.get("prefix_load_per_request") or {}
+    if sizes.get("count"):
+        objects = sizes.get("objects")
+        add(f"  loaded per request: mean {sizes['bytes']['mean'] / MIB:,.1f} MiB, P95 {sizes['bytes']['p95'] / MIB:,.1f}"
+            f" MiB" + (f"; {objects['mean']:,.1f} block objects (P95 {objects['p95']:,.0f})" if objects else ""))
 
 
 def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any], given: Dict[str, Any]) -> None:
@@ -10257,6 +10318,7 @@ def summary_row(results: Dict[str, Any], args: Any = None) -> Dict[str, Any]:
         "Queue Wait Mean (ms)": s("queue_wait_latency_ms", "mean"),
         "Storage Wait Mean (ms)": s("storage_wait_latency_ms", "mean"),
         "Prefix Load P95 (ms)": s("prefix_load_latency_ms", "p95"),
+        "Prefix Load P95 reaching Storage (ms)": s("prefix_load_latency_ms_by_tier", "nvme", "p95"),
         "Allocation Wait Mean (ms)": s("allocation_wait_latency_ms", "mean"),
         "Cache I/O Throughput (tok/s)": s("cache_io_throughput_tokens_per_sec"),
         "Tokens Decoded": s("total_tokens_decoded"),
@@ -10391,10 +10453,11 @@ def make_plots(results: Dict[str, Any], latency_samples: Dict[str, List[float]],
     timeline = results["timeline"]
     title = (f"{results['config']['model']}, {results['config']['num_users']} users, "
              f"{results['config']['generation_mode']} generation")
-    throughput, latency, tiers, autoscaler = (out / name for name in CHART_NAMES)
+    throughput, latency, tiers, autoscaler, kv_storage = (out / name for name in CHART_NAMES)
     written = [_plot_throughput(plt, timeline, title, throughput),
                _plot_latency_cdf(plt, latency_samples, title, latency),
-               _plot_tier_usage(plt, timeline, results["summary"]["cache_stats"], title, tiers)]
+               _plot_tier_usage(plt, timeline, results["summary"]["cache_stats"], title, tiers),
+               _plot_kv_storage(plt, timeline, results["summary"], title, kv_storage)]
     if results["summary"].get("autoscaling_summary"):
         written.append(_plot_autoscaling(plt, timeline, results["summary"]["autoscaling_summary"], title, autoscaler))
     return [str(p) for p in written if p is not None]
@@ -10483,6 +10546,32 @@ def _plot_tier_usage(plt: Any, timeline: List[Dict[str, Any]], cache_stats: Dict
             ax.axhline(budget * TIER_HEADROOM, color=line.get_color(), linestyle="--",
                        label=f"{tier.upper()} 80% of budget ({budget * TIER_HEADROOM:.2f} GiB)")
     _dress(ax, f"Tier occupancy — {title}", "elapsed time (s)", "GiB held", alpha=0.3)
+    return _save(plt, fig, path)
+
+
+def _plot_kv_storage(plt: Any, timeline: List[Dict[str, Any]], summary: Dict[str, Any], title: str,
+                     path: Path) -> Optional[Path]:
+    """--kv-block-tokens and --write-back async over time: the block lookups per second, the
+    write-back queue's depth beside the storage tier's write bandwidth."""
+    panels = [key for key in ("kv_lookups_per_sec", "write_back_queue_objects") if timeline and key in timeline[0]]
+    if not panels:
+        return None
+    t = [p["elapsed_s"] for p in timeline]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.5 * len(panels)), sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], panels):
+        last = ax is axes[-1, 0]
+        if key == "kv_lookups_per_sec":
+            ax.plot(t, [p[key] for p in timeline], marker="o", label="block lookups per second")
+            blocks = summary.get("kv_blocks") or {}
+            _dress(ax, f"KV block lookups ({blocks.get('layout', 'blocks')}) — {title}", "elapsed time (s)" if last
+                   else None, "lookups per second", alpha=0.3)
+            continue
+        ax.plot(t, [p[key] for p in timeline], marker="o", label="objects queued or being written (left)")
+        rate = ax.twinx()
+        rate.plot(t, [p["storage_write_gib_per_sec"] for p in timeline], color="tab:green", marker=".",
+                  label="storage tier write GiB/s (right)")
+        rate.set_ylabel("GiB per second")
+        _dress(ax, f"Write-back queue — {title}", "elapsed time (s)" if last else None, "objects", rate, alpha=0.3)
     return _save(plt, fig, path)
 
 

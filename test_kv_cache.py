@@ -2154,12 +2154,29 @@ class TestKVBlocks:
 
     def test_the_prefix_load_is_the_prefills_reads_of_cached_context(self, tmp_path):
         run = run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "16", "--cpu-mem-gb", "0",
-                                        "--seed", "11", "--kv-engine", "lmcache"))
-        summary = results_of(run, tmp_path)["summary"]
+                                        "--seed", "11", "--kv-engine", "lmcache", "--monitor-interval", "0.1",
+                                        "--plot", tmp_path / "charts"))
+        results = results_of(run, tmp_path)
+        summary = results["summary"]
         records = run.bench.recorder.records
         loaded = [r for r in records if r.loads]
         assert loaded and summary["prefix_load_latency_ms"]["count"] == len(loaded)
         assert all(0 <= r.load_s <= r.prefill_s <= r.storage_s for r in records)
+        found = [r for r in loaded if r.load_tier is not None]             # by the slowest place that served one
+        by_tier = summary["prefix_load_latency_ms_by_tier"]
+        assert found and sum(t["count"] for t in by_tier.values()) == len(found) and set(by_tier) <= set(kv.LOAD_TIERS)
+        sizes = summary["prefix_load_per_request"]
+        per_object = kv.KV_ENGINES["lmcache"].object_bytes(kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token, 1)
+        assert sizes["count"] == len(found) and sizes["tokens"]["max"] == max(r.load_tokens for r in found)
+        assert sizes["bytes"]["max"] == sizes["objects"]["max"] * per_object and all(r.load_tokens % 256 == 0
+                                                                                      for r in found)
+        assert "reaching " in run.stdout and "block objects" in run.stdout
+        assert all("kv_lookups_per_sec" in point for point in results["timeline"]) and results["timeline"]
+        profile = summary["cache_stats"]["storage_requests"]
+        assert [(b["count"], b["bytes"], b["max_bytes"]) for b in profile["object_sizes"]] == [
+            (profile["files_written"], profile["files_written"] * per_object, 1 << (per_object - 1).bit_length())]
+        if kv._installed("matplotlib"):
+            assert (tmp_path / "charts" / "kv_storage.png").stat().st_size > 0
         plain = run_in_process(*small_run(tmp_path / "none", "--num-users", "2", "--max-requests", "4", "--cpu-mem-gb",
                                           "0", "--disable-multi-turn", "--disable-prefix-caching"))
         assert results_of(plain, tmp_path / "none")["summary"]["prefix_load_latency_ms"] == {"count": 0}

@@ -47,7 +47,7 @@ Sections, in the order data flows through the program (each uses only those abov
     CACHE STATISTICS                  CacheStats (the cache's counters and samples), KVBlockFigures
     THE WATERFALL'S RULES             EvictionPolicy (--config eviction), AdmissionFilter (--storage-admission)
     WRITE-BACK                        --write-back async: WriteBack (the queue and its threads), WriteBackFigures
-    MULTI-TIER CACHE                  the run's tiers, EvictionPolicy, waterfall LRU over the tiers
+    MULTI-TIER CACHE                  the run's tiers, waterfall LRU over the tiers, the write-back's entries
     THE DRIVE'S OWN VIEW              block-layer counters of the cache directory's device
     BLOCK-LAYER LATENCY               --enable-latency-tracing: bpftrace's D2C histograms of that device
     RAW BANDWIDTH                     --io-baseline
@@ -1766,6 +1766,7 @@ class InferenceRequest:
     prefix_type: Optional[str] = None
     user_index: int = -1
     rag_chunks: Tuple[Tuple[str, int], ...] = ()     # (cache key, tokens) of retrieved RAG chunks
+    carried_tokens: int = 0                           # --kv-block-tokens: earlier turns' partial block (BlockCarry)
 
     def __post_init__(self) -> None:
         if self.cache_key is None:
@@ -1847,6 +1848,32 @@ class ConversationState:
     @property
     def context_tokens(self) -> int:
         return sum(u + a for u, a, _ in self.turns)
+
+
+class BlockCarry:
+    """--kv-block-tokens in a conversation: an engine stores a context's whole blocks only, and the
+    partial block at its end becomes whole with the next turn's tokens, which stores it then. So a
+    turn stores the earlier turns' unstored tail with its own tokens (`turn`: how many tokens it
+    carries), and a conversation stores every whole block of its tokens. One count per live
+    conversation; `forget` when it ends."""
+
+    def __init__(self, block_tokens: int):
+        self.block_tokens = block_tokens
+        self._tail: Dict[str, int] = {}
+
+    def turn(self, conversation_id: str, context_tokens: int) -> int:
+        """The tokens the conversation's next turn (of `context_tokens` new ones) carries from earlier turns."""
+        if self.block_tokens <= 0:
+            return 0
+        carried = self._tail.get(conversation_id, 0)
+        self._tail[conversation_id] = (carried + context_tokens) % self.block_tokens
+        return carried
+
+    def forget(self, conversation_id: str) -> None:
+        self._tail.pop(conversation_id, None)
+
+    def __len__(self) -> int:
+        return len(self._tail)
 
 
 class ConversationManager:
@@ -5994,8 +6021,8 @@ def cache_stats_summary(report: CacheReport, profile: str, windows: Sequence[Tup
         stats[_HIT_COUNTER[cache_type]] = c[_HIT_COUNTER[cache_type]]
         stats[_MISS_COUNTER[cache_type]] = c[_MISS_COUNTER[cache_type]]
     stats["hit_bytes_by_type"] = {t: c[f"hit_bytes_{t}"] for t in CACHE_TYPES if c[f"hit_bytes_{t}"]}
-    stats["hits_by_type_and_tier"] = {t: {tier: c[f"hits_{t}_{tier}"] for tier in TIER_NAMES if c[f"hits_{t}_{tier}"]}
-                                      for t in CACHE_TYPES}
+    stats["hits_by_type_and_tier"] = {t: {tier: c[f"hits_{t}_{tier}"] for tier in (*TIER_NAMES, "write_back")
+                                          if c[f"hits_{t}_{tier}"]} for t in CACHE_TYPES}
     for tier in TIER_NAMES:
         stats.update(_tier_figures(tier, c, samples))
     total_read, total_written = (sum(c[f"{tier}_bytes_{op}"] for tier in TIER_NAMES) for op in ("read", "written"))
@@ -7094,7 +7121,9 @@ class MultiTierCache:
         return retired
 
     def reset_statistics(self) -> None:
-        """Forget every figure so far (the entries stay): the measurement starts now."""
+        """Forget every figure so far (the entries stay): the measurement starts now, with no write
+        still queued (--write-back async: the set-up's writes are written first)."""
+        self.flush_write_back()
         self.stats.reset()
         self.storage.reset_accounting()
         if self.write_back is not None:
@@ -9309,6 +9338,7 @@ class IntegratedBenchmark:
         self.request_queue: "queue.PriorityQueue" = queue.PriorityQueue()
         self.stop_reason: Optional[str] = None
         self._active_conversation: Dict[int, str] = {}
+        self._carry = BlockCarry(config.kv_blocks.block_tokens)
         self._request_numbers: Dict[int, int] = defaultdict(int)
         self.thread_errors: List[str] = []
         self.io_baseline: Optional[Dict[str, Any]] = None
@@ -9493,17 +9523,20 @@ class IntegratedBenchmark:
     def _build_request(self, user_index: int, planned: PlannedRequest) -> InferenceRequest:
         user = self.plan.users[user_index]
         self._request_numbers[user_index] += 1
-        conv_id, turn, cache_key, previous = None, 0, None, ()
+        conv_id, turn, cache_key, previous, carried = None, 0, None, (), 0
         if self.config.multi_turn and planned.turn:          # turn 0: a lone request (a trace row)
             conv_id = self._active_conversation.get(user_index)
             if planned.turn == 1 or conv_id is None or not self.conversations.has_conversation(conv_id):
                 if conv_id is not None and self.conversations.has_conversation(conv_id):
                     self.cache.retire(self.conversations.get_previous_cache_keys(conv_id))
+                if conv_id is not None:
+                    self._carry.forget(conv_id)
                 conv_id = self.conversations.start_conversation(user.user_id)
                 self._active_conversation[user_index] = conv_id
             else:                                  # a resume: the whole conversation so far is context
                 previous = tuple(self.conversations.get_previous_cache_keys(conv_id))
             turn, cache_key = self.conversations.add_turn(conv_id, planned.context_tokens, planned.generate_tokens)
+            carried = self._carry.turn(conv_id, planned.context_tokens)
         else:                                      # multi-turn off, or a lone request (a trace row): its own
             cache_key = f"{user.user_id}_req_{self._request_numbers[user_index]}"    # entry, as the original
         prefix = self.plan.matcher.lookup(planned.prefix_key) if planned.prefix_key else None
@@ -9531,6 +9564,7 @@ class IntegratedBenchmark:
             prefix_type=prefix.prefix_type if prefix else None,
             user_index=user_index,
             rag_chunks=rag_chunks,
+            carried_tokens=carried,
         )
 
     def _worker_count(self, users: int) -> int:
@@ -9587,7 +9621,8 @@ class IntegratedBenchmark:
                 read = io.add("prefill", cache.read_entry(key, InferencePhase.PREFILL, "rag"), load=True)
                 if not read.aborted:
                     self.rag.record_read(read.latency_s)
-        io.add("prefill", cache.write_entry(req.cache_key, req.context_tokens, InferencePhase.PREFILL))
+        io.add("prefill", cache.write_entry(req.cache_key, req.context_tokens + req.carried_tokens,
+                                            InferencePhase.PREFILL))
 
     def _decode(self, req: InferenceRequest, io: "RequestIO") -> Optional[float]:
         """Decode reads of the request's context interleaved with simulated generation (a decode

@@ -2182,6 +2182,16 @@ class TestKVBlocks:
         assert results_of(plain, tmp_path / "none")["summary"]["prefix_load_latency_ms"] == {"count": 0}
         assert all(r.loads == 0 for r in plain.bench.recorder.records)
 
+    def test_a_conversation_stores_every_whole_block_of_its_turns(self):
+        carry = kv.BlockCarry(256)
+        turns = [300, 100, 600, 40, 256]
+        carried = [carry.turn("c1", t) for t in turns]
+        assert carried == [0, 44, 144, 232, 16]                  # the earlier turns' unstored tail
+        stored = [kv.KVBlockScheme(256).whole_blocks(t + c) for t, c in zip(turns, carried)]
+        assert sum(stored) == sum(turns) // 256 * 256 and carry.turn("c2", 10) == 0 and len(carry) == 2
+        carry.forget("c1")
+        assert carry.turn("c1", 10) == 0 and len(carry) == 2 and kv.BlockCarry(0).turn("c", 10) == 0
+
     def test_an_entry_below_one_block_is_not_cached(self, tmp_path):
         cache = kv.MultiTierCache.for_run(kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0,
                                                              cache_dir=str(tmp_path), kv_engine="lmcache"))
@@ -2196,7 +2206,8 @@ class TestKVBlocks:
         trace = tmp_path / "t.csv"
         results = results_of(run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "8",
                                                        "--cpu-mem-gb", "0", "--seed", "3", "--kv-engine", "vllm",
-                                                       "--io-trace-log", trace, "--io-trace-deletes")), tmp_path)
+                                                       "--write-back", "sync", "--io-trace-log", trace,
+                                                       "--io-trace-deletes")), tmp_path)
         rows = [r for r in csv.DictReader(trace.read_text().splitlines()) if r["Tier"] == "Tier-2"]
         per_object = kv.KV_ENGINES["vllm"].object_bytes(kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token, 1)
         assert rows and {int(r["Object_Size_Bytes"]) for r in rows} == {per_object}
@@ -2436,6 +2447,8 @@ class TestWriteBack:
         assert w["submitted"] > 0 and w["written"] + w["failed"] <= w["submitted"]
         assert w["submitted_bytes"] == w["written_bytes"] + w["failed_bytes"] + w["queued_at_stop_bytes"]
         assert w["lag_ms"]["count"] == w["written"]
+        by_tier = results["summary"]["cache_stats"]["hits_by_type_and_tier"]
+        assert sum(tiers.get("write_back", 0) for tiers in by_tier.values()) >= w["reads_served"] > 0
         assert results["summary"]["cache_stats"]["tier_storage_kv_bytes_written_gb"] * GIB >= w["written_bytes"]
         assert "### WRITE-BACK (--write-back async) ###" in run.stdout
         assert results["timeline"] and all("write_back_queue_objects" in point for point in results["timeline"])

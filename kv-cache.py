@@ -7136,9 +7136,11 @@ class MultiTierCache:
     # --- results ---
     def report(self) -> CacheReport:
         counters, samples = self.stats.snapshot()
-        return CacheReport(counters, samples, self.tier_entry_counts(),
-                           describe_tiers(self.tiers, self.storage, self.run_dir, self.tier_order(),
-                                          self.storage_capacity_source))
+        described = describe_tiers(self.tiers, self.storage, self.run_dir, self.tier_order(),
+                                   self.storage_capacity_source)
+        if self.write_back is not None:
+            described["storage_io_mode"] += f"; write-back {self.write_back.policy.describe()}"
+        return CacheReport(counters, samples, self.tier_entry_counts(), described)
 
     def close(self) -> None:
         """Delete everything the cache stored, including the run directory it made. A step that

@@ -2451,6 +2451,8 @@ class TestWriteBack:
         assert sum(tiers.get("write_back", 0) for tiers in by_tier.values()) >= w["reads_served"] > 0
         assert results["summary"]["cache_stats"]["tier_storage_kv_bytes_written_gb"] * GIB >= w["written_bytes"]
         assert "### WRITE-BACK (--write-back async) ###" in run.stdout
+        assert "; write-back async, 1 thread, queue of at most 50,000 objects, then drop" in \
+            results["summary"]["cache_stats"]["storage_io_mode"]
         assert results["timeline"] and all("write_back_queue_objects" in point for point in results["timeline"])
         row = next(csv.DictReader((tmp_path / "r.csv").read_text().splitlines()))
         assert row["Write-back Dropped"] == str(w["dropped"])

@@ -31,9 +31,10 @@ spec.loader.exec_module(kv)
 OBJECTS_PER_ENTRY = 8
 
 
-def cpu_s() -> float:
+def cpu_s() -> tuple:
+    """(user, system) CPU seconds of this process so far."""
     t = os.times()
-    return t.user + t.system
+    return t.user, t.system
 
 
 def ours(directory: Path, object_mib: int, entries: int, threads: int, engine: str):
@@ -63,7 +64,8 @@ def ours(directory: Path, object_mib: int, entries: int, threads: int, engine: s
             w.start()
         for w in workers:
             w.join()
-        out[name] = (time.perf_counter() - t0, cpu_s() - c0)
+        c1 = cpu_s()
+        out[name] = (time.perf_counter() - t0, c1[0] - c0[0] + c1[1] - c0[1], c1[1] - c0[1])
     gb = entries * tokens * bpt
     tier.clear()
     pool.drop()
@@ -106,9 +108,10 @@ def main():
     print(f"{entries * OBJECTS_PER_ENTRY} objects of {object_mib} MiB ({gb / kv.GIB:.1f} GiB), {threads} threads; "
           f"ours: {mode}")
     for op in ("write", "read"):
-        (ws, wc), (fs, fc) = mine[op], theirs[op]
-        print(f"  {op:5s}  ours {gb / kv.GIB / ws:6.2f} GiB/s {wc / (gb / 1e9):5.3f} CPU s/GB   "
-              f"fio {gb / kv.GIB / fs:6.2f} GiB/s {fc / (gb / 1e9):5.3f} CPU s/GB   ours/fio {fs / ws:4.2f}")
+        (ws, wc, wsys), (fs, fc) = mine[op], theirs[op]
+        print(f"  {op:5s}  ours {gb / kv.GIB / ws:6.2f} GiB/s {wc / (gb / 1e9):5.3f} CPU s/GB "
+              f"({wsys / (gb / 1e9):5.3f} system)   fio {gb / kv.GIB / fs:6.2f} GiB/s {fc / (gb / 1e9):5.3f} CPU s/GB   "
+              f"ours/fio {fs / ws:4.2f}")
 
 
 if __name__ == "__main__":

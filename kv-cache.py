@@ -4063,17 +4063,20 @@ class FileBlocks(FileCensus):
         """Make the object's directory (and those above it) where missing: ours, counted."""
         parent = path.parent
         with self._lock:
-            if parent in self._dirs or parent == self.root:
-                return
-        missing = [d for d in [parent, *parent.parents] if d != self.root and self.root in d.parents
-                   and not d.exists()]
-        transfer.timed(parent.mkdir, 0o755, True, True)
-        with self._lock:
-            for d in missing:
-                if d not in self._dirs:
-                    self._dirs[d] = 0
-                    self.files["directories_created"] += 1
-            self._dirs.setdefault(parent, 0)
+            missing = []                              # from the parent up to the first one we know
+            while parent != self.root and parent not in self._dirs:
+                missing.append(parent)
+                parent = parent.parent
+        for directory in reversed(missing):           # top down: one mkdir per directory we lack
+            try:
+                transfer.timed(os.mkdir, directory, 0o755)
+                made = True
+            except FileExistsError:                   # made by another of our threads meanwhile
+                made = False
+            with self._lock:
+                if directory not in self._dirs:
+                    self._dirs[directory] = 0
+                self.files["directories_created"] += made
 
     def _temp_name(self, path: Path) -> Path:
         naming = self.scheme.naming

@@ -2288,6 +2288,20 @@ class TestKVBlocks:
         assert "rename(" not in calls and not re.search(r'openat\([^)]*store/[^"]*\.(data|bin)', calls)
 
     @pytest.mark.skipif(not shutil.which("strace"), reason="strace is not installed")
+    def test_vllm_makes_each_directory_of_its_tree_once(self, tmp_path):
+        """A block in a new leaf of vLLM's <model>/<hhh>/<hh>_g0 tree costs one mkdir per missing
+        directory, top down, and no stat beyond the block's lookup (strace)."""
+        calls, _ = strace_block_write(tmp_path, 'kv.KV_ENGINES["vllm"]', 40 * 16 * 4096, "mkdir,mkdirat,newfstatat,stat")
+        store = tmp_path / "store"
+        made = [Path(d).relative_to(store) for d in re.findall(r'mkdir\("(' + re.escape(str(store)) + r'/[^"]+)"', calls)]
+        names = [Path(o.name) for o in kv.kv_block_objects(kv.KV_ENGINES["vllm"], "m", "k", 40 * 16 * 4096, 1, 4096)]
+        needed = {parent for name in names for parent in name.parents if parent != Path(".")}
+        assert len(made) == len(needed) == len(set(made)) and set(made) == needed       # each directory once
+        assert all(d.parent in made[:i] or d.parent == Path(".") for i, d in enumerate(made))   # top down
+        looked = re.findall(r'(?:newfstatat\(AT_FDCWD, |stat\()"' + re.escape(str(store)) + r'/([^"]+)"', calls)
+        assert sorted(looked) == sorted(str(n) for n in names)                 # the lookups: one per block
+
+    @pytest.mark.skipif(not shutil.which("strace"), reason="strace is not installed")
     @pytest.mark.parametrize("kv_io, syncs", [("engine", 0), ("direct", 2)])
     def test_lmcache_engine_io_never_syncs(self, tmp_path, kv_io, syncs):
         """--kv-io engine: LMCache's own mode, buffered, no fsync; direct: each object made

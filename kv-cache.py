@@ -323,6 +323,7 @@ def shard_objects(key: str, nbytes: int, shards: int) -> List[Tuple[str, int]]:
 
 
 MAX_KV_BLOCK_TOKENS = 1 << 20          # --kv-block-tokens: at most a million tokens a block
+MAX_KV_READ_DEPTH = 256                # --kv-read-depth: block objects of an entry read at once
 
 # --- KV blocks (--kv-block-tokens, --kv-layout, --kv-engine, --kv-io; docs/engines.md) ---
 KV_LAYOUTS = ("entry", "file-per-block", "slot-file", "bucket")
@@ -342,6 +343,7 @@ class KVBlockScheme:
     kv_io: str = "direct"               # direct: every byte reaches the device; engine: the engine's mode
     engine_direct: bool = False         # the engine's own mode opens its files O_DIRECT
     admission: str = "all"              # all, or reused: an entry reaches storage from its second use (Dynamo)
+    read_depth: int = 1                 # an entry's block objects read at once (its own staging area allowing)
 
     @property
     def blocks(self) -> bool:
@@ -367,7 +369,8 @@ class KVBlockScheme:
     def summary(self) -> Dict[str, Any]:
         return {"block_tokens": self.block_tokens, "layout": self.layout, "engine": self.engine or None,
                 "naming": self.naming, "temp_rename": self.temp_rename, "object_per_rank": self.per_rank,
-                "kv_split": self.split_kv, "kv_io": self.kv_io, "storage_admission": self.admission}
+                "kv_split": self.split_kv, "kv_io": self.kv_io, "storage_admission": self.admission,
+                "read_depth": self.read_depth}
 
 
 MAX_WRITE_BACK_OBJECTS = 10_000_000    # --write-back-queue: at most ten million objects queued
@@ -409,9 +412,10 @@ class WriteBackPolicy:
 KV_ENGINES: Dict[str, KVBlockScheme] = {
     "lmcache": KVBlockScheme(256, "file-per-block", "lmcache", "lmcache", temp_rename=True),
     "vllm": KVBlockScheme(16, "file-per-block", "vllm", "vllm", temp_rename=True, per_rank=False, engine_direct=True),
-    "llm-d": KVBlockScheme(256, "file-per-block", "llm-d", "llm-d", temp_rename=True),
+    "llm-d": KVBlockScheme(256, "file-per-block", "llm-d", "llm-d", temp_rename=True, read_depth=48),
     "sglang": KVBlockScheme(64, "file-per-block", "sglang", "sglang", temp_rename=True),
-    "dynamo": KVBlockScheme(16, "slot-file", "dynamo", "dynamo", engine_direct=True, admission="reused"),
+    "dynamo": KVBlockScheme(16, "slot-file", "dynamo", "dynamo", engine_direct=True, admission="reused",
+                            read_depth=4),
     "mooncake": KVBlockScheme(64, "bucket", "mooncake", "mooncake", split_kv=True),
 }
 # ... and how each queues its storage writes (docs/engines.md, "Write-back").
@@ -1163,6 +1167,7 @@ class BenchmarkConfig:
     kv_layout: Optional[str] = None               # how blocks are kept (KV_LAYOUTS); None: the engine's or file-per-block
     kv_io: str = "direct"                         # direct: every byte reaches the device; engine: the engine's own mode
     storage_admission: Optional[str] = None       # all | reused (an entry stored from its second use); None: the engine's
+    kv_read_depth: Optional[int] = None           # block objects of an entry read at once; None: the engine's, else 1
     write_back: Optional[str] = None              # sync | async (WriteBackPolicy); None: the engine's, else sync
     write_back_threads: Optional[int] = None      # async: threads draining the queue; None: the engine's, else 4
     write_back_queue: Optional[str] = None        # async: 'N' objects or 'Ns' of work at most; None: the engine's
@@ -1288,7 +1293,8 @@ class BenchmarkConfig:
             ("--tensor-parallel", self.tensor_parallel, 1, MAX_GPUS, f"between 1 and {MAX_GPUS:,}"),
             ("--kv-block-tokens", self.kv_block_tokens, 0, MAX_KV_BLOCK_TOKENS,
              f"0 (one object per entry) or a block of 1 to {MAX_KV_BLOCK_TOKENS:,} tokens", "cannot be negative"),
-            ("--write-back-threads", self.write_back_threads, 1, 1024, "between 1 and 1024")]
+            ("--write-back-threads", self.write_back_threads, 1, 1024, "between 1 and 1024"),
+            ("--kv-read-depth", self.kv_read_depth, 1, MAX_KV_READ_DEPTH, f"between 1 and {MAX_KV_READ_DEPTH}")]
         checks: List[Callable[[], None]] = [functools.partial(_check_range, *r) for r in ranges if r[1] is not None]
         return checks + [lambda: _check_dataset(self.dataset_path), lambda: _check_cache_dir(self.cache_dir),
                          lambda: _check_outputs(self), self._check_fio, self._check_node_role, self._check_shards,
@@ -1347,7 +1353,8 @@ class BenchmarkConfig:
         tokens = base.block_tokens if self.kv_block_tokens is None else self.kv_block_tokens
         layout = self.kv_layout or (base.layout if base.blocks else "file-per-block")
         return dataclasses.replace(base, block_tokens=tokens, layout=layout if tokens else "entry", kv_io=self.kv_io,
-                                   admission=self.storage_admission or base.admission)
+                                   admission=self.storage_admission or base.admission,
+                                   read_depth=self.kv_read_depth or base.read_depth)
 
     @property
     def write_back_policy(self) -> WriteBackPolicy:
@@ -1381,6 +1388,9 @@ class BenchmarkConfig:
         if self.kv_io == "engine" and not self.kv_engine:
             raise UsageError("--kv-io engine is the --kv-engine's own I/O mode: give --kv-engine "
                              f"({', '.join(KV_ENGINES)})")
+        if self.kv_read_depth is not None and not blocks:
+            raise UsageError("--kv-read-depth sets how many block objects of an entry are read at once: give "
+                             "--kv-block-tokens N or --kv-engine")
         if self.storage_admission == "reused" and not blocks:
             raise UsageError("--storage-admission reused counts the uses of blocks: give --kv-block-tokens N or "
                              "--kv-engine")
@@ -4503,26 +4513,54 @@ class BlockTier(StorageTier):
 
     # --- reading ---
     def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
+        """The entry's objects in order; with the scheme's read_depth above 1, that many at once
+        where they fit the staging area side by side (each loaded by an I/O pool thread into its
+        own slice, then handed to the sink in order by this thread)."""
         with self._lock:
             meta = self.metadata[key]                     # KeyError for a missing or deleted key
+        objects, room = meta["objects"], transfer.staging
+        largest = max((obj.nbytes for obj in objects), default=1)
+        depth = max(1, min(self.scheme.read_depth, len(objects), room.size // largest))
         with sink.chunks(transfer) as deliver:
-            for obj in meta["objects"]:
-                transfer.check_stop()
+            def hand_over(obj: BlockObject, offset: int, view: np.ndarray) -> None:
+                transfer.observe(view, obj.part)
+                deliver(obj.offset + offset, view)
+                transfer.advance(view.size)
+            if depth == 1:
+                for obj in objects:
+                    transfer.check_stop()
+                    self._load(key, obj, room, functools.partial(hand_over, obj), transfer)
+                    self._count("read", obj)
+                return
+            pipeline = ChunkPipeline(transfer, BusyClock(), depth)   # (the tier's busy clock times each call)
 
-                def delivered(offset: int, view: np.ndarray, obj: BlockObject = obj) -> None:
-                    transfer.observe(view, obj.part)
-                    deliver(obj.offset + offset, view)
-                    transfer.advance(view.size)
-                try:
-                    if not self._lookup(obj, transfer):
-                        raise FileNotFoundError(errno.ENOENT, f"block object {obj.name} of {key} vanished")
-                    self.store.load(obj, transfer.staging, delivered, transfer, self.busy["read"])
-                except (FileNotFoundError, KeyError) as exc:
-                    with self._lock:
-                        if key not in self.metadata:      # evicted by us while we read: a miss
-                            raise KeyError(key) from None
-                    raise OSError(errno.ENOENT, f"block object {obj.name} of {key} vanished") from exc
-                self._count("read", obj)
+            def issue() -> None:
+                for index, obj in enumerate(objects):
+                    transfer.check_stop()
+                    part = room[(index % depth) * largest:(index % depth) * largest + obj.nbytes]
+                    landed: List[Tuple[int, np.ndarray]] = []
+
+                    def done(_: Any, obj: BlockObject = obj, landed: List[Tuple[int, np.ndarray]] = landed) -> None:
+                        for offset, view in landed:
+                            hand_over(obj, offset, view)
+                        self._count("read", obj)
+                    pipeline.submit(done, self._load, key, obj, part,
+                                    lambda offset, view, landed=landed: landed.append((offset, view)), transfer)
+            pipeline.complete_all(issue)
+
+    def _load(self, key: str, obj: BlockObject, room: np.ndarray, deliver: Callable[[int, np.ndarray], None],
+              transfer: Transfer) -> None:
+        """One object looked up and loaded through `room`; a vanished object is an ENOENT (a miss,
+        KeyError, when we evicted the entry meanwhile)."""
+        try:
+            if not self._lookup(obj, transfer):
+                raise FileNotFoundError(errno.ENOENT, f"block object {obj.name} of {key} vanished")
+            self.store.load(obj, room, deliver, transfer, self.busy["read"])
+        except (FileNotFoundError, KeyError) as exc:
+            with self._lock:
+                if key not in self.metadata:              # evicted by us while we read: a miss
+                    raise KeyError(key) from None
+            raise OSError(errno.ENOENT, f"block object {obj.name} of {key} vanished") from exc
 
     # --- removal ---
     def delete(self, key: str) -> bool:
@@ -11285,6 +11323,9 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     k.add_argument("--storage-admission", choices=["all", "reused"],
                    help="all: every entry may reach the storage tier; reused: only from its second use (a write or "
                         "a read hit), as Dynamo's disk filter (default: the --kv-engine's, else all)")
+    k.add_argument("--kv-read-depth", type=int,
+                   help="block objects of one entry read at once, as many as fit its staging area (default: the "
+                        "--kv-engine's: llm-d 48, dynamo 4, the others 1; else 1)")
     k.add_argument("--kv-io", choices=["direct", "engine"],
                    help="direct: every write durable and every read from the device; engine: the --kv-engine's "
                         "own I/O mode (page cache, no fsync where it does so) (default: %(default)s)")

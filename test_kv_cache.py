@@ -2192,6 +2192,22 @@ class TestKVBlocks:
         carry.forget("c1")
         assert carry.turn("c1", 10) == 0 and len(carry) == 2 and kv.BlockCarry(0).turn("c", 10) == 0
 
+    @pytest.mark.parametrize("layout", ["slot-file", "file-per-block"])
+    def test_a_read_depth_loads_an_entrys_objects_at_once_on_the_io_threads(self, tmp_path, layout):
+        """read_depth 1: the reading thread issues one read per object; 4 (Dynamo's): the I/O
+        pool's threads do, each object in its own slice, and the bytes arrive whole and in order."""
+        for depth, own_reads in ((1, 8), (4, 0)):
+            scheme = kv.KVBlockScheme(16, layout, read_depth=depth)
+            tier = kv.BlockTier(tmp_path / f"{layout}{depth}", scheme, "m", 4096)
+            try:
+                io = write_and_read_entry(tier, "k", 8 * 16 * 4096)
+                assert (io["read_crc"], io["reads"]) == (io["crc"], own_reads), depth
+                assert tier.block_counts()["objects_read"] == 8 and tier.block_counts()["lookup_hits"] >= 8
+            finally:
+                tier.clear()
+        assert kv.BenchmarkConfig(kv_engine="llm-d").kv_blocks.read_depth == 48
+        assert kv.BenchmarkConfig(kv_engine="llm-d", kv_read_depth=2).kv_blocks.read_depth == 2
+
     def test_an_entry_below_one_block_is_not_cached(self, tmp_path):
         cache = kv.MultiTierCache.for_run(kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0,
                                                              cache_dir=str(tmp_path), kv_engine="lmcache"))
@@ -7763,6 +7779,8 @@ class TestReliability:
         pytest.param(["--write-back", "async", "--write-back-threads", "0"], "--write-back-threads",
                      id="write-back-threads zero"),
         pytest.param(["--write-back-full", "drop"], "--write-back-full", id="write-back-full without async"),
+        pytest.param(["--kv-read-depth", "4"], "--kv-read-depth", id="kv-read-depth without blocks"),
+        pytest.param(["--kv-engine", "dynamo", "--kv-read-depth", "0"], "--kv-read-depth", id="kv-read-depth zero"),
         pytest.param(["--kv-engine", "vllm", "--write-back", "sync", "--write-back-threads", "2"],
                      "--write-back-threads", id="write-back-threads with sync"),
         pytest.param(["--kv-engine", "lmcache", "--replay-io-trace", "{burst}"], "cannot be combined with --kv-block",

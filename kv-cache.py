@@ -6400,8 +6400,8 @@ class WriteBackJob(NamedTuple):
 
 
 WRITE_BACK_COUNTS = ("submitted", "submitted_bytes", "submitted_objects", "written", "written_bytes",
-                     "written_objects", "failed", "failed_bytes", "dropped", "dropped_bytes", "dropped_objects", "blocked",
-                     "reads_served")
+                     "written_objects", "failed", "failed_bytes", "dropped", "dropped_bytes", "dropped_objects",
+                     "blocked", "reads_served")
 
 
 @dataclass
@@ -6450,7 +6450,8 @@ def format_write_back(w: Dict[str, Any]) -> List[str]:
     """The report's WRITE-BACK section (pure)."""
     lag = w["lag_ms"]
     return ["### WRITE-BACK (--write-back async) ###",
-            f"  {w['threads']} thread{'s' if w['threads'] != 1 else ''}; queued {w['submitted']:,} writes ({w['submitted_bytes'] / GIB:.2f} GiB, "
+            f"  {w['threads']} thread{'s' if w['threads'] != 1 else ''}; queued {w['submitted']:,} writes "
+            f"({w['submitted_bytes'] / GIB:.2f} GiB, "
             f"{w['submitted_gib_per_sec'] or 0:.3f} GiB/s asked of the drive), written {w['written']:,} "
             f"({w['written_gib_per_sec'] or 0:.3f} GiB/s)",
             f"  lag from queued to stored: P50 {_fmt_ms(lag['p50'])}, P95 {_fmt_ms(lag['p95'])}, "
@@ -6771,6 +6772,8 @@ class MultiTierCache:
         self._abort = threading.Event()
         policy = config.write_back_policy
         self.write_back = WriteBack(policy, self._abort) if policy.asynchronous else None
+        # Its threads end with the cache, closed or collected (the callback holds the queue, not the cache).
+        self._close_write_back = weakref.finalize(self, self.write_back.close) if self.write_back else None
         self.staging_pool = StagingPool(STAGING_AREAS, STAGING_BYTES)
         self.bounce_pool = StagingPool(STAGING_AREAS, BOUNCE_BYTES)   # memory reads: never behind storage I/O
         if self.tiers.gpu is not None:                 # storage staging crosses PCIe too: pinned
@@ -6982,7 +6985,8 @@ class MultiTierCache:
         return moved + victim.num_tokens
 
     # --- write-back (--write-back async) ---
-    def _queue_write(self, entry: CacheEntry, reason: str, verify: bool, release: Optional[str] = None) -> Optional[bool]:
+    def _queue_write(self, entry: CacheEntry, reason: str, verify: bool,
+                     release: Optional[str] = None) -> Optional[bool]:
         """Queue `entry`'s write to the storage tier (its room there reserved; `release`: the tier it
         is demoted from, whose copy goes now). Until written it is in the write-back's memory, where
         a read finds it. True queued; False dropped (the queue full) and None stopped: it leaves the cache."""
@@ -7187,8 +7191,8 @@ class MultiTierCache:
         """Delete everything the cache stored, including the run directory it made. A step that
         fails is counted and the rest still run: a dying file system costs errors, not results. Writes
         still queued are not made (a run's stop has made those in progress give up)."""
-        if self.write_back is not None:
-            self.write_back.close()
+        if self._close_write_back is not None:
+            self._close_write_back()
         _cleanup_counted(self.stats, lambda: self.collect_garbage(count_retired=False))
         self._release()                                   # the rest of it; a second call does nothing
         with self._lock:
@@ -10178,8 +10182,8 @@ def _report_prefix_load(add: Callable[[str], None], s: Dict[str, Any]) -> None:
     sizes = s.get("prefix_load_per_request") or {}
     if sizes.get("count"):
         objects = sizes.get("objects")
-        add(f"  loaded per request: mean {sizes['bytes']['mean'] / MIB:,.1f} MiB, P95 {sizes['bytes']['p95'] / MIB:,.1f}"
-            f" MiB" + (f"; {objects['mean']:,.1f} block objects (P95 {objects['p95']:,.0f})" if objects else ""))
+        add(f"  loaded per request: mean {sizes['bytes']['mean'] / MIB:,.1f} MiB, "
+            f"P95 {sizes['bytes']['p95'] / MIB:,.1f} MiB" + (f"; {objects['mean']:,.1f} block objects (P95 {objects['p95']:,.0f})" if objects else ""))
 
 
 def _report_tiers(add: Callable[[str], None], cs: Dict[str, Any], given: Dict[str, Any]) -> None:

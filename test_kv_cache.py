@@ -2044,7 +2044,8 @@ class TestKVBlocks:
         assert not {o.name for o in c} & {o.name for o in a}
 
     def test_dynamo_slots_in_one_unlinked_file_per_rank(self, tmp_path):
-        tier = kv.BlockTier(tmp_path, kv.KV_ENGINES["dynamo"], "llama3.1-8b", BPT_8B, shards=2)
+        scheme = dataclasses.replace(kv.KV_ENGINES["dynamo"], read_depth=1)     # reads on this thread, counted
+        tier = kv.BlockTier(tmp_path, scheme, "llama3.1-8b", BPT_8B, shards=2)
         io = write_and_read_entry(tier, "k", 4 * 16 * BPT_8B)
         assert our_files(tmp_path) == []                          # made with mkstemp, unlinked at once
         counts = tier.block_counts()
@@ -2446,6 +2447,19 @@ class TestWriteBack:
             assert (figures.counts["reads_served"], figures.counts["written_objects"]) == (1, 3)
         finally:
             cache.close()
+
+    def test_the_write_back_threads_end_with_the_cache_closed_or_collected(self, tmp_path):
+        config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
+                                    write_back="async", write_back_threads=3)
+        named = lambda: [t for t in threading.enumerate() if t.name.startswith("write-back-")]   # noqa: E731
+        before = len(named())
+        cache = kv.MultiTierCache.for_run(config)
+        assert len(named()) == before + 3 and cache.write_entry("k", 64).success and cache.flush_write_back(30)
+        cache.close()
+        assert len(named()) == before
+        kv.MultiTierCache.for_run(config)                  # never closed: collected
+        gc.collect()
+        wait_until(lambda: len(named()) == before)
 
     def test_a_demotion_is_queued_and_its_memory_freed_at_once(self, tmp_path):
         entry = 64 * kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token

@@ -2346,24 +2346,28 @@ class TestWriteBack:
     """--write-back async: the queue, its bounds and full policies, and the cache's use of it."""
 
     @staticmethod
-    def _job(key, gate=None, objects=1, nbytes=100, stored=True):
+    def _job(key, gate=None, objects=1, nbytes=100, stored=True, done=None):
         def write():
             if gate is not None:
                 assert gate.wait(30)
+            if done is not None:
+                done.append(key)
             return stored
         return kv.WriteBackJob(key, nbytes, objects, 0.0, write)
 
     def test_writes_are_queued_written_in_order_and_counted(self):
-        gate, stop = threading.Event(), threading.Event()
+        gate, stop, done = threading.Event(), threading.Event(), []
         queue = kv.WriteBack(kv.WriteBackPolicy("async", 1), stop)
         try:
-            assert [queue.submit(self._job(f"k{i}", gate, objects=2, nbytes=10)) for i in range(3)] == [True] * 3
+            assert [queue.submit(self._job(f"k{i}", gate, 2, 10, done=done)) for i in range(3)] == [True] * 3
             assert queue.depth() == (6, 30)                                 # queued or being written
             gate.set()
-            assert queue.flush(30) and queue.depth() == (0, 0)
+            assert queue.flush(30) and queue.depth() == (0, 0) and done == ["k0", "k1", "k2"]
+            assert queue.submit(self._job("lost", stored=False)) and queue.flush(30)     # a write that failed
             figures = queue.figures()
             assert (figures.counts["submitted"], figures.counts["written"], figures.counts["written_objects"],
-                    figures.counts["written_bytes"], figures.lag.count, figures.peak_objects) == (3, 3, 6, 30, 3, 6)
+                    figures.counts["written_bytes"], figures.lag.count, figures.peak_objects) == (4, 3, 6, 30, 3, 6)
+            assert (figures.counts["failed"], figures.counts["failed_bytes"]) == (1, 100)
         finally:
             queue.close()
 

@@ -2967,6 +2967,25 @@ class StagingPool:
         finally:
             self._give_back(area)
 
+    def try_lease(self) -> Optional[Any]:
+        """An area now, without waiting (None when none is free, or someone waits for one: never
+        ahead of a waiter); `give_back` returns it. For an operation that already holds one."""
+        with self._lock:
+            if self._waiting:
+                return None
+            if self._free:
+                return self._free.pop()
+            if self._made >= self.count:
+                return None
+            self._made += 1
+        try:
+            return self._make()
+        except BaseException:
+            return None                                   # (_make gave the slot back)
+
+    def give_back(self, area: Any) -> None:
+        self._give_back(area)
+
     def _give_back(self, area: Any) -> None:
         with self._lock:
             if self._waiting:                             # straight to the longest waiting
@@ -3161,6 +3180,23 @@ class Transfer:
         if self._staging is None:
             self._staging = aligned_empty(STAGING_BYTES)
         return self._staging
+
+    @contextlib.contextmanager
+    def spare_staging(self, count: int) -> Iterator[List[np.ndarray]]:
+        """Up to `count` more staging areas for the operation's life, only those of its pool free
+        now (an operation that holds an area never waits for another: no two can deadlock); none
+        without a pool."""
+        areas: List[np.ndarray] = []
+        while self._pool is not None and len(areas) < count:
+            area = self._pool.try_lease()
+            if area is None:
+                break
+            areas.append(area)
+        try:
+            yield areas
+        finally:
+            for area in areas:
+                self._pool.give_back(area)
 
     # --- checksum (--verify) ---
     def observe(self, chunk: np.ndarray, part: int = 0) -> None:
@@ -4514,14 +4550,21 @@ class BlockTier(StorageTier):
     # --- reading ---
     def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
         """The entry's objects in order; with the scheme's read_depth above 1, that many at once
-        where they fit the staging area side by side (each loaded by an I/O pool thread into its
-        own slice, then handed to the sink in order by this thread)."""
+        where they fit side by side in the operation's staging area and the spare areas free now
+        (each loaded by an I/O pool thread into its own slice, then handed to the sink in order
+        by this thread)."""
         with self._lock:
             meta = self.metadata[key]                     # KeyError for a missing or deleted key
         objects, room = meta["objects"], transfer.staging
         largest = max((obj.nbytes for obj in objects), default=1)
-        depth = max(1, min(self.scheme.read_depth, len(objects), room.size // largest))
-        with sink.chunks(transfer) as deliver:
+        want, per_area = max(1, min(self.scheme.read_depth, len(objects))), room.size // largest
+        with contextlib.ExitStack() as held, sink.chunks(transfer) as deliver:
+            rooms = [room]
+            if per_area and want > per_area:              # more areas, those free now (Transfer.spare_staging)
+                rooms += held.enter_context(transfer.spare_staging(-(-want // per_area) - 1))
+            slots = [area[i * largest:(i + 1) * largest] for area in rooms for i in range(per_area)][:want]
+            depth = max(1, len(slots))
+
             def hand_over(obj: BlockObject, offset: int, view: np.ndarray) -> None:
                 transfer.observe(view, obj.part)
                 deliver(obj.offset + offset, view)
@@ -4537,7 +4580,7 @@ class BlockTier(StorageTier):
             def issue() -> None:
                 for index, obj in enumerate(objects):
                     transfer.check_stop()
-                    part = room[(index % depth) * largest:(index % depth) * largest + obj.nbytes]
+                    part = slots[index % depth][:obj.nbytes]
                     landed: List[Tuple[int, np.ndarray]] = []
 
                     def done(_: Any, obj: BlockObject = obj, landed: List[Tuple[int, np.ndarray]] = landed) -> None:

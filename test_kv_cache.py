@@ -2201,13 +2201,37 @@ class TestKVBlocks:
             scheme = kv.KVBlockScheme(16, layout, read_depth=depth)
             tier = kv.BlockTier(tmp_path / f"{layout}{depth}", scheme, "m", 4096)
             try:
+                write_and_read_entry(tier, "first", 2 * 16 * 4096)   # (the I/O threads' first use imports a module)
                 io = write_and_read_entry(tier, "k", 8 * 16 * 4096)
                 assert (io["read_crc"], io["reads"]) == (io["crc"], own_reads), depth
-                assert tier.block_counts()["objects_read"] == 8 and tier.block_counts()["lookup_hits"] >= 8
+                assert tier.block_counts()["objects_read"] == 10 and tier.block_counts()["lookup_hits"] >= 10
             finally:
                 tier.clear()
         assert kv.BenchmarkConfig(kv_engine="llm-d").kv_blocks.read_depth == 48
         assert kv.BenchmarkConfig(kv_engine="llm-d", kv_read_depth=2).kv_blocks.read_depth == 2
+
+    def test_a_read_depth_beyond_one_area_takes_only_spare_areas_free_now(self, tmp_path):
+        """12 MiB objects: two fit the operation's 32 MiB area side by side; a depth of 4 takes
+        one more area from the pool when one is free, and never waits for one."""
+        tier = kv.BlockTier(tmp_path, kv.KVBlockScheme(3 * 1024, "slot-file", read_depth=4), "m", 4096)
+        data = np.random.default_rng(5).integers(0, 256, 4 * 12 * MIB, dtype=np.uint8)
+        with kv.Transfer("write", data.size) as t:
+            tier.write_from("k", kv.EntrySource.of_array(data), t)
+        try:
+            for areas, other_holds_one, made_by_read in ((2, False, 2), (2, True, 1), (1, False, 1)):
+                made = []
+                pool = kv.StagingPool(areas, kv.STAGING_BYTES, factory=lambda n: made.append(n) or kv.aligned_empty(n))
+                with contextlib.ExitStack() as other:
+                    if other_holds_one:
+                        other.enter_context(pool.lease())
+                    before, out = len(made), np.empty(data.size, dtype=np.uint8)
+                    with kv.Transfer("read", data.size, pool=pool, verify=True) as read:
+                        tier.read_into("k", kv.HostSink(out), read)
+                    assert np.array_equal(out, data) and read.crc == zlib.crc32(data)
+                    assert (len(made) - before, pool.waits) == (made_by_read, 0), (areas, other_holds_one)
+                assert [pool.try_lease() is not None for _ in range(areas + 1)] == [True] * areas + [False]
+        finally:
+            tier.clear()
 
     def test_an_entry_below_one_block_is_not_cached(self, tmp_path):
         cache = kv.MultiTierCache.for_run(kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0,

@@ -32,6 +32,7 @@ Sections, in the order data flows through the program (each uses only those abov
     THE WORKLOAD PLAN                 every user and its plan, from the seed
     REQUEST SOURCES                   RAG, ShareGPT replay, BurstGPT trace rows
     KV DATA                           the incompressible, seeded byte generator
+    CLOCKS                            BusyClock (a device's busy time), LatencyHistogram
     TRANSFERS: ONE OPERATION ...      Transfer (stop, clock, staging, CRC, record), sources, sinks,
                                       StorageBackend: what every tier supplies, GPUDevice
     STORAGE TIER: ONE FILE PER ENTRY  StorageTier (its face); NVMeBackend: O_DIRECT .npy files, chunks in flight
@@ -2824,33 +2825,10 @@ class KVCacheGenerator:
 
 
 # ============================================================================
-# TRANSFERS: ONE OPERATION THAT MOVES BYTES, AND WHAT A TIER SUPPLIES
+# CLOCKS: BUSY TIME AND LATENCY HISTOGRAMS
 # ============================================================================
-# Every cache operation that moves an entry's bytes (a prefill write, a read, a demotion) is
-# one Transfer. The tiers below only move bytes; the Transfer stops them, times them, stages
-# them, checksums them and records what became of them, the same way for every tier.
-
-@dataclass
-class IOTiming:
-    """Seconds of one operation: `device` is time in the transfer itself (syscalls,
-    memory or PCIe copies), `host` the rest (data preparation, bookkeeping)."""
-    total: float
-    device: float
-    host: float
-
-    @classmethod
-    def from_device(cls, total: float, device: float) -> "IOTiming":
-        device = min(device, total)
-        return cls(total, device, total - device)
-
-
-class IOAborted(Exception):
-    """The run is stopping: an operation gave up between chunks after moving `nbytes`."""
-
-    def __init__(self, nbytes: int):
-        super().__init__(f"aborted after {nbytes} bytes")
-        self.nbytes = nbytes
-
+# How long a device was busy (BusyClock: iostat's %util, not a sum of overlapping operations)
+# and latencies kept in a fixed memory however many (LatencyHistogram).
 
 class LatencyHistogram:
     """Latency samples in a fixed memory: counts in buckets 1 % wide (1 us to 3 hours), with the
@@ -2930,6 +2908,35 @@ class BusyClock:
             self._account(time.perf_counter())
             busy = self._busy_s + (time.perf_counter() - self._since if self._inflight else 0.0)
             return self._inflight_area / busy if busy > 0 else None
+
+
+# ============================================================================
+# TRANSFERS: ONE OPERATION THAT MOVES BYTES, AND WHAT A TIER SUPPLIES
+# ============================================================================
+# Every cache operation that moves an entry's bytes (a prefill write, a read, a demotion) is
+# one Transfer. The tiers below only move bytes; the Transfer stops them, times them, stages
+# them, checksums them and records what became of them, the same way for every tier.
+
+@dataclass
+class IOTiming:
+    """Seconds of one operation: `device` is time in the transfer itself (syscalls,
+    memory or PCIe copies), `host` the rest (data preparation, bookkeeping)."""
+    total: float
+    device: float
+    host: float
+
+    @classmethod
+    def from_device(cls, total: float, device: float) -> "IOTiming":
+        device = min(device, total)
+        return cls(total, device, total - device)
+
+
+class IOAborted(Exception):
+    """The run is stopping: an operation gave up between chunks after moving `nbytes`."""
+
+    def __init__(self, nbytes: int):
+        super().__init__(f"aborted after {nbytes} bytes")
+        self.nbytes = nbytes
 
 
 _MAKE_ONE = object()                    # handed to a waiter instead of an area: make one

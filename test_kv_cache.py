@@ -2489,6 +2489,32 @@ class TestWriteBack:
         gc.collect()
         wait_until(lambda: len(named()) == before)
 
+    @pytest.mark.parametrize("write_back", ["sync", "async"])
+    def test_blocks_read_at_once_reach_the_gpu_tier_whole(self, tmp_path, monkeypatch, write_back):
+        """The GPU tier's own delivery (over a host stand-in: CUDA is not in CI) receives blocks
+        that a read depth of 4 loads at once, after a write that waited or was written back;
+        --verify compares the bytes handed to it, in order, with those written."""
+        opened = use_host_gpu(monkeypatch)
+        entry = 64 * kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token
+        config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=1.5 * entry / GIB, cpu_mem_gb=0, verify=True,
+                                    cache_dir=str(tmp_path), kv_engine="dynamo", storage_admission="all",
+                                    write_back=write_back)
+        cache = kv.MultiTierCache.for_run(config)
+        try:
+            assert opened and cache.config.kv_blocks.read_depth == 4
+            for key in ("a", "b", "c"):                        # the GPU tier keeps one: the others go to storage
+                assert cache.write_entry(key, 64).success
+            assert cache.flush_write_back(30)
+            on_storage = [k for k in ("a", "b", "c") if cache.entry_location(k) == "nvme"]
+            assert len(on_storage) == 2
+            for key in on_storage:
+                assert cache.read_entry(key).tier == "nvme"
+            c = cache.stats.read(lambda c, _: dict(c))
+            assert (c["verify_checked"], c.get("verify_mismatches", 0)) == (2, 0)
+            assert cache.report().tiers_info["read_delivery"] == "gpu"
+        finally:
+            cache.close()
+
     def test_a_demotion_is_queued_and_its_memory_freed_at_once(self, tmp_path):
         entry = 64 * kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token
         config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=2.5 * entry / GIB,

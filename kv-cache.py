@@ -6691,8 +6691,9 @@ class CacheEntry:
 
 
 def describe_tiers(tiers: MemoryTiers, storage: StorageTier, run_dir: Path, order: List[str],
-                   capacity_source: str) -> Dict[str, Any]:
-    """What the results say about a cache's tiers (effective budgets, library, delivery, I/O mode)."""
+                   capacity_source: str, write_back: WriteBackPolicy = WriteBackPolicy()) -> Dict[str, Any]:
+    """What the results say about a cache's tiers (effective budgets, library, delivery, I/O mode,
+    the write-back when asynchronous)."""
     limits, gpu = tiers.limits, tiers.gpu
     return {
         "tiers": order,
@@ -6707,7 +6708,8 @@ def describe_tiers(tiers: MemoryTiers, storage: StorageTier, run_dir: Path, orde
         "read_delivery": "gpu" if tiers.delivery is not None else "host",
         "cpu_tier_memory": tiers.cpu_memory if tiers.cpu else None,
         "cpu_arena_fallbacks": tiers.cpu.arena_fallbacks if tiers.cpu else 0,
-        "storage_io_mode": storage.io_mode,
+        "storage_io_mode": storage.io_mode + (f"; write-back {write_back.describe()}" if write_back.asynchronous
+                                              else ""),
         "trace_mode": storage.trace_mode,
         "nvme_read_device_busy_s": storage.busy["read"].busy_s(),
         "nvme_write_device_busy_s": storage.busy["write"].busy_s(),
@@ -7231,11 +7233,9 @@ class MultiTierCache:
     # --- results ---
     def report(self) -> CacheReport:
         counters, samples = self.stats.snapshot()
-        described = describe_tiers(self.tiers, self.storage, self.run_dir, self.tier_order(),
-                                   self.storage_capacity_source)
-        if self.write_back is not None:
-            described["storage_io_mode"] += f"; write-back {self.write_back.policy.describe()}"
-        return CacheReport(counters, samples, self.tier_entry_counts(), described)
+        return CacheReport(counters, samples, self.tier_entry_counts(),
+                           describe_tiers(self.tiers, self.storage, self.run_dir, self.tier_order(),
+                                          self.storage_capacity_source, self.config.write_back_policy))
 
     def close(self) -> None:
         """Delete everything the cache stored, including the run directory it made. A step that

@@ -53,13 +53,13 @@ Sections, in the order data flows through the program (each uses only those abov
     BLOCK-LAYER LATENCY               --enable-latency-tracing: bpftrace's D2C histograms of that device
     RAW BANDWIDTH                     --io-baseline
     FIO                               --fio-job, --fio-compare: the storage tier's I/O replayed by fio
-    REQUEST RECORDS                   RequestRecord, RunRecorder
+    REQUEST RECORDS                   RequestRecord (one per request, its own timings), RunRecorder
     MONITORING: TIMELINE AND PROGRESS the monitor's samples, the progress line
     AUTOSCALING                       QoS and capacity modes
     NODE ROLES                        --prefill-only, --decode-only; fill_before_the_timer (contexts, --precondition)
     PRECONDITIONING                   --precondition: the drive aged before the timer
     TRACE REPLAY                      --replay-io-trace: a trace's storage rows issued open loop
-    RUN MEASUREMENTS                  RequestIO, RunMeasurements: what a run hands the results
+    RUN MEASUREMENTS                  RunMeasurements: what a run hands the results
     ARRIVALS                          open-loop users (ArrivalScheduler), BurstGPT rows (BurstArrivals)
     BENCHMARK ENGINE                  workers, request flow
     RESULTS: PUT TOGETHER ONCE        assemble_results and the figures it computes
@@ -8269,28 +8269,74 @@ def _read_capped(f: Any, limit: int, tail: bool = False) -> Optional[str]:
 # ============================================================================
 # REQUEST RECORDS
 # ============================================================================
-# What each completed request measured, kept by one recorder; the monitor and the results read it.
+# One record per request (vLLM's benchmark keeps one output record per request): made when a
+# worker takes the request, from its arrival time; filled by the engine as the request goes; read by
+# name by the monitor and the results. One recorder keeps the completed ones.
 
-@dataclass
+LOAD_TIERS = ("gpu", "cpu", "write_back", "nvme")     # where a read is served, fastest first
+
+
+@dataclass(kw_only=True)
 class RequestRecord:
-    """What one completed request measured, in seconds."""
+    """One request, from its arrival to its last token: what it asked and what it measured. Times
+    are perf_counter seconds; durations end in _s. Built by name only (kw_only)."""
     qos_level: str
     context_tokens: int
-    generate_tokens: int
-    end_to_end_s: float
-    queue_wait_s: float
-    storage_s: float
-    prefill_s: float
-    decode_s: float
-    generation_s: float
-    tokens_moved: int = 0         # tokens this request's cache operations read or wrote (demotions included)
-    decoded_tokens: int = 0       # generated with decode reads (a prefill-only request's count 0)
+    submit_time: float            # when it arrived (fell due; the original's InferenceRequest.submit_time)
+    start_time: float             # when a worker took it
+    complete_time: float = 0.0    # its last token
+    generate_tokens: int = 0      # tokens it generated (a prefill node emits the first token only)
+    decoded_tokens: int = 0       # of them, generated with decode reads (a prefill-only request's count 0)
+    storage_s: float = 0.0        # its cache operations (demotions they caused included)
+    prefill_s: float = 0.0        # of storage_s: the prefill's
+    decode_s: float = 0.0         # of storage_s: the decode's
     storage_wait_s: float = 0.0   # of storage_s: waiting for a staging area
     allocation_wait_s: float = 0.0  # not in storage_s: waiting for an allocation slot (--max-concurrent-allocs)
+    generation_s: float = 0.0     # simulated generation (--generation-mode)
+    tokens_moved: int = 0         # tokens its cache operations read or wrote (demotions included)
     load_s: float = 0.0           # of prefill_s: its reads of cached context (prefix, earlier turns, RAG chunks)
     loads: int = 0                # those reads (0: it loaded nothing)
     load_tokens: int = 0          # the tokens they found
     load_tier: Optional[str] = None   # the slowest place that served one of them (LOAD_TIERS; None: all missed)
+    aborted: bool = False         # an operation gave up at the stop: the request is abandoned, not recorded
+
+    @classmethod
+    def taken(cls, request: InferenceRequest, now: float) -> "RequestRecord":
+        """The record of `request`, taken by a worker at `now`."""
+        return cls(qos_level=request.qos_level.value, context_tokens=request.context_tokens,
+                   submit_time=request.submit_time, start_time=now)
+
+    @property
+    def end_to_end_s(self) -> float:
+        return self.complete_time - self.submit_time
+
+    @property
+    def queue_wait_s(self) -> float:
+        return self.start_time - self.submit_time
+
+    def add(self, phase: InferencePhase, result: CacheResult, load: bool = False) -> CacheResult:
+        """One cache operation of the request's `phase`; `load`: a read of cached context."""
+        self.storage_s += result.latency_s
+        self.storage_wait_s += result.wait_s
+        self.allocation_wait_s += result.admission_s
+        if load:
+            self.load_s, self.loads, self.load_tokens = (self.load_s + result.latency_s, self.loads + 1,
+                                                         self.load_tokens + result.tokens)
+            if result.tier in LOAD_TIERS and (self.load_tier is None or
+                                              LOAD_TIERS.index(result.tier) > LOAD_TIERS.index(self.load_tier)):
+                self.load_tier = result.tier
+        if phase is InferencePhase.DECODE:
+            self.decode_s += result.latency_s
+        else:
+            self.prefill_s += result.latency_s
+        self.tokens_moved += result.tokens
+        self.aborted = self.aborted or result.aborted
+        return result
+
+    def finish(self, now: float, generated: int, decoded: int, generation_s: float) -> "RequestRecord":
+        self.complete_time, self.generate_tokens, self.decoded_tokens, self.generation_s = (
+            now, generated, decoded, generation_s)
+        return self
 
 
 class RunRecorder:
@@ -9257,43 +9303,6 @@ def merge_trace_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dic
 # RUN MEASUREMENTS
 # ============================================================================
 
-LOAD_TIERS = ("gpu", "cpu", "write_back", "nvme")     # where a read is served, fastest first
-
-
-@dataclass
-class RequestIO:
-    """Accumulates one request's cache operations."""
-    storage_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    tokens: int = 0
-    aborted: bool = False
-    wait_s: float = 0.0
-    admission_s: float = 0.0
-    load_s: float = 0.0           # the prefill's reads of cached context: the storage part of time to first token
-    loads: int = 0
-    load_tokens: int = 0
-    load_tier: Optional[str] = None
-
-    def add(self, phase: str, result: CacheResult, load: bool = False) -> CacheResult:
-        self.storage_s += result.latency_s
-        self.wait_s += result.wait_s
-        self.admission_s += result.admission_s
-        if load:
-            self.load_s, self.loads, self.load_tokens = (self.load_s + result.latency_s, self.loads + 1,
-                                                         self.load_tokens + result.tokens)
-            if result.tier in LOAD_TIERS and (self.load_tier is None or
-                                              LOAD_TIERS.index(result.tier) > LOAD_TIERS.index(self.load_tier)):
-                self.load_tier = result.tier
-        if phase == "decode":
-            self.decode_s += result.latency_s
-        else:
-            self.prefill_s += result.latency_s
-        self.tokens += result.tokens
-        self.aborted = self.aborted or result.aborted
-        return result
-
-
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
 
 
@@ -9684,44 +9693,38 @@ class IntegratedBenchmark:
             self.scheduler.release(request.user_index)
 
     def _process(self, req: InferenceRequest) -> Optional[RequestRecord]:
-        req.start_time = time.perf_counter()
-        io = RequestIO()
+        record = RequestRecord.taken(req, time.perf_counter())
         if self.role != "decode-only":                 # a decode node's context came from a prefill node
-            self._prefill(req, io)
-        generation_s = 0.0 if self.role == "prefill-only" else self._decode(req, io)
-        if generation_s is None or io.aborted:
+            self._prefill(req, record)
+        generation_s = 0.0 if self.role == "prefill-only" else self._decode(req, record)
+        if generation_s is None or record.aborted:
             self.recorder.abandon()
             return None
-        req.complete_time = time.perf_counter()
         generated = 1 if self.role == "prefill-only" else req.generate_tokens   # a prefill node emits the first token
         decoded = 0 if self.role == "prefill-only" or req.phase is InferencePhase.PREFILL else generated
-        return RequestRecord(req.qos_level.value, req.context_tokens, generated,
-                             req.complete_time - req.submit_time, req.start_time - req.submit_time,
-                             io.storage_s, io.prefill_s, io.decode_s, generation_s, io.tokens, decoded, io.wait_s,
-                             io.admission_s, io.load_s, io.loads, io.load_tokens, io.load_tier)
+        return record.finish(time.perf_counter(), generated, decoded, generation_s)
 
-    def _prefill(self, req: InferenceRequest, io: RequestIO) -> None:
+    def _prefill(self, req: InferenceRequest, record: RequestRecord) -> None:
         """The prefill: shared prefix, multi-turn resume (every earlier turn), RAG chunks, then the
         request's own KV written."""
-        cache = self.cache
+        cache, prefill = self.cache, InferencePhase.PREFILL
         if req.prefix_key and self.config.prefix_caching:
-            found = io.add("prefill", cache.read_entry(req.prefix_key, InferencePhase.PREFILL, req.prefix_type), load=True)
+            found = record.add(prefill, cache.read_entry(req.prefix_key, prefill, req.prefix_type), load=True)
             if not found.success:                  # evicted or never written: prefill it again
-                io.add("prefill", cache.write_entry(req.prefix_key, req.prefix_tokens, InferencePhase.PREFILL))
+                record.add(prefill, cache.write_entry(req.prefix_key, req.prefix_tokens, prefill))
         if req.previous_cache_keys:                 # resume: every earlier turn still cached (a miss costs no I/O)
             cache.stats.count("multi_turn_resumes")
             for key in req.previous_cache_keys:
-                io.add("prefill", cache.read_entry(key, InferencePhase.PREFILL, "multi_turn"), load=True)
+                record.add(prefill, cache.read_entry(key, prefill, "multi_turn"), load=True)
         if req.rag_chunks:                         # the retrieved chunks' KV is the query's context
             self.rag.record_query()
             for key, _ in req.rag_chunks:
-                read = io.add("prefill", cache.read_entry(key, InferencePhase.PREFILL, "rag"), load=True)
+                read = record.add(prefill, cache.read_entry(key, prefill, "rag"), load=True)
                 if not read.aborted:
                     self.rag.record_read(read.latency_s)
-        io.add("prefill", cache.write_entry(req.cache_key, req.context_tokens + req.carried_tokens,
-                                            InferencePhase.PREFILL))
+        record.add(prefill, cache.write_entry(req.cache_key, req.context_tokens + req.carried_tokens, prefill))
 
-    def _decode(self, req: InferenceRequest, io: "RequestIO") -> Optional[float]:
+    def _decode(self, req: InferenceRequest, record: RequestRecord) -> Optional[float]:
         """Decode reads of the request's context interleaved with simulated generation (a decode
         node then writes the generated tokens' KV); None when the run stopped first. A
         prefill-only request (a context of PREFILL_ONLY_CONTEXT_TOKENS or more) reads nothing but
@@ -9737,7 +9740,7 @@ class IntegratedBenchmark:
             if self._stop.is_set():
                 return None
             if reading:                                           # 1 + ceil(g / batch) reads, as the original
-                io.add("decode", self.cache.read_entry(key, InferencePhase.DECODE, "user"))
+                record.add(InferencePhase.DECODE, self.cache.read_entry(key, InferencePhase.DECODE, "user"))
             if step >= 0 and per_token_s > 0:
                 tokens = min(batch, req.generate_tokens - step * batch)
                 t = time.perf_counter()
@@ -9745,8 +9748,8 @@ class IntegratedBenchmark:
                     return None
                 generation_s += time.perf_counter() - t
         if decode_node and reading:
-            io.add("decode", self.cache.write_entry(f"{req.cache_key}_generated", req.generate_tokens,
-                                                    InferencePhase.DECODE))
+            record.add(InferencePhase.DECODE, self.cache.write_entry(f"{req.cache_key}_generated",
+                                                                     req.generate_tokens, InferencePhase.DECODE))
         return generation_s
 
     # --- results ---

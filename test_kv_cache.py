@@ -4097,7 +4097,9 @@ def measured(config, cache, records, **figures):
 
 
 def record(qos="batch", e2e=0.1, gen=0.0, storage=0.05, queue_wait=0.0, tokens=10):
-    return kv.RequestRecord(qos, 100, tokens, e2e, queue_wait, storage, storage, 0.0, gen)
+    return kv.RequestRecord(qos_level=qos, context_tokens=100, submit_time=0.0, start_time=queue_wait,
+                            complete_time=e2e, generate_tokens=tokens, storage_s=storage, prefill_s=storage,
+                            generation_s=gen)
 
 
 LATENCY_STATS_ALL_PASS = {"nvme_write_p95_ms": 120.0, "nvme_read_p95_ms": 80.0, "cpu_read_p95_ms": 5.0,

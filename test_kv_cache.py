@@ -10029,3 +10029,520 @@ class TestTheHouse:
             assert [m for m in ("active_users", "seed", "run") if getattr(source, m) is getattr(kv.Arrivals, m)] == []
             assert [m for m in ("taken", "release") if getattr(source, m) is not getattr(kv.Arrivals, m)]
         assert kv.ArrivalScheduler.trace_stats is kv.Arrivals.trace_stats        # no trace: no figures of one
+
+
+# ============================================================================
+# --config: every key of the schema is used
+# ============================================================================
+# One row per leaf of kv.Tunables: the row's file changes that key away from its built-in
+# default, main's way of reading it (config_from_args over the parser's --config) makes the
+# run's BenchmarkConfig, and the row's check observes the value where the benchmark consumes
+# it (a plan's users and requests, the cache's placements, the engine's reads and waits, the
+# monitor's saturation, the results' SLA verdicts, validate()). Values and counts only.
+
+CFGKEY_SEED = 7
+
+
+def cfgkey_leaf_paths(section=None, prefix=""):
+    """Every leaf key of the --config schema, as its dotted path (the Tunables tree's fields)."""
+    section = kv.BUILT_IN_TUNABLES if section is None else section
+    paths = []
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        path = f"{prefix}{f.name}"
+        paths += cfgkey_leaf_paths(value, f"{path}.") if dataclasses.is_dataclass(value) else [path]
+    return paths
+
+
+def cfgkey_value(tunables, path: str):
+    for name in path.split("."):
+        tunables = getattr(tunables, name)
+    return tunables
+
+
+def cfgkey_default(path: str):
+    return cfgkey_value(kv.BUILT_IN_TUNABLES, path)
+
+
+def cfgkey_nested(path: str, value) -> dict:
+    for name in reversed(path.split(".")):
+        value = {name: value}
+    return value
+
+
+def cfgkey_merged(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = cfgkey_merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+# Users that think for no time and ask for little: an engine row's run is over in a blink.
+CFGKEY_QUICK_USERS = {"user_templates": {p: {"context_range": [64, 256], "generation_range": [8, 40],
+                                             "think_time_range": [0, 0]} for p in kv.PERSONA_NAMES}}
+CFGKEY_ENGINE_FLAGS = ("--num-users", "4", "--max-requests", "8", "--disable-multi-turn", "--disable-prefix-caching")
+
+
+class CfgKeyWaits(threading.Event):
+    """The run's stop event, remembering every timeout it was asked to wait (the engine's simulated
+    generation waits on it: tokens x generation_timing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.timeouts = []
+
+    def wait(self, timeout=None):
+        self.timeouts.append(timeout)
+        return super().wait(timeout)
+
+
+class CfgKeyProbe:
+    """What a row's check works with: the run's configuration from the row's file (and the
+    built-in one, for contrast), made as main makes it, and the objects the run makes from it."""
+
+    def __init__(self, tmp_path, monkeypatch, generator, config_path):
+        self.tmp_path, self.monkeypatch, self.generator, self.config_path = tmp_path, monkeypatch, generator, config_path
+        self._closing = []
+        self.made = 0                                   # caches made: each its own trace file
+
+    def config(self, *flags, file=True):
+        """The run's configuration as main makes it: config_from_args over the parser (with the row's --config)."""
+        argv = ["--model", "tiny-1b", "--gpu-mem-gb", "0", "--cpu-mem-gb", "0.05", "--cache-dir", str(self.tmp_path),
+                "--num-users", "4", "--duration", "5", "--seed", str(CFGKEY_SEED), "--generation-mode", "none", "--quiet", *map(str, flags)]
+        if file:
+            argv += ["--config", str(self.config_path)]
+        return kv.config_from_args(kv.build_parser().parse_args(argv))
+
+    def default_config(self, *flags):
+        return self.config(*flags, file=False)
+
+    def plan(self, config, num_users=40):
+        return kv.WorkloadPlan(config.model.name, num_users, config.seed, tunables=config.tunables)
+
+    def cache(self, config):
+        self.made += 1
+        cache = kv.TieredCache(config, self.generator)
+        self._closing.append(cache.close)
+        return cache
+
+    def engine(self, config, stop=None):
+        """The run's engine (its cache's data generator the module's: no 0.2 s pool per row)."""
+        self.monkeypatch.setattr(kv, "KVCacheGenerator", lambda *a, **k: self.generator)
+        bench = kv.Benchmark(config, stop if stop is not None else threading.Event())
+        self._closing.append(bench.cache.close)
+        return bench
+
+    def engine_run(self, *flags):
+        """A small run of the engine (trace mode: no I/O): (engine, measurements, stop-event waits)."""
+        config = self.config(*CFGKEY_ENGINE_FLAGS, "--io-trace-log", self.tmp_path / "t.csv", *flags)
+        stop = CfgKeyWaits()
+        bench = self.engine(config, stop)
+        measured = bench.measure()
+        assert measured.records and not measured.thread_errors
+        return bench, measured, stop.timeouts
+
+    def close(self):
+        for close in reversed(self._closing):
+            close()
+
+
+# --- the rows' checks: each observes its key where the benchmark uses it ---
+
+def cfgkey_persona_attr(attr):
+    def check(probe, path, value):
+        persona = path.split(".")[1]
+        plan = probe.plan(probe.config())
+        users = [u for u in plan.users if u.user_type == persona]
+        others = [u for u in plan.users if u.user_type != persona]
+        assert users and {getattr(u, attr) for u in users} == {value[0]}
+        assert value[0] not in {getattr(u, attr) for u in others}
+    return check
+
+
+def cfgkey_generation_timing(probe, path, value):
+    mode = path.split(".")[1]
+    _, measured, waits = probe.engine_run("--generation-mode", mode)
+    # The engine's generation waits: tokens x the mode's seconds per token, at most a decode batch of tokens.
+    tokens = [round(t / value) for t in waits if t and abs(t / value - round(t / value)) < 1e-6]
+    assert tokens and all(1 <= n <= kv.BUILT_IN_TUNABLES.decode.batch_size for n in tokens)
+    assert sum(tokens) >= sum(r.generate_tokens for r in measured.records) > 0
+
+
+def cfgkey_decode_batch(probe, path, value):
+    _, measured, _ = probe.engine_run()
+    c, generated = measured.cache.counters, [r.generate_tokens for r in measured.records]
+    reads = c.get("decode_reads", 0) + c.get("user_cache_misses", 0)
+    assert reads == sum(1 + -(-g // value) for g in generated)
+    assert reads != sum(1 + -(-g // cfgkey_default(path)) for g in generated)
+
+
+def cfgkey_qos_record_ms(level, ms):
+    return kv.RequestRecord(qos_level=level, context_tokens=100, submit_time=0.0, start_time=0.0,
+                            complete_time=ms / 1000, generate_tokens=10)
+
+
+def cfgkey_qos_target(probe, path, value):
+    _, level, key = path.split(".")
+    p = key[len("target_latency_"):-len("_ms")]
+    between = (value + cfgkey_default(path)) / 2                  # met by the built-in target, not by the file's
+    records = [cfgkey_qos_record_ms(level, between) for _ in range(20)]
+    sla = kv.qos_metrics(records, profiles=probe.config().tunables.qos_profiles)[level]["sla"]
+    assert sla[f"target_{p}_ms"] == value and sla["targets_met"][p] is False
+    built_in = kv.qos_metrics(records, profiles=probe.default_config().tunables.qos_profiles)[level]["sla"]
+    assert built_in["targets_met"][p] is True
+    if p == "p95":
+        assert (sla["met"], sla["compliance"], built_in["met"], built_in["compliance"]) == (False, 0.0, True, 1.0)
+
+
+def cfgkey_qos_priority(probe, path, value):
+    level = path.split(".")[1]
+    config = probe.config()
+    users = [u for u in probe.plan(config).users if u.qos_level.value == level]
+    assert users and {u.priority for u in users} == {value}
+    assert kv.qos_metrics([cfgkey_qos_record_ms(level, 1.0)], profiles=config.tunables.qos_profiles)[level][
+        "priority"] == value
+
+
+def cfgkey_qos_mix(level):
+    def check(probe, path, value):
+        assert level not in {u.qos_level.value for u in probe.plan(probe.config()).users}
+        assert level in {u.qos_level.value for u in probe.plan(probe.default_config()).users}
+    return check
+
+
+def cfgkey_cpu_cache(probe, entries=10.01, tokens=TOKENS, file=True):
+    config = probe.config("--cpu-mem-gb", budget_gb(entries, tokens), "--storage-capacity-gb", "1",
+                          "--io-trace-log", probe.tmp_path / f"t{probe.made}.csv", file=file)
+    return probe.cache(config)
+
+
+def cfgkey_offloads(cache):
+    return cache.stats.snapshot()[0].get("offloads_nvme", 0)
+
+
+def cfgkey_target_usage(probe, path, value):
+    for file, where in ((True, "nvme"), (False, "cpu")):          # full at 50 % of 10 entries: 5 fit, not 8
+        cache = cfgkey_cpu_cache(probe, file=file)
+        assert [cache.write_entry(f"k{i}", TOKENS).tier for i in range(6)] == ["cpu"] * 6
+        assert cache.entry_location("k0") == where
+
+
+def cfgkey_large_entry(probe, path, value):
+    for file, where in ((True, "cpu"), (False, "nvme")):          # a 90 % entry: under 95 %, over 80 %
+        cache = cfgkey_cpu_cache(probe, file=file)
+        cache.write_entry("small", TOKENS)
+        assert cache.write_entry("big", 9 * TOKENS).tier == where
+
+
+def cfgkey_recursion_depth(probe, path, value):
+    for file, where, moved in ((True, "nvme", 0), (False, "cpu", 1)):   # depth 0: a write never demotes
+        cache = cfgkey_cpu_cache(probe, file=file)
+        for i in range(9):
+            cache.write_entry(f"k{i}", TOKENS)
+        assert (cache.entry_location("k8"), cfgkey_offloads(cache)) == (where, moved)
+
+
+def cfgkey_hard_cap(probe, path, value):
+    # 1,199 one-token entries, then one of 1,100 tokens: room for it takes 1,099 demotions. The
+    # built-in budget is min(5000, max(1000, 1199 + 100)) = 1299; the file's cap (1000) stops short.
+    for file, where, moved in ((True, "nvme", value), (False, "cpu", 1099)):
+        cache = cfgkey_cpu_cache(probe, entries=1500, tokens=1, file=file)
+        assert {cache.write_entry(f"k{i}", 1).tier for i in range(1199)} == {"cpu"}
+        assert cache.write_entry("big", 1100).tier == where
+        assert cfgkey_offloads(cache) == moved
+
+
+def cfgkey_evictions_min(probe, path, value):
+    # FINDING: the cache's budget is min(hard_cap, max(min, entries + 100)): never below the tier's
+    # entries + 100, so max_evictions_min never limits a demotion run (one writer at a time); it is
+    # seen only in the policy's budget, which the cache makes with EvictionPolicy.for_run.
+    policy = kv.EvictionPolicy.for_run(probe.config().tunables)
+    assert policy.eviction_budget("cpu", 0) == value
+    assert kv.EvictionPolicy.for_run(probe.default_config().tunables).eviction_budget("cpu", 0) == cfgkey_default(path)
+
+
+def cfgkey_gpu_cache(probe, free, total, gpu_entries=100, file=True):
+    opened = use_host_gpu_with(probe.monkeypatch, free=free, total=total)
+    config = probe.config("--gpu-mem-gb", budget_gb(gpu_entries), "--cpu-mem-gb", budget_gb(10.01),
+                          "--storage-capacity-gb", "1", file=file)
+    return probe.cache(config), opened
+
+
+def cfgkey_gpu_memory_fraction(probe, path, value):
+    for file, share in ((True, value), (False, cfgkey_default(path))):
+        cache, _ = cfgkey_gpu_cache(probe, free=40 * ENTRY, total=40 * ENTRY, file=file)
+        assert cache.tier_limit("gpu") == pytest.approx(share * 40 * ENTRY)
+
+
+def cfgkey_gpu_free_threshold(probe, path, value):
+    for file, where in ((True, "cpu"), (False, "gpu")):          # 12 free, 3 written: 9 left; 25 % of 40 is 10
+        cache, opened = cfgkey_gpu_cache(probe, free=40 * ENTRY, total=40 * ENTRY, file=file)
+        opened[0].free = 12 * ENTRY                                 # another process took memory
+        assert cache.write_entry("a", 2 * TOKENS).tier == "gpu"
+        assert cache.write_entry("b", 3 * TOKENS).tier == where
+
+
+def cfgkey_gpu_eviction_attempts(probe, path, value):
+    for file, where in ((True, "cpu"), (False, "gpu")):          # room for 2 entries takes 2 demotions
+        cache, _ = cfgkey_gpu_cache(probe, free=1000 * ENTRY, total=1000 * ENTRY, gpu_entries=10.01, file=file)
+        assert {cache.write_entry(f"k{i}", TOKENS).tier for i in range(8)} == {"gpu"}
+        assert cache.write_entry("two", 2 * TOKENS).tier == where
+
+
+def cfgkey_prefix_kinds(probe, config):
+    plan = probe.plan(config)
+    keys = [r.prefix_key for p in plan.plans for r in p.peek(10)]
+    return keys, collections.Counter(plan.matcher.lookup(k).prefix_type if k else None for k in keys)
+
+
+def cfgkey_min_prefix(probe, path, value):
+    _, kinds = cfgkey_prefix_kinds(probe, probe.config())           # the common phrases (64 tokens) are too short
+    assert kinds["system"] and not kinds["common"]
+    assert cfgkey_prefix_kinds(probe, probe.default_config())[1]["common"]
+
+
+def cfgkey_max_prefixes(probe, path, value):
+    keys, _ = cfgkey_prefix_kinds(probe, probe.config())
+    assert len({k for k in keys if k}) == value
+    assert len({k for k in cfgkey_prefix_kinds(probe, probe.default_config())[0] if k}) > value
+
+
+def cfgkey_system_prompt_probability(probe, path, value):
+    keys, kinds = cfgkey_prefix_kinds(probe, probe.config())
+    assert kinds["system"] == len(keys)                               # every request starts with a system prompt
+    _, built_in = cfgkey_prefix_kinds(probe, probe.default_config())
+    assert built_in["system"] < len(keys)
+
+
+def cfgkey_rag_manager(probe, *flags, file=True):
+    """The RAG corpus as the engine makes it from the run's configuration."""
+    config = probe.config("--enable-rag", "--rag-num-docs", "10", *flags, file=file)
+    return kv.RAGDocumentManager(config.rag_num_docs, config.seed, model=config.model, tunables=config.tunables.rag)
+
+
+def cfgkey_rag_chunk_size(probe, path, value):
+    rag = cfgkey_rag_manager(probe)
+    assert {t for d in rag.documents for t in d.chunk_tokens[:-1]} == {value}
+    assert max(t for d in rag.documents for t in d.chunk_tokens) == value
+
+
+def cfgkey_rag_top_k(probe, path, value):
+    rag = cfgkey_rag_manager(probe)
+    assert {len(rag.retrieve_chunks(q)) for q in range(20)} == {value}
+
+
+def cfgkey_rag_chunk_bytes(probe, path, value):
+    rag = cfgkey_rag_manager(probe)
+    assert max(t for d in rag.documents for t in d.chunk_tokens) == value // TOKEN_BYTES
+
+
+def cfgkey_rag_probability(probe, path, value):
+    _, measured, _ = probe.engine_run("--enable-rag", "--rag-num-docs", "2")
+    assert measured.rag_stats["rag_queries"] == len(measured.records) == 8     # every request queries
+
+
+def cfgkey_rag_distribution(probe, path, value):
+    rag = cfgkey_rag_manager(probe)
+    firsts = [rag.retrieve_chunks(q)[0] for q in range(400)]
+    assert firsts.count(rag.chunks[0]) > 400 / len(rag.chunks) * 3     # zipfian: the corpus's first chunk most
+    uniform = cfgkey_rag_manager(probe, file=False)
+    assert [uniform.retrieve_chunks(q)[0] for q in range(400)].count(uniform.chunks[0]) < 400 / len(uniform.chunks) * 3
+
+
+def cfgkey_rag_documents(probe, path, value):
+    assert len(cfgkey_rag_manager(probe).documents) == value
+    assert len(cfgkey_rag_manager(probe, file=False).documents) == 10
+
+
+def cfgkey_rag_doc_tokens(model):
+    def check(probe, path, value):
+        rag = cfgkey_rag_manager(probe, "--model", model)
+        assert {sum(d.chunk_tokens) for d in rag.documents} == {value}
+    return check
+
+
+def cfgkey_max_conversations(probe, path, value):
+    bench = probe.engine(probe.config("--num-users", "4"))
+    for i in range(value + 1):
+        bench.conversations.start_conversation(f"user_{i}")
+    assert bench.conversations.evicted_conversations == 1                 # built in: max(1000, 2 x users)
+
+
+def cfgkey_planned_turns(probe, config):
+    return [r.turn for p in probe.plan(config).plans for r in p.peek(30)]
+
+
+def cfgkey_max_turns(probe, path, value):
+    assert max(cfgkey_planned_turns(probe, probe.config())) == value
+    assert max(cfgkey_planned_turns(probe, probe.default_config())) == cfgkey_default(path)
+
+
+def cfgkey_end_probability(probe, path, value):
+    assert set(cfgkey_planned_turns(probe, probe.config())) == {1}       # every conversation ends after a turn
+    assert max(cfgkey_planned_turns(probe, probe.default_config())) > 1
+
+
+CFGKEY_AUTOSCALER_CASES = {        # key: (saturation, users before, users after with the file, after built in)
+    "min_users": (1.0, 6, 5, 4),
+    "max_users": (0.0, 10, 11, 12),
+    "scale_up_factor": (0.0, 10, 20, 12),
+    "scale_down_factor": (1.0, 10, 5, 8),
+    "consecutive_samples_required": (0.0, 10, 10, 12),
+}
+
+
+def cfgkey_autoscaler(probe, path, value):
+    saturation, users, after, built_in = CFGKEY_AUTOSCALER_CASES[path.split(".")[1]]
+    point = {"elapsed_s": 1, "saturation": saturation, "throughput_tokens_per_sec": 1, "io_tokens_per_sec": 1,
+             "storage_read_p95_ms": None, "storage_write_p95_ms": None, "queue_wait_mean_ms": None}
+    flags = ("--enable-autoscaling", "--autoscaler-mode", "qos", "--target-saturation", "0.5", "--num-users", users)
+    for config, expected in ((probe.config(*flags), after), (probe.default_config(*flags), built_in)):
+        scaler = kv.WorkloadAutoscaler(config.autoscaler_mode, config.target_saturation, config.num_users,
+                                       scaling=config.tunables.autoscaler)
+        assert scaler.evaluate(point, users).users_after == expected
+
+
+def cfgkey_sharegpt(expected):
+    def check(probe, path, value):
+        dataset = probe.tmp_path / "sharegpt.json"
+        dataset.write_text(json.dumps([{"id": "a", "conversations": [
+            {"from": "human", "value": "x" * 400}, {"from": "gpt", "value": "y" * 300}]}]))
+        probe.monkeypatch.setattr(kv, "TIKTOKEN_AVAILABLE", False)         # the characters-per-token estimate
+        for file, turns in ((True, expected), (False, ((100, 75),))):
+            bench = probe.engine(probe.config("--num-users", "2", "--dataset-path", dataset, file=file))
+            assert bench.dataset.conversations[0].turns == turns
+    return check
+
+
+def cfgkey_saturation_latency(probe, path, value):
+    read = path.endswith("read_latency_p95_threshold_ms")
+    sample = (value, None) if read else (None, value)
+    limits = probe.config().tunables.saturation_detection
+    assert kv.saturation_score(*sample, None, None, limits=limits) == 1.0
+    assert kv.saturation_score(*sample, None, None, limits=probe.default_config().tunables.saturation_detection) < 1.0
+
+
+def cfgkey_queue_depth(probe, path, value):
+    for file, expected in ((True, 0.5), (False, 0.0)):
+        bench = probe.engine(probe.config("--num-users", "2", file=file))
+        for i in range(value // 2):
+            bench.request_queue.put((1, i, None))
+        assert bench.monitor.sample(1.0)["saturation_window"] == expected
+
+
+def cfgkey_history_window(probe, path, value):
+    for file, expected in ((True, [0.5, 0.25]), (False, [0.5, 0.0])):
+        bench = probe.engine(probe.config("--num-users", "2", file=file))
+        bench.recorder.complete(kv.RequestRecord(qos_level="batch", context_tokens=100, submit_time=0.0,
+                                                 start_time=0.1, complete_time=0.2, generate_tokens=10,
+                                                 storage_s=0.05, prefill_s=0.05))   # half waiting
+        first = bench.monitor.sample(1.0)["saturation"]
+        assert [first, bench.monitor.sample(2.0)["saturation"]] == pytest.approx(expected)
+
+
+def cfgkey_validation(flag, given):
+    def check(probe, path, value):
+        with pytest.raises(kv.UsageError, match=re.escape(f"{flag} exceeds")):
+            probe.config(flag, given)
+        assert probe.default_config(flag, given)                           # within the built-in limit
+    return check
+
+
+def cfgkey_model_configs(probe, path, value):
+    config = probe.config("--model", "cfgkey-model")
+    # 2 layers x 2 KV heads x (64 / 4) dims x K and V x 2 bytes (float16)
+    assert (config.model.name, config.model.kv_cache_size_per_token) == ("cfgkey-model", 2 * 2 * 16 * 2 * 2)
+    base = probe.config().model                                           # an override of a built-in model
+    assert base.kv_cache_size_per_token == TINY.kv_cache_size_per_token // 2 and base.display_name == "Tiny as filed"
+    with pytest.raises(kv.UsageError, match="--model must be one of"):
+        probe.default_config("--model", "cfgkey-model")
+
+
+def cfgkey_rows():
+    rows = []
+    for persona in kv.PERSONA_NAMES:
+        rows += [(f"user_templates.{persona}.context_range", [9999, 9999], cfgkey_persona_attr("context_length")),
+                 (f"user_templates.{persona}.generation_range", [999, 999], cfgkey_persona_attr("generation_length")),
+                 (f"user_templates.{persona}.think_time_range", [2.5, 2.5], cfgkey_persona_attr("think_time"))]
+    rows += [(f"generation_timing.{mode}", 0.000123, cfgkey_generation_timing, CFGKEY_QUICK_USERS)
+             for mode in ("none", "fast", "realistic")]
+    for level in ("interactive", "responsive", "batch"):
+        for p in ("p95", "p99", "p999", "p9999"):
+            key = f"qos_profiles.{level}.target_latency_{p}_ms"
+            rows.append((key, cfgkey_default(key) - 10, cfgkey_qos_target))   # below the default, above the tier before
+        rows.append((f"qos_profiles.{level}.priority", 9, cfgkey_qos_priority))
+    rows += [
+        ("qos_distribution.interactive_probability", 0.0, cfgkey_qos_mix("interactive")),
+        ("qos_distribution.responsive_threshold", 0.15, cfgkey_qos_mix("responsive")),
+        ("eviction.max_recursion_depth", 0, cfgkey_recursion_depth),
+        ("eviction.target_usage_ratio", 0.5, cfgkey_target_usage),
+        ("eviction.large_entry_limit_ratio", 0.95, cfgkey_large_entry),
+        ("eviction.max_evictions_hard_cap", 1000, cfgkey_hard_cap),
+        ("eviction.max_evictions_min", 2000, cfgkey_evictions_min),
+        ("gpu_backend.memory_fraction", 0.5, cfgkey_gpu_memory_fraction),
+        ("gpu_backend.max_eviction_attempts", 1, cfgkey_gpu_eviction_attempts),
+        ("gpu_backend.free_memory_threshold", 0.25, cfgkey_gpu_free_threshold),
+        ("prefix_cache.min_prefix_length", 100, cfgkey_min_prefix),
+        ("prefix_cache.max_prefix_entries", 1, cfgkey_max_prefixes),
+        ("prefix_cache.system_prompt_hit_probability", 1.0, cfgkey_system_prompt_probability),
+        ("rag.chunk_size_tokens", 100, cfgkey_rag_chunk_size),
+        ("rag.top_k_chunks", 2, cfgkey_rag_top_k),
+        ("rag.max_chunk_bytes", 30 * TOKEN_BYTES, cfgkey_rag_chunk_bytes),
+        ("rag.request_probability", 1.0, cfgkey_rag_probability, CFGKEY_QUICK_USERS),
+        ("rag.retrieval_distribution", "zipfian", cfgkey_rag_distribution),
+        ("rag.max_documents", 3, cfgkey_rag_documents),
+        ("rag.large_model_doc_tokens_min", 16_000, cfgkey_rag_doc_tokens("llama3.1-70b-instruct")),
+        ("rag.large_model_doc_tokens_max", 2_000, cfgkey_rag_doc_tokens("llama3.1-70b-instruct")),
+        ("rag.small_model_doc_tokens_min", 16_000, cfgkey_rag_doc_tokens("tiny-1b")),
+        ("rag.small_model_doc_tokens_max", 2_000, cfgkey_rag_doc_tokens("tiny-1b")),
+        ("conversation.max_conversations", 7, cfgkey_max_conversations),
+        ("conversation.max_turns_per_conv", 2, cfgkey_max_turns),
+        ("conversation.end_conversation_probability", 1.0, cfgkey_end_probability),
+        ("autoscaler.min_users", 5, cfgkey_autoscaler),
+        ("autoscaler.max_users", 11, cfgkey_autoscaler),
+        ("autoscaler.scale_up_factor", 2.0, cfgkey_autoscaler),
+        ("autoscaler.scale_down_factor", 0.5, cfgkey_autoscaler),
+        ("autoscaler.consecutive_samples_required", 2, cfgkey_autoscaler),
+        ("decode.batch_size", 4, cfgkey_decode_batch, CFGKEY_QUICK_USERS),
+        ("sharegpt.max_context_tokens", 40, cfgkey_sharegpt(((40, 75),))),
+        ("sharegpt.max_generation_tokens", 20, cfgkey_sharegpt(((100, 20),))),
+        ("sharegpt.chars_per_token_estimate", 5, cfgkey_sharegpt(((80, 60),))),
+        ("saturation_detection.read_latency_p95_threshold_ms", 100.0, cfgkey_saturation_latency),
+        ("saturation_detection.write_latency_p95_threshold_ms", 250.0, cfgkey_saturation_latency),
+        ("saturation_detection.queue_depth_threshold", 10, cfgkey_queue_depth),
+        ("saturation_detection.history_window_size", 2, cfgkey_history_window),
+        ("validation_limits.max_users", 10, cfgkey_validation("--num-users", 11)),
+        ("validation_limits.max_duration_seconds", 30, cfgkey_validation("--duration", 31)),
+        ("validation_limits.max_gpu_memory_gb", 1, cfgkey_validation("--gpu-mem-gb", 2)),
+        ("validation_limits.max_cpu_memory_gb", 1, cfgkey_validation("--cpu-mem-gb", 2)),
+        ("model_configs", {"tiny-1b": {"name": "Tiny as filed", "kv_heads": TINY.kv_heads // 2},
+                           "cfgkey-model": {"num_layers": 2, "num_heads": 4, "hidden_dim": 64, "kv_heads": 2}},
+         cfgkey_model_configs),
+    ]
+    return [pytest.param(row[0], row[1], row[2], row[3] if len(row) > 3 else {}, id=row[0]) for row in rows]
+
+
+CFGKEY_ROWS = cfgkey_rows()
+
+
+class TestEveryConfigKeyIsUsed:
+    """Each key of the --config schema, changed in a file, changes what the benchmark does with it."""
+
+    def test_every_key_of_the_schema_has_a_row(self):
+        rows = [row.values[0] for row in CFGKEY_ROWS]
+        assert len(rows) == len(set(rows))
+        assert sorted(rows) == sorted(cfgkey_leaf_paths())
+
+    @pytest.mark.parametrize("path,value,check,context", CFGKEY_ROWS)
+    def test_the_key_is_used(self, path, value, check, context, tmp_path, monkeypatch, generator):
+        import yaml
+        default = cfgkey_default(path)
+        assert value != (list(default) if isinstance(default, tuple) else default)   # a change from the built-in
+        config_path = tmp_path / "config.yaml"
+        config_path.write_text(yaml.safe_dump(cfgkey_merged(context, cfgkey_nested(path, value))))
+        probe = CfgKeyProbe(tmp_path, monkeypatch, generator, config_path)
+        assert cfgkey_value(probe.config().tunables, path) != default       # the file's value is the run's
+        try:
+            check(probe, path, value)
+        finally:
+            probe.close()

@@ -10734,7 +10734,7 @@ def plot_suite(rows: List[Dict[str, Any]], path: Path) -> Optional[Path]:
 # ============================================================================
 
 _SUITE_COLUMNS = (("Workload", "{}"), ("Status", "{}"), ("Throughput tok/s", "{:,.1f}"),
-                  ("Storage tok/s", "{:,.1f}"), ("E2E P95 ms", "{:,.1f}"), ("Storage P95 ms", "{:,.1f}"),
+                  ("Storage tier tok/s", "{:,.1f}"), ("E2E P95 ms", "{:,.1f}"), ("Storage P95 ms", "{:,.1f}"),
                   ("Hit rate", "{:.1%}"), ("GPU/CPU/Storage entries", "{}"))
 
 
@@ -10745,7 +10745,7 @@ def _suite_row(name: str, status: str, results: Optional[Dict[str, Any]]) -> Dic
     s = results["summary"]
     cs = s["cache_stats"]
     row.update({"Throughput tok/s": s["avg_throughput_tokens_per_sec"],
-                "Storage tok/s": s["nvme_throughput"],
+                "Storage tier tok/s": s["nvme_throughput"],
                 "E2E P95 ms": s["end_to_end_latency_ms"].get("p95"),       # absent: no request completed
                 "Storage P95 ms": s["storage_io_latency_ms"].get("p95"),
                 "Hit rate": cs["cache_hit_rate"],
@@ -10969,12 +10969,12 @@ def merge_measurements(config: BenchmarkConfig, gathered: List[Optional[RunMeasu
 
 def format_rank_table(results: Dict[str, Any]) -> str:
     lines = ["", f"### PER-RANK RESULTS ({results['world_size']} ranks; the report above is the aggregate) ###",
-             f"  {'rank':>4} {'users':>6} {'requests':>9} {'tok/s':>10} {'storage tok/s':>14} "
+             f"  {'rank':>4} {'users':>6} {'requests':>9} {'tok/s':>10} {'storage tier tok/s':>18} "
              f"{'E2E P95 ms':>11} {'storage P95 ms':>15}  cache directory"]
     for r in results["ranks"]:
         s = r["summary"]
         lines.append(f"  {r['rank']:>4} {r['config']['num_users']:>6} {s['total_requests']:>9,} "
-                     f"{s['avg_throughput_tokens_per_sec']:>10,.1f} {s['nvme_throughput']:>14,.1f} "
+                     f"{s['avg_throughput_tokens_per_sec']:>10,.1f} {s['nvme_throughput']:>18,.1f} "
                      f"{_fmt_ms(s['end_to_end_latency_ms'].get('p95')):>11} {_fmt_ms(s['storage_io_latency_ms'].get('p95')):>15}"
                      f"  {r['config']['cache_dir']}")
     for rank in results.get("ranks_without_results") or []:

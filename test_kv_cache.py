@@ -10546,3 +10546,25 @@ class TestEveryConfigKeyIsUsed:
             check(probe, path, value)
         finally:
             probe.close()
+
+
+class TestTheTablesNameTheirFigures:
+    """The per-rank table and the suite comparison say what nvme_throughput is (the storage tier's
+    tokens per second of wall time), not the name the report gives storage_throughput_tokens_per_sec."""
+
+    def results(self):
+        summary = {"total_requests": 3, "avg_throughput_tokens_per_sec": 10.0, "nvme_throughput": 1234.5,
+                   "storage_throughput_tokens_per_sec": 99.0, "end_to_end_latency_ms": {"p95": 1.0},
+                   "storage_io_latency_ms": {"p95": 2.0},
+                   "cache_stats": {"cache_hit_rate": 0.5, "gpu_entries": 0, "cpu_entries": 1, "nvme_entries": 2}}
+        return {"world_size": 1, "summary": summary,
+                "ranks": [{"rank": 0, "config": {"num_users": 2, "cache_dir": "/c"}, "summary": summary}]}
+
+    def test_the_per_rank_table(self):
+        header, row = kv.format_rank_table(self.results()).splitlines()[2:4]
+        assert "storage tier tok/s" in header and "storage tok/s" not in header
+        assert "1,234.5" in row and "99.0" not in row
+
+    def test_the_suite_comparison(self):
+        row = kv._suite_row("storage-only", "ok", self.results())
+        assert row["Storage tier tok/s"] == 1234.5 and "Storage tok/s" not in row

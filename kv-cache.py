@@ -37,7 +37,7 @@ Sections, in the order data flows through the program (each uses only those abov
                                       StorageBackend: what every tier supplies, GPUDevice
     STORAGE TIER: ONE FILE PER ENTRY  StorageTier (its face); NVMeBackend: O_DIRECT .npy files, chunks in flight
     KV BLOCK LAYOUTS                  block names (kv_block_objects), lookups, BlockStore: FileBlocks,
-                                      SlotBlocks, BucketBlocks
+                                      SlotBlocks, BucketBlocks (BLOCK_LAYOUTS, by --kv-layout)
     STORAGE TIER: KV BLOCKS           --kv-block-tokens: BlockTier, an entry as whole blocks
     HOST MEMORY TIER                  HostArena, CPUMemoryBackend
     GPU DEVICES                       KV made on the device, pinning, the PyTorch and CuPy devices
@@ -48,7 +48,7 @@ Sections, in the order data flows through the program (each uses only those abov
     CACHE STATISTICS                  CacheStats (the cache's counters and samples), KVBlockFigures
     THE WATERFALL'S RULES             EvictionPolicy (--config eviction), AdmissionFilter (--storage-admission)
     WRITE-BACK                        --write-back async: WriteBack (the queue and its threads), WriteBackFigures
-    MULTI-TIER CACHE                  the run's tiers, waterfall LRU over the tiers, the write-back's entries
+    MULTI-TIER CACHE                  TieredCache: the run's tiers, waterfall LRU over them, the write-back's entries
     THE DRIVE'S OWN VIEW              block-layer counters of the cache directory's device
     BLOCK-LAYER LATENCY               --enable-latency-tracing: bpftrace's D2C histograms of that device
     RAW BANDWIDTH                     --io-baseline
@@ -56,20 +56,22 @@ Sections, in the order data flows through the program (each uses only those abov
     REQUEST RECORDS                   RequestRecord (one per request, its own timings), RunRecorder
     MONITORING: TIMELINE AND PROGRESS the monitor's samples, the progress line
     AUTOSCALING                       QoS and capacity modes
-    NODE ROLES                        --prefill-only, --decode-only; fill_before_the_timer (contexts, --precondition)
+    NODE ROLES                        NodeRole (NODE_ROLES: mixed, --prefill-only, --decode-only);
+                                      fill_before_the_timer (contexts, --precondition)
     PRECONDITIONING                   --precondition: the drive aged before the timer
     TRACE REPLAY                      --replay-io-trace: a trace's storage rows issued open loop
     RUN MEASUREMENTS                  RunMeasurements: what a run hands the results
     ARRIVALS                          open-loop users (ArrivalScheduler), BurstGPT rows (BurstArrivals)
-    BENCHMARK ENGINE                  workers, request flow
+    BENCHMARK ENGINE                  Benchmark: workers, request flow
     RESULTS: PUT TOGETHER ONCE        assemble_results and the figures it computes
     CONSOLE REPORT                    format_report: a pure function of the results
     SPREADSHEET                       --xlsx-output
     CHARTS                            --plot
     SUITE COMPARISON                  the wrapper's closing table
     MULTI-NODE (MPI)                  ranks' shares, merging their measurements
-    COMPATIBILITY                     the original's names: v3.0's configuration API (ConfigLoader, cfg, ...),
-                                      its cache's and benchmark's constructors, attributes and stats dict
+    COMPATIBILITY                     the original's names as subclasses: MultiTierCache, IntegratedBenchmark,
+                                      GPUMemoryBackend, ConversationManager, UserSimulator, the stats dict;
+                                      v3.0's configuration API (ConfigLoader, cfg, ...); the built-in tunables
     COMMAND LINE                      parser, main, replay_main
 """
 import argparse
@@ -164,19 +166,9 @@ PLAN_DIGEST_REQUESTS = 32               # planned requests per user that feed `w
 MAX_TURNS_PER_CONVERSATION = 8          # planned turns per synthetic conversation: 1..8 (--config: max_turns_per_conv)
 DEFAULT_BURST_TRACE_PATH = "BurstGPT/data/BurstGPT_1.csv"     # --burst-trace-path: the original's default
 
-# --- Storage I/O ---
-IO_CHUNK_BYTES = 8 * 1024 * 1024        # one pread/pwrite; chosen by measurement (docs/performance.md)
-IO_DEPTH = 4                            # chunks of one entry in flight at once (docs/performance.md)
-IO_POOL_THREADS = 64                    # threads issuing chunk transfers: STAGING_AREAS x IO_DEPTH
-STAGING_AREAS = 16                      # staging areas for storage transfers in flight: bounds RAM (StagingPool)
-STAGING_BYTES = IO_DEPTH * IO_CHUNK_BYTES   # one staging area: the chunks of one operation in flight
-NPY_DATA_OFFSET = 4096                  # .npy header padded so the array starts block-aligned
+# --- Memory ---
 HUGE_PAGE_BYTES = 2 * 1024 * 1024       # transparent huge page (x86-64, arm64 with 4 KiB pages)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)   # Linux only
-
-# --- Memory copies ---
-BOUNCE_BYTES = 4 * 1024 * 1024          # a memory read's bounce area, reused piece after piece: stays in cache
-MEMORY_PIECE_BYTES = 256 * 1024 * 1024  # the most one memory copy moves between stop checks (~20-40 ms)
 
 # --- Engine ---
 MAX_IN_FLIGHT_REQUESTS = 500            # the original's min(users, 500) requests processed at once
@@ -327,7 +319,6 @@ MAX_KV_BLOCK_TOKENS = 1 << 20          # --kv-block-tokens: at most a million to
 MAX_KV_READ_DEPTH = 256                # --kv-read-depth: block objects of an entry read at once
 
 # --- KV blocks (--kv-block-tokens, --kv-layout, --kv-engine, --kv-io; docs/engines.md) ---
-KV_LAYOUTS = ("entry", "file-per-block", "slot-file", "bucket")
 
 
 @dataclass(frozen=True)
@@ -335,7 +326,7 @@ class KVBlockScheme:
     """How the storage tier keeps an entry (--kv-block-tokens, --kv-layout, --kv-engine, --kv-io;
     docs/engines.md). `block_tokens` 0 is the original's layout: one object per entry (shard)."""
     block_tokens: int = 0
-    layout: str = "entry"               # one of KV_LAYOUTS
+    layout: str = "entry"               # "entry" or one of BLOCK_LAYOUTS (KV BLOCK LAYOUTS)
     engine: str = ""                    # the --kv-engine preset it came from
     naming: str = "plain"               # an engine's object names (block_object_name), or plain
     temp_rename: bool = False           # file-per-block: written as a temporary file, then renamed
@@ -1165,7 +1156,7 @@ class BenchmarkConfig:
     tensor_parallel: int = 1                      # ranks per instance: each entry stored as this many shards
     kv_engine: Optional[str] = None               # an engine's block size, layout, names and I/O mode (KV_ENGINES)
     kv_block_tokens: Optional[int] = None         # tokens per stored block (0: one object per entry); None: the engine's
-    kv_layout: Optional[str] = None               # how blocks are kept (KV_LAYOUTS); None: the engine's or file-per-block
+    kv_layout: Optional[str] = None               # how blocks are kept ("entry" or BLOCK_LAYOUTS); None: the engine's or file-per-block
     kv_io: str = "direct"                         # direct: every byte reaches the device; engine: the engine's own mode
     storage_admission: Optional[str] = None       # all | reused (an entry stored from its second use); None: the engine's
     kv_read_depth: Optional[int] = None           # block objects of an entry read at once; None: the engine's, else 1
@@ -2909,6 +2900,24 @@ class BusyClock:
 # one Transfer. The tiers below only move bytes; the Transfer stops them, times them, stages
 # them, checksums them and records what became of them, the same way for every tier.
 
+IO_CHUNK_BYTES = 8 * 1024 * 1024        # one pread/pwrite; chosen by measurement (docs/performance.md)
+IO_DEPTH = 4                            # chunks of one entry in flight at once (docs/performance.md)
+IO_POOL_THREADS = 64                    # threads issuing chunk transfers: STAGING_AREAS x IO_DEPTH
+STAGING_AREAS = 16                      # staging areas for storage transfers in flight: bounds RAM (StagingPool)
+STAGING_BYTES = IO_DEPTH * IO_CHUNK_BYTES   # one staging area: the chunks of one operation in flight
+
+
+def pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
+    """Write all of `buf` at `offset` (pwrite(2) may write less than asked): every storage write's call."""
+    view = memoryview(buf)
+    while view.nbytes:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "pwrite wrote nothing")
+        view = view[written:]
+        offset += written
+
+
 @dataclass
 class IOTiming:
     """Seconds of one operation: `device` is time in the transfer itself (syscalls,
@@ -3492,6 +3501,9 @@ class StorageBackend:
 # STORAGE TIER: ONE FILE PER ENTRY
 # ============================================================================
 
+NPY_DATA_OFFSET = 4096                  # .npy header padded so the array starts block-aligned
+
+
 class SetAsideFile(os.PathLike):
     """A storage file renamed aside by detach (a path: os.fspath, exists, unlink). Removing it
     (unlink) tells its tier, which counts its blocks off the books until they are free."""
@@ -3796,7 +3808,7 @@ class NVMeBackend(StorageTier):
             if n > head:
                 source.fill(starts[shard] + max(0, file_off - NPY_DATA_OFFSET), buf[head:n])
                 transfer.observe(buf[head:n], shard)
-            pipe.submit(lambda _: transfer.advance(n - head), _pwrite_all, fds[shard],
+            pipe.submit(lambda _: transfer.advance(n - head), pwrite_all, fds[shard],
                         buf[:self._request("write", self._io_len(n))], file_off)
         self._pipelined("write", transfer, [NPY_DATA_OFFSET + data for data in sizes], submit)
 
@@ -3934,16 +3946,6 @@ class NVMeBackend(StorageTier):
             return key in self.metadata
 
 
-def _pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
-    view = memoryview(buf)
-    while view.nbytes:
-        written = os.pwrite(fd, view, offset)
-        if written <= 0:
-            raise OSError(errno.EIO, "pwrite wrote nothing")
-        view = view[written:]
-        offset += written
-
-
 # ============================================================================
 # KV BLOCK LAYOUTS
 # ============================================================================
@@ -4040,7 +4042,11 @@ class BlockStore(Protocol):
     """Where a layout keeps block objects; each method is one object's system calls, timed on
     the operation's clock (`transfer.timed`) and, for data, the tier's `busy` clock."""
     files: Dict[str, int]               # census: created, deleted, renamed, directories_created
+    direct_capable: bool                # its files may be opened O_DIRECT
 
+    @classmethod
+    def opened(cls, root: Path, scheme: KVBlockScheme, object_bytes: int, parts: int, direct: bool,
+               durable: bool) -> "BlockStore": ...          # the store of a tier: BLOCK_LAYOUTS[layout].opened(...)
     def exists(self, obj: BlockObject) -> bool: ...                                   # the engine's lookup
     def store(self, obj: BlockObject, pieces: Iterator[Tuple[int, np.ndarray]], transfer: Transfer,
               busy: BusyClock) -> None: ...
@@ -4083,6 +4089,13 @@ class FileBlocks(FileCensus):
     opened O_EXCL (never over a file that is not ours); `direct`: O_DIRECT for objects of whole
     4 KiB blocks; `durable`: fdatasync before a write counts and the pages dropped after each
     transfer, so every read reaches the device (--kv-io direct)."""
+
+    direct_capable = True
+
+    @classmethod
+    def opened(cls, root: Path, scheme: KVBlockScheme, object_bytes: int, parts: int, direct: bool,
+               durable: bool) -> "FileBlocks":
+        return cls(root, scheme, direct, durable)
 
     def __init__(self, root: Path, scheme: KVBlockScheme, direct: bool, durable: bool):
         super().__init__()
@@ -4139,7 +4152,7 @@ class FileBlocks(FileCensus):
         fd = transfer.timed(os.open, target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags(obj.nbytes), 0o644)
         try:
             for offset, buf in pieces:
-                transfer.timed(_pwrite_all, fd, buf, offset, busy=busy)
+                transfer.timed(pwrite_all, fd, buf, offset, busy=busy)
             if self.durable:
                 transfer.timed(os.fdatasync, fd, busy=busy)
                 if not self._direct(obj.nbytes):
@@ -4206,6 +4219,13 @@ class SlotBlocks(FileCensus):
     file grows by fallocate in SLOT_FILE_EXTENT_BYTES steps (Dynamo reserves its whole pool at
     start); no file is created, renamed or deleted per block."""
 
+    direct_capable = True
+
+    @classmethod
+    def opened(cls, root: Path, scheme: KVBlockScheme, object_bytes: int, parts: int, direct: bool,
+               durable: bool) -> "SlotBlocks":
+        return cls(root, parts if scheme.per_rank else 1, object_bytes, direct, durable)
+
     def __init__(self, root: Path, parts: int, object_bytes: int, direct: bool, durable: bool):
         super().__init__()
         self.direct, self.durable = direct and object_bytes % BLOCK_BYTES == 0, durable
@@ -4255,7 +4275,7 @@ class SlotBlocks(FileCensus):
                 transfer.timed(preallocate, fd, reserved)
             for offset, buf in pieces:
                 length = -(-buf.size // BLOCK_BYTES) * BLOCK_BYTES if self.direct else buf.size
-                transfer.timed(_pwrite_all, fd, buf[:length], base + offset, busy=busy)
+                transfer.timed(pwrite_all, fd, buf[:length], base + offset, busy=busy)
             if self.durable:
                 transfer.timed(os.fdatasync, fd, busy=busy)
         except BaseException:
@@ -4320,6 +4340,13 @@ class BucketBlocks(FileCensus):
     per STAGING_BYTES. Buffered I/O, as Mooncake's default (`durable`: fdatasync when sealed,
     and the pages dropped, so that reads reach the device)."""
 
+    direct_capable = False              # Mooncake's buckets: buffered
+
+    @classmethod
+    def opened(cls, root: Path, scheme: KVBlockScheme, object_bytes: int, parts: int, direct: bool,
+               durable: bool) -> "BucketBlocks":
+        return cls(root, durable)
+
     def __init__(self, root: Path, durable: bool, limit_bytes: int = 256 * MIB, limit_keys: int = 500):
         super().__init__()
         self.root, self.durable = root, durable
@@ -4361,10 +4388,10 @@ class BucketBlocks(FileCensus):
               busy: BusyClock) -> None:
         bucket = self._bucket_for(obj, transfer)
         key = obj.name.encode()
-        transfer.timed(_pwrite_all, bucket["fd"], np.frombuffer(key, dtype=np.uint8), bucket["offset"], busy=busy)
+        transfer.timed(pwrite_all, bucket["fd"], np.frombuffer(key, dtype=np.uint8), bucket["offset"], busy=busy)
         start = bucket["offset"] + len(key)
         for offset, buf in pieces:
-            transfer.timed(_pwrite_all, bucket["fd"], buf, start + offset, busy=busy)
+            transfer.timed(pwrite_all, bucket["fd"], buf, start + offset, busy=busy)
         bucket["offset"] = start + obj.nbytes
         bucket["keys"].append((obj.name, start, obj.nbytes))
 
@@ -4443,6 +4470,10 @@ class BucketBlocks(FileCensus):
         return 2 * len(self._buckets)
 
 
+# The layouts, by --kv-layout name ("entry", one file per entry, is the tier of its own room above).
+BLOCK_LAYOUTS: Dict[str, type] = {"file-per-block": FileBlocks, "slot-file": SlotBlocks, "bucket": BucketBlocks}
+
+
 # ============================================================================
 # STORAGE TIER: KV BLOCKS
 # ============================================================================
@@ -4471,21 +4502,15 @@ class BlockTier(StorageTier):
         object_bytes = scheme.object_bytes(bytes_per_token, max(1, shards))
         if object_bytes % BLOCK_BYTES:
             supported, reason = False, f"objects of {object_bytes:,} bytes are not whole {BLOCK_BYTES} B blocks"
-        self.direct_io = direct_io and supported and scheme.layout != "bucket"     # Mooncake's buckets: buffered
+        layout = BLOCK_LAYOUTS[scheme.layout]
+        self.direct_io = direct_io and supported and layout.direct_capable
         durable = scheme.kv_io == "direct"
         mode = "O_DIRECT" if self.direct_io else "buffered" + (" + fdatasync + fadvise(DONTNEED)" if durable else "")
         self.io_mode = f"{scheme.describe()}; {mode}" + ("" if supported or not direct_io else f": {reason}")
         self.lookups = LookupSamples()
         self.metadata: Dict[str, Dict[str, Any]] = {}
-        self.store: BlockStore
-        if scheme.layout == "bucket":
-            self.store = BucketBlocks(self.base_path, durable)
-        elif scheme.layout == "slot-file":
-            parts = max(1, shards) if scheme.per_rank else 1
-            self.store = SlotBlocks(self.base_path, parts, scheme.object_bytes(bytes_per_token, max(1, shards)),
-                                    self.direct_io, durable)
-        else:
-            self.store = FileBlocks(self.base_path, scheme, self.direct_io, durable)
+        self.store: BlockStore = layout.opened(self.base_path, scheme, object_bytes, max(1, shards), self.direct_io,
+                                               durable)
         super().__init__(shards)
 
     def reset_accounting(self) -> None:
@@ -4671,6 +4696,9 @@ def block_tier_opener(scheme: KVBlockScheme, model_name: str, bytes_per_token: i
 # ============================================================================
 # HOST MEMORY TIER
 # ============================================================================
+
+MEMORY_PIECE_BYTES = 256 * 1024 * 1024  # the most one memory copy moves between stop checks (~20-40 ms)
+
 
 class HostArena:
     """Entries carved out of one big host buffer (pinned or pageable) with a free list.
@@ -6643,6 +6671,9 @@ class WriteBack:
 # MULTI-TIER CACHE
 # ============================================================================
 
+BOUNCE_BYTES = 4 * 1024 * 1024          # a memory read's bounce area, reused piece after piece: stays in cache
+
+
 def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> MemoryTiers:
     """A run's GPU and CPU tiers (the GPU tier N x --gpu-mem-gb); with --io-trace-log, tiers
     of the same budgets that move no bytes."""
@@ -7863,7 +7894,7 @@ def _baseline_write_stream(path: Path, layout: EntryLayout, generator: KVCacheGe
                 reserved += BASELINE_PREALLOCATE_BYTES
                 preallocate(fd, reserved)
             generator.fill(layout, sizes[i], buf)
-            _pwrite_all(fd, buf, sizes[i])
+            pwrite_all(fd, buf, sizes[i])
             sizes[i] += buf.size
         os.fdatasync(fd)
         if not direct:
@@ -8665,10 +8696,6 @@ DECODE_CONTEXT_THREADS = 8              # --decode-only's set-up writes contexts
 FILL_PROGRESS_S = 5.0                   # a progress line this often while filling before the timer
 
 
-def node_role(config: BenchmarkConfig) -> str:
-    return "prefill-only" if config.prefill_only else "decode-only" if config.decode_only else "mixed"
-
-
 def decode_context_key(user_index: int) -> str:
     """The key of user `user_index`'s context on a decode node (written by write_decode_contexts)."""
     return f"decode_context_user{user_index}"
@@ -8749,6 +8776,56 @@ def merge_decode_contexts(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional
     merged = merge_figures(parts, sums=("users", "contexts_written", "gb"), maxima=("seconds",))
     return merged and {**merged, "by_tier": {tier: merge_figures([p["by_tier"][tier] for p in parts if p],
                                                                  sums=("entries", "gb")) for tier in TIER_NAMES}}
+
+
+class NodeRole:
+    """What a node does with each request: a mixed node (this class) prefills and decodes it; a
+    role is registered in NODE_ROLES by its name (node_role picks it from the configuration)."""
+    name = "mixed"
+    prefills = True           # the request's prefill: prefix, earlier turns and RAG chunks read, its KV written
+    generates = True          # its decode reads and simulated generation
+    writes_generated = False  # the generated tokens' KV written after the decode
+
+    @property
+    def note(self) -> str:
+        return NODE_ROLE_NOTES[self.name]
+
+    def prepare(self, cache: TieredCache, plan: WorkloadPlan, config: BenchmarkConfig,
+                should_stop: Callable[[], bool]) -> Optional[Dict[str, Any]]:
+        """Before the timer: what the node's requests need in the cache (None: nothing)."""
+        return None
+
+    def generated_tokens(self, request: InferenceRequest) -> int:
+        return request.generate_tokens
+
+    def decode_key(self, request: InferenceRequest) -> str:
+        """The entry its decode reads."""
+        return request.cache_key
+
+
+class PrefillNode(NodeRole):
+    name, generates = "prefill-only", False
+
+    def generated_tokens(self, request: InferenceRequest) -> int:
+        return 1                                        # a prefill node emits the first token
+
+
+class DecodeNode(NodeRole):
+    name, prefills, writes_generated = "decode-only", False, True   # its context came from a prefill node
+
+    def prepare(self, cache: TieredCache, plan: WorkloadPlan, config: BenchmarkConfig,
+                should_stop: Callable[[], bool]) -> Optional[Dict[str, Any]]:
+        return write_decode_contexts(cache, plan, config.num_users, should_stop)
+
+    def decode_key(self, request: InferenceRequest) -> str:
+        return decode_context_key(request.user_index)
+
+
+NODE_ROLES: Dict[str, NodeRole] = {role.name: role for role in (NodeRole(), PrefillNode(), DecodeNode())}
+
+
+def node_role(config: BenchmarkConfig) -> NodeRole:
+    return NODE_ROLES["prefill-only" if config.prefill_only else "decode-only" if config.decode_only else "mixed"]
 
 
 # ============================================================================
@@ -9473,9 +9550,8 @@ class Benchmark:
                 self._measure_baseline()
             if self.config.precondition and not self._stop.is_set():
                 self.precondition = precondition_storage(self.cache, self.plan, self.config, self._stop.is_set)
-            if self.role == "decode-only" and not self._stop.is_set():
-                self.decode_contexts = write_decode_contexts(self.cache, self.plan, self.config.num_users,
-                                                             self._stop.is_set)
+            if not self._stop.is_set():
+                self.decode_contexts = self.role.prepare(self.cache, self.plan, self.config, self._stop.is_set)
             if self._stop.is_set():                    # stopped before the workload began: no results
                 raise Interrupted()
             cpu0 = time.process_time()
@@ -9682,14 +9758,14 @@ class Benchmark:
 
     def _process(self, req: InferenceRequest) -> Optional[RequestRecord]:
         record = RequestRecord.taken(req, time.perf_counter())
-        if self.role != "decode-only":                 # a decode node's context came from a prefill node
+        if self.role.prefills:
             self._prefill(req, record)
-        generation_s = 0.0 if self.role == "prefill-only" else self._decode(req, record)
+        generation_s = self._decode(req, record) if self.role.generates else 0.0
         if generation_s is None or record.aborted:
             self.recorder.abandon()
             return None
-        generated = 1 if self.role == "prefill-only" else req.generate_tokens   # a prefill node emits the first token
-        decoded = 0 if self.role == "prefill-only" or req.phase is InferencePhase.PREFILL else generated
+        generated = self.role.generated_tokens(req)
+        decoded = generated if self.role.generates and req.phase is not InferencePhase.PREFILL else 0
         return record.finish(time.perf_counter(), generated, decoded, generation_s)
 
     def _prefill(self, req: InferenceRequest, record: RequestRecord) -> None:
@@ -9717,8 +9793,7 @@ class Benchmark:
         node then writes the generated tokens' KV); None when the run stopped first. A
         prefill-only request (a context of PREFILL_ONLY_CONTEXT_TOKENS or more) reads nothing but
         still generates its tokens, as the original."""
-        decode_node = self.role == "decode-only"
-        key = decode_context_key(req.user_index) if decode_node else req.cache_key
+        key = self.role.decode_key(req)
         per_token_s = getattr(self.config.tunables.generation_timing, self.config.generation_mode.value)
         batch = self.config.tunables.decode.batch_size        # tokens per decode read (DECODE_TOKENS_PER_READ)
         steps = -(-max(req.generate_tokens, 0) // batch)         # ceil(g / batch)
@@ -9735,7 +9810,7 @@ class Benchmark:
                 if self._stop.wait(min(tokens * per_token_s, MAX_DURATION_SECONDS)):   # (a wait has a limit)
                     return None
                 generation_s += time.perf_counter() - t
-        if decode_node and reading:
+        if self.role.writes_generated and reading:
             record.add(InferencePhase.DECODE, self.cache.write_entry(f"{req.cache_key}_generated",
                                                                      req.generate_tokens, InferencePhase.DECODE))
         return generation_s
@@ -9896,7 +9971,7 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "peak_in_flight": m.peak_in_flight,
         "conversations_evicted": m.conversations_evicted,
         "stop_reason": m.stop_reason,
-        "node_role": node_role(m.config), "decode_contexts": m.decode_contexts, "precondition": m.precondition,
+        "node_role": node_role(m.config).name, "decode_contexts": m.decode_contexts, "precondition": m.precondition,
         "thread_errors": list(m.thread_errors),
         **_storage_figures(cache_stats, m),
         **({"kv_blocks": m.kv_blocks.to_json(m.elapsed_s)} if m.kv_blocks else {}),     # --kv-block-tokens
@@ -10985,10 +11060,13 @@ def format_rank_table(results: Dict[str, Any]) -> str:
 # ============================================================================
 # COMPATIBILITY: THE ORIGINAL'S NAMES
 # ============================================================================
-# What users' scripts and the original's suites call by the original's names, built on the API
-# above and known to none of it. v3.0's set_config installs a loader that get_config, cfg and
-# get_qos_profiles answer with; nothing of the benchmark reads it (a run's tunables are its
-# BenchmarkConfig's: --config FILE, read_config_file).
+# What users' scripts and the original's suites call by the original's names: subclasses of the
+# classes above (the class a reader sees is the class that runs; nothing here is assigned onto a
+# class of another room) and functions, built on the API above and known to none of it. This room
+# alone supplies the built-in tunables as defaults; above it, a --config value is a required
+# argument. v3.0's set_config installs a loader that get_config, cfg and get_qos_profiles answer
+# with; nothing of the benchmark reads it (a run's tunables are its BenchmarkConfig's: --config
+# FILE, read_config_file).
 
 class ConfigLoader:
     """v3.0's loader of a --config file: `config` holds the file's values as given, `tunables`
@@ -11406,7 +11484,7 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     k.add_argument("--kv-block-tokens", type=int,
                    help="tokens per stored block, each block one object per TP rank; 0: one object per entry "
                         "(default: the --kv-engine's, else 0)")
-    k.add_argument("--kv-layout", choices=list(KV_LAYOUTS),
+    k.add_argument("--kv-layout", choices=["entry", *BLOCK_LAYOUTS],
                    help="how blocks are kept: a file each, slots in a preallocated file per rank, or records in "
                         "bucket files (default: the --kv-engine's, else file-per-block)")
     k.add_argument("--storage-admission", choices=["all", "reused"],

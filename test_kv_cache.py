@@ -7534,7 +7534,7 @@ class TestTensorParallel:
         nvme = kv.NVMeBackend(tmp_path, direct_io=False, shards=shards)
         order, lock = [], threading.Lock()
         first_round = threading.Barrier(shards, timeout=20)         # broken unless every shard's write is in flight
-        real = kv._pwrite_all
+        real = kv.pwrite_all
 
         def pwrite(fd, buf, off):
             with lock:
@@ -7543,7 +7543,7 @@ class TestTensorParallel:
             if first:
                 first_round.wait()
             real(fd, buf, off)
-        monkeypatch.setattr(kv, "_pwrite_all", pwrite)
+        monkeypatch.setattr(kv, "pwrite_all", pwrite)
         # A fresh I/O pool makes a thread per transfer issued, so the writes reach pwrite in the order
         # they were issued; the idle threads an earlier in-process run left race for them instead.
         monkeypatch.setattr(kv, "_IO_POOL", None)
@@ -7949,7 +7949,7 @@ class TestReliability:
     def test_failed_storage_write_is_counted_by_kind_and_leaves_no_file(self, make_cache, monkeypatch, code):
         cache = make_cache(cpu_entries=0)
         with monkeypatch.context() as m:
-            m.setattr(kv, "_pwrite_all", raising(code))          # the pwrite(2) under every storage write
+            m.setattr(kv, "pwrite_all", raising(code))          # the pwrite(2) under every storage write
             assert cache.allocate_cache("k", TOKENS)[:2] == (False, None)
         s = cache.get_stats(1.0)
         assert s["io_errors"] == 1 and s["io_errors_by_kind"] == {f"nvme_write_{errno.errorcode[code]}": 1}
@@ -7961,7 +7961,7 @@ class TestReliability:
         cache = make_cache(cpu_entries=2.01)                 # one entry fits below 80 %
         cache.allocate_cache("old", TOKENS)
         with monkeypatch.context() as m:
-            m.setattr(kv, "_pwrite_all", raising(errno.ENOSPC))
+            m.setattr(kv, "pwrite_all", raising(errno.ENOSPC))
             assert cache.allocate_cache("new", TOKENS)[:2] == (True, "cpu")
         assert cache.entry_location("old") is None and cache.entry_location("new") == "cpu"
         assert cache.get_stats(1.0)["io_errors_by_kind"] == {"nvme_write_ENOSPC": 1}

@@ -157,7 +157,22 @@ FLOAT16_TOP_EXPONENT_BIT = 0x4000
 
 # --- Cache policy ---
 TIER_HEADROOM = 0.8                     # a tier is "full" at 80 % of its budget (seed 000, "The 80% Rule")
-TIER_NAMES = ("gpu", "cpu", "nvme")     # fastest first; the waterfall order
+
+
+class Tier(str, Enum):
+    """A cache tier's name, fastest first: the waterfall's order. The storage tier keeps the seeds'
+    name, nvme, in keys and counters (v3.0's `storage` names are added beside it in the results).
+    A member is its name as a string: equal to it, a dict key for it, and printed as it."""
+    GPU = "gpu"
+    CPU = "cpu"
+    STORAGE = "nvme"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+TIER_NAMES = tuple(tier.value for tier in Tier)
+
 
 # --- Request flow ---
 DECODE_TOKENS_PER_READ = 32             # one extra decode read of the entry per 32 generated tokens
@@ -5929,6 +5944,25 @@ def open_traced_tiers(config: BenchmarkConfig) -> MemoryTiers:
 PERCENTILES = {"p50": 50, "p95": 95, "p99": 99, "p999": 99.9, "p9999": 99.99}
 
 
+class TierCounters(NamedTuple):
+    """The names of one tier's counters for one direction (CacheStats makes them)."""
+    operations: str
+    bytes: str
+    tokens: str
+    aborted: str
+
+
+# Every per-tier I/O counter, written out (grep finds where each is made and read): (tier, op) -> names.
+TIER_COUNTERS: Dict[Tuple[str, str], TierCounters] = {
+    ("gpu", "read"): TierCounters("gpu_reads", "gpu_bytes_read", "gpu_tokens_read", "gpu_aborted_reads"),
+    ("gpu", "write"): TierCounters("gpu_writes", "gpu_bytes_written", "gpu_tokens_written", "gpu_aborted_writes"),
+    ("cpu", "read"): TierCounters("cpu_reads", "cpu_bytes_read", "cpu_tokens_read", "cpu_aborted_reads"),
+    ("cpu", "write"): TierCounters("cpu_writes", "cpu_bytes_written", "cpu_tokens_written", "cpu_aborted_writes"),
+    ("nvme", "read"): TierCounters("nvme_reads", "nvme_bytes_read", "nvme_tokens_read", "nvme_aborted_reads"),
+    ("nvme", "write"): TierCounters("nvme_writes", "nvme_bytes_written", "nvme_tokens_written", "nvme_aborted_writes"),
+}
+
+
 def latency_summary_ms(samples_s: Sequence[float]) -> Dict[str, Optional[float]]:
     """Mean, percentiles (P50 to P99.99) and maximum, in milliseconds, of latency samples given in
     seconds; None when empty."""
@@ -6135,7 +6169,8 @@ def cache_stats_summary(report: CacheReport, profile: str, windows: Sequence[Tup
                                           if c[f"hits_{t}_{tier}"]} for t in CACHE_TYPES}
     for tier in TIER_NAMES:
         stats.update(_tier_figures(tier, c, samples))
-    total_read, total_written = (sum(c[f"{tier}_bytes_{op}"] for tier in TIER_NAMES) for op in ("read", "written"))
+    total_read, total_written = (sum(c[TIER_COUNTERS[(tier, op)].bytes] for tier in TIER_NAMES)
+                                 for op in ("read", "write"))
     stats["total_read_gb"] = total_read / GIB
     stats["total_write_gb"] = total_written / GIB
     stats["read_write_ratio"] = _ratio(total_read, total_written)
@@ -6145,8 +6180,8 @@ def cache_stats_summary(report: CacheReport, profile: str, windows: Sequence[Tup
     stats["nvme_throughput"] = wall_rate("nvme_tokens_read", "nvme_tokens_written")
     stats["nvme_read_gib_per_sec_wall"] = wall_rate("nvme_bytes_read", scale=GIB)
     stats["nvme_write_gib_per_sec_wall"] = wall_rate("nvme_bytes_written", scale=GIB)
-    stats["tokens_read"] = sum(c[f"{t}_tokens_read"] for t in TIER_NAMES)
-    stats["tokens_written"] = sum(c[f"{t}_tokens_written"] for t in TIER_NAMES)
+    stats["tokens_read"] = sum(c[TIER_COUNTERS[(t, "read")].tokens] for t in TIER_NAMES)
+    stats["tokens_written"] = sum(c[TIER_COUNTERS[(t, "write")].tokens] for t in TIER_NAMES)
     for name in ("retired_entries_deleted", "verify_checked", "verify_mismatches", "storage_admission_refused"):
         stats[name] = c[name]
     stats.update(report.tiers_info)
@@ -6243,10 +6278,10 @@ class CacheStats:
     def record_io(self, tier: str, op: str, nbytes: int, tokens: int, timing: IOTiming, reason: str) -> None:
         """`reason`: 'prefill' or 'decode' (a request's own I/O), 'demotion' (waterfall eviction)."""
         with self._lock:
-            c = self.counters
-            c[f"{tier}_{op}s"] += 1
-            c[f"{tier}_bytes_{'read' if op == 'read' else 'written'}"] += nbytes
-            c[f"{tier}_tokens_{'read' if op == 'read' else 'written'}"] += tokens
+            c, names = self.counters, TIER_COUNTERS[(tier, op)]
+            c[names.operations] += 1
+            c[names.bytes] += nbytes
+            c[names.tokens] += tokens
             if reason == "prefill" and op == "write":
                 c["prefill_writes"] += 1
                 c["prefill_bytes_written"] += nbytes
@@ -6260,8 +6295,9 @@ class CacheStats:
 
     def record_partial(self, tier: str, op: str, nbytes: int) -> None:
         """Bytes an aborted operation really moved: counted as bytes, not as an operation."""
-        self.count(f"{tier}_bytes_{'read' if op == 'read' else 'written'}", nbytes)
-        self.count(f"{tier}_aborted_{op}s")
+        names = TIER_COUNTERS[(tier, op)]
+        self.count(names.bytes, nbytes)
+        self.count(names.aborted)
 
     def record_io_error(self, tier: str, op: str, exc: OSError) -> None:
         kind = errno.errorcode.get(exc.errno, "EOTHER") if exc.errno else "EOTHER"
@@ -6718,9 +6754,9 @@ def describe_tiers(tiers: MemoryTiers, storage: StorageTier, run_dir: Path, orde
     limits, gpu = tiers.limits, tiers.gpu
     return {
         "tiers": order,
-        "effective_gpu_mem_gb": limits.get("gpu", 0) / GIB,
-        "effective_cpu_mem_gb": limits.get("cpu", 0) / GIB,
-        "storage_capacity_gb": None if math.isinf(limits["nvme"]) else limits["nvme"] / GIB,
+        "effective_gpu_mem_gb": limits.get(Tier.GPU, 0) / GIB,
+        "effective_cpu_mem_gb": limits.get(Tier.CPU, 0) / GIB,
+        "storage_capacity_gb": None if math.isinf(limits[Tier.STORAGE]) else limits[Tier.STORAGE] / GIB,
         "storage_capacity_source": capacity_source,
         "gpu_disabled_reason": tiers.gpu_disabled_reason,
         "gpu_library": gpu.device.library if gpu else None,
@@ -6752,7 +6788,7 @@ def _cleanup_counted(stats: CacheStats, step: Callable[[], Any], what: str = "cl
     except FileNotFoundError:
         pass
     except OSError as exc:
-        stats.record_io_error("nvme", what, exc)
+        stats.record_io_error(Tier.STORAGE, what, exc)
     except Exception:                                     # a bug must not cost the results either
         logger.exception("a clean-up step failed; the others still run")
 
@@ -6834,7 +6870,7 @@ class TieredCache:
         self._trash: List[os.PathLike] = []
         self._release = weakref.finalize(self, _release_run, self.stats, self.tiers, self.run_dir, self._trash)
         try:
-            self.backends["nvme"] = self.storage = self.tiers.open_storage(self.run_dir, config.tensor_parallel)
+            self.backends[Tier.STORAGE] = self.storage = self.tiers.open_storage(self.run_dir, config.tensor_parallel)
         except OSError:                                # e.g. a full file system: leave nothing behind
             self._release()
             raise
@@ -6850,8 +6886,8 @@ class TieredCache:
         # Where reads end: in GPU memory with a GPU tier, else in host memory (the staging area).
         self._sink: ReadSink = self.tiers.delivery if self.tiers.delivery is not None else HostSink()
         self._retired: set = set()
-        self._limits["nvme"], self.storage_capacity_source = storage_capacity(config.storage_capacity_gb, self.run_dir,
-                                                                              self.tiers.trace is not None)
+        self._limits[Tier.STORAGE], self.storage_capacity_source = storage_capacity(
+            config.storage_capacity_gb, self.run_dir, self.tiers.trace is not None)
         self._usage: Dict[str, int] = {t: 0 for t in self.backends}
         self._lru: Dict[str, "OrderedDict[str, None]"] = {t: OrderedDict() for t in self.backends}
         self._policy = EvictionPolicy.for_run(config.tunables)
@@ -6875,7 +6911,7 @@ class TieredCache:
         if not nbytes >= 0:
             raise ValueError(f"the storage tier's capacity cannot be negative, got {nbytes}")
         with self._lock:
-            self._limits["nvme"], self.storage_capacity_source = float(nbytes), source
+            self._limits[Tier.STORAGE], self.storage_capacity_source = float(nbytes), source
 
     def stored_entries(self) -> List[CacheEntry]:
         """Copies of the entries held in a tier (written: ready, or being demoted), under the lock."""
@@ -6900,7 +6936,7 @@ class TieredCache:
         holds a staging area when it needs one: storage I/O from the storage pool, reads copied out
         of memory (or --verify of a GPU delivery) a bounce area; writes into memory need none."""
         copies_out = op == "read" and (self.tiers.delivery is None or verify)   # else straight to the GPU
-        pool = self.staging_pool if tier == "nvme" else self.bounce_pool if copies_out else None
+        pool = self.staging_pool if tier == Tier.STORAGE else self.bounce_pool if copies_out else None
         return Transfer(op, nbytes, tier=tier, stop=self._abort, pool=pool, verify=verify, stats=self.stats,
                         reason=reason)
 
@@ -6951,9 +6987,9 @@ class TieredCache:
             self.stats.count("allocation_failures" if admitted else "storage_admission_refused")
             return False, None, demoted, False, 0.0
         reason = "prefill" if phase in (InferencePhase.PREFILL, InferencePhase.PREFILL_DECODE) else "decode"
-        if tier == "nvme" and self.write_back is not None:     # queued: the request goes on (WriteBack)
+        if tier == Tier.STORAGE and self.write_back is not None:     # queued: the request goes on (WriteBack)
             queued = self._queue_write(entry, reason, self.config.verify)
-            return bool(queued), "nvme" if queued else None, demoted, queued is None, 0.0
+            return bool(queued), Tier.STORAGE if queued else None, demoted, queued is None, 0.0
         source = EntrySource.generated(self.generator, key, size, entry.shape, entry.dtype)
         transfer = self._transfer(tier, "write", size, self.config.verify, reason)
         try:
@@ -6983,8 +7019,8 @@ class TieredCache:
         `depth`: demotions down the waterfall so far): the tier (None: none had room) and the tokens
         the demotions moved."""
         policy, moved = self._policy, 0
-        for tier in [t for t in self.tier_order()[first_tier_index:] if storage or t != "nvme"]:
-            limit, last = self._limits[tier], tier == "nvme"
+        for tier in [t for t in self.tier_order()[first_tier_index:] if storage or t != Tier.STORAGE]:
+            limit, last = self._limits[tier], tier == Tier.STORAGE
             if policy.skips(size, limit, last):
                 continue                                   # too big for this tier: skip it
             may_demote = last or depth < policy.max_recursion_depth    # the last tier's victims just leave
@@ -7021,7 +7057,7 @@ class TieredCache:
         admitted = self._admission is None or self._admission.admits(victim.key)
         dest, moved = self._reserve(victim.size_bytes, order.index(source) + 1, depth, storage=admitted)
         if dest is None:
-            if not admitted and "nvme" in order[order.index(source) + 1:]:
+            if not admitted and Tier.STORAGE in order[order.index(source) + 1:]:
                 self.stats.count("storage_admission_refused")
             with self._lock:                        # off the books and out of the way in one step
                 self._drop_locked(victim, reserved_tier=source)
@@ -7030,7 +7066,7 @@ class TieredCache:
                 _unlink_counted(self.stats, path)                  # the capacity cap holds on disk too
             self.stats.count("evictions")
             return moved
-        if dest == "nvme" and self.write_back is not None:    # into the write-back's memory, then queued
+        if dest == Tier.STORAGE and self.write_back is not None:    # into the write-back's memory, then queued
             if self._queue_write(victim, "demotion", False, release=source):
                 self.stats.count("offloads_nvme")
             return moved
@@ -7062,7 +7098,7 @@ class TieredCache:
         with self._lock:
             if release is not None:
                 self._usage[release] -= entry.size_bytes
-            entry.tier, entry.state = "nvme", "queued"
+            entry.tier, entry.state = Tier.STORAGE, "queued"
         if release is not None:
             self.backends[release].delete(entry.key)
         scheme, bytes_per_token = self.config.kv_blocks, self.model_config.kv_cache_size_per_token
@@ -7071,24 +7107,24 @@ class TieredCache:
         queued = self.write_back.submit(WriteBackJob(entry.key, entry.size_bytes, objects, 0.0,
                                                      functools.partial(self._write_back, entry, reason, verify)))
         if not queued:
-            self._drop(entry, reserved_tier="nvme")
+            self._drop(entry, reserved_tier=Tier.STORAGE)
         return queued
 
     def _write_back(self, entry: CacheEntry, reason: str, verify: bool) -> bool:
         """A write-back thread's write of a queued entry (its bytes made again: the same bytes)."""
         source = EntrySource.generated(self.generator, entry.key, entry.size_bytes, entry.shape, entry.dtype)
-        transfer = self._transfer("nvme", "write", entry.size_bytes, verify, reason)
+        transfer = self._transfer(Tier.STORAGE, "write", entry.size_bytes, verify, reason)
         try:
             with transfer:
                 self.storage.write_from(entry.key, source, transfer)
         except (OSError, IOAborted):                   # counted by the transfer
-            self._drop(entry, reserved_tier="nvme")
+            self._drop(entry, reserved_tier=Tier.STORAGE)
             return False
         with self._lock:
             if verify:
                 entry.checksum = transfer.crc
             entry.state = "ready"
-            self._lru["nvme"][entry.key] = None
+            self._lru[Tier.STORAGE][entry.key] = None
         transfer.record(entry.num_tokens)
         return True
 
@@ -7117,13 +7153,13 @@ class TieredCache:
         """Remove a forgotten entry's data while still holding the lock, so that a rewrite of
         the same key cannot meet it: memory is released at once, storage files are only
         renamed (cheap); the caller deletes the returned paths after releasing the lock."""
-        if tier != "nvme":
+        if tier != Tier.STORAGE:
             self.backends[tier].delete(key)
             return []
         try:
             return self.storage.detach(key)
         except DetachFailed as exc:                    # a vanished or stuck file: counted; the rest go
-            self.stats.record_io_error("nvme", "delete", exc)
+            self.stats.record_io_error(Tier.STORAGE, "delete", exc)
             return exc.set_aside
 
     # --- reads ---
@@ -7217,10 +7253,10 @@ class TieredCache:
                 entry = self._entries.get(key)
                 if entry is None:
                     self._retired.discard(key)
-                elif entry.tier == "nvme" and entry.state == "ready":
+                elif entry.tier == Tier.STORAGE and entry.state == "ready":
                     self._forget(entry)
                     self._retired.discard(key)
-                    self._trash.extend(self._remove_data_locked("nvme", key))
+                    self._trash.extend(self._remove_data_locked(Tier.STORAGE, key))
                     retired += 1
             trash = self._trash[:]
             self._trash.clear()                         # in place: the finalizer holds this list
@@ -8430,7 +8466,7 @@ class StorageMonitor:
         read_p95, write_p95 = (latency_summary_ms(window.get(("nvme", op), []))["p95"] for op in ("read", "write"))
         queue_ms = latency_summary_ms([r.queue_wait_s for r in records])["mean"]
         service_ms = latency_summary_ms([r.end_to_end_s - r.queue_wait_s - r.generation_s for r in records])["mean"]
-        io_tokens = sum(delta.get(f"{t}_tokens_{d}", 0) for t in TIER_NAMES for d in ("read", "written"))
+        io_tokens = sum(delta.get(TIER_COUNTERS[(t, op)].tokens, 0) for t in TIER_NAMES for op in ("read", "write"))
         point = {
             "elapsed_s": round(elapsed_s, 3),
             "active_users": self._active_users(),

@@ -2223,10 +2223,37 @@ def merge_figures(parts: Sequence[Optional[Dict[str, Any]]], sums: Sequence[str]
                              if name in present[0]}} if present else None
 
 
-# MPI: each rank ingests and queries a corpus of its own seed, so counts, bytes and latencies add up.
-merge_rag_stats = functools.partial(merge_figures, maxima=("ingest_seconds", "ingestion_interrupted"), sums=(
-    "documents", "chunks", "documents_ingested", "chunks_ingested", "bytes_ingested", "ingest_failures",
-    "documents_not_ingested", "rag_queries", "read_latencies_s"))
+class Figures(dict):
+    """One feature's figures, as the results' JSON says them, and a record of how the MPI ranks'
+    merge into the world's (RunMeasurements merges each feature by its record): SUMS added up,
+    MAXIMA and MINIMA the ranks' extremes, the rest the lowest rank's; a feature whose figures
+    merge otherwise overrides `merge`."""
+    SUMS: Tuple[str, ...] = ()
+    MAXIMA: Tuple[str, ...] = ()
+    MINIMA: Tuple[str, ...] = ()
+
+    @classmethod
+    def merged(cls, parts: Sequence[Optional[Dict[str, Any]]]) -> Optional["Figures"]:
+        """The world's figures from the ranks' (in rank order); None when no rank has any."""
+        merged = cls.merge(parts)
+        return None if merged is None else cls(merged)
+
+    @classmethod
+    def merge(cls, parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+        return merge_figures(parts, cls.SUMS, cls.MAXIMA, cls.MINIMA)
+
+    @staticmethod
+    def plain(figures: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """As the results hold them: a plain dict (results are data, whoever reads them)."""
+        return None if figures is None else dict(figures)
+
+
+class RAGFigures(Figures):
+    """--enable-rag's figures (RAGDocumentManager.stats). MPI: each rank ingests and queries a corpus
+    of its own seed, so counts, bytes and latencies add up."""
+    MAXIMA = ("ingest_seconds", "ingestion_interrupted")
+    SUMS = ("documents", "chunks", "documents_ingested", "chunks_ingested", "bytes_ingested", "ingest_failures",
+            "documents_not_ingested", "rag_queries", "read_latencies_s")
 
 
 # --- ShareGPT replay -------------------------------------------------------------------
@@ -2432,8 +2459,10 @@ class ShareGPTDatasetLoader:
                 "conversations": len(self.conversations), "turn_tokens": [t for c in self.conversations for t in c.turns]}
 
 
-# MPI: each rank samples the file with its own seed; the world's sample is all of their turns.
-merge_dataset_stats = functools.partial(merge_figures, sums=("conversations", "turn_tokens"))
+class DatasetFigures(Figures):
+    """--dataset-path's figures (ShareGPTDatasetLoader.stats). MPI: each rank samples the file with
+    its own seed; the world's sample is all of their turns."""
+    SUMS = ("conversations", "turn_tokens")
 
 
 class DatasetUserPlan:
@@ -7672,33 +7701,37 @@ _DEVICE_SUMS = ("reads_completed", "reads_merged", "bytes_read", "writes_complet
                 "bytes_written", "flushes_completed", "discards_completed", "bytes_discarded")
 
 
-def merge_device_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
-    """The world's DEVICE section from the ranks' (pure). Ranks of one node that sampled the same
-    device saw the same counters: it counts once (the longest window). Different devices add
-    up their requests, bytes, rates and queue depths; await is the mean over their requests,
-    utilization the busiest device's. None when no rank sampled a device."""
-    sampled = [d for d in parts if d and d.get("available")]
-    if not sampled:
-        return next((d for d in parts if d), None)
-    devices: Dict[Tuple[Any, Any], Dict[str, Any]] = {}
-    for d in sampled:
-        key = (d.get("host"), d.get("device"))
-        if key not in devices or d["window_s"] > devices[key]["window_s"]:
-            devices[key] = d
-    every = sorted(devices.values(), key=lambda d: -d["window_s"])       # the longest window's figures first
-    merged = dict(merge_figures(every, sums=_DEVICE_SUMS + ("read_gib_per_sec", "write_gib_per_sec", "avg_queue_depth")),
-                  ranks_sampled=len(sampled), devices=sorted(f"{host}:{name}" for host, name in devices))
-    if len(devices) == 1:
+class DeviceFigures(Figures):
+    """The DEVICE section's figures (BlockDeviceMonitor.finish), a record of the ranks' merge."""
+
+    @classmethod
+    def merge(cls, parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+        """The world's DEVICE section from the ranks' (pure). Ranks of one node that sampled the same
+        device saw the same counters: it counts once (the longest window). Different devices add
+        up their requests, bytes, rates and queue depths; await is the mean over their requests,
+        utilization the busiest device's. None when no rank sampled a device."""
+        sampled = [d for d in parts if d and d.get("available")]
+        if not sampled:
+            return next((d for d in parts if d), None)
+        devices: Dict[Tuple[Any, Any], Dict[str, Any]] = {}
+        for d in sampled:
+            key = (d.get("host"), d.get("device"))
+            if key not in devices or d["window_s"] > devices[key]["window_s"]:
+                devices[key] = d
+        every = sorted(devices.values(), key=lambda d: -d["window_s"])       # the longest window's figures first
+        merged = dict(merge_figures(every, sums=_DEVICE_SUMS + ("read_gib_per_sec", "write_gib_per_sec", "avg_queue_depth")),
+                      ranks_sampled=len(sampled), devices=sorted(f"{host}:{name}" for host, name in devices))
+        if len(devices) == 1:
+            return merged
+        for op, done, moved in (("read", "reads_completed", "bytes_read"), ("write", "writes_completed", "bytes_written")):
+            merged[f"{op}_gb"] = _per(merged[moved], GIB)
+            merged[f"mean_{op}_request_bytes"] = _per(merged[moved], merged[done])
+            weighted = [(d.get(f"{op}_await_ms"), d.get(done)) for d in every]
+            merged[f"{op}_await_ms"] = (None if any(a is None or n is None for a, n in weighted) else
+                                        _per(sum(a * n for a, n in weighted), merged[done]))
+        merged["utilization"] = max((d.get("utilization") or 0.0 for d in every), default=None)
+        merged["device"] = "+".join(sorted({str(d.get("device")) for d in every}))
         return merged
-    for op, done, moved in (("read", "reads_completed", "bytes_read"), ("write", "writes_completed", "bytes_written")):
-        merged[f"{op}_gb"] = _per(merged[moved], GIB)
-        merged[f"mean_{op}_request_bytes"] = _per(merged[moved], merged[done])
-        weighted = [(d.get(f"{op}_await_ms"), d.get(done)) for d in every]
-        merged[f"{op}_await_ms"] = (None if any(a is None or n is None for a, n in weighted) else
-                                    _per(sum(a * n for a, n in weighted), merged[done]))
-    merged["utilization"] = max((d.get("utilization") or 0.0 for d in every), default=None)
-    merged["device"] = "+".join(sorted({str(d.get("device")) for d in every}))
-    return merged
 
 
 # ============================================================================
@@ -7827,10 +7860,14 @@ class BlockLatencyTracer:
                    for name, label in LATENCY_HISTOGRAMS.items() if self.reason is None}}
 
 
-def merge_latency_tracing(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
-    """The world's: the first rank's that traced (the ranks of a node trace the same disk), else
-    the first rank's reason."""
-    return next((p for p in parts if p and p.get("available")), next((p for p in parts if p), None))
+class LatencyTracingFigures(Figures):
+    """--enable-latency-tracing's figures (BlockLatencyTracer.finish), a record of the ranks' merge."""
+
+    @classmethod
+    def merge(cls, parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+        """The world's: the first rank's that traced (the ranks of a node trace the same disk), else
+        the first rank's reason."""
+        return next((p for p in parts if p and p.get("available")), next((p for p in parts if p), None))
 
 
 def _kill_group(process: Optional[subprocess.Popen]) -> None:
@@ -7907,13 +7944,17 @@ def measure_io_baseline(directory: Any, generator: KVCacheGenerator, phase_s: fl
             "bytes_written": total, "bytes_read": total_read, "write_s": write_s, "read_s": read_s}
 
 
-def merge_io_baseline(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
-    """The ranks start together, so each measures its directory while the others do: streams, bytes
-    and GiB/s add up (what the devices gave them all); a rank's failure is the world's."""
-    failed = [p for p in parts if p and "error" in p]
-    return failed[0] if failed else merge_figures(
-        parts, sums=("threads", "write_threads", "write_gib_per_sec", "read_gib_per_sec", "bytes_written", "bytes_read"),
-        maxima=("write_s", "read_s"))
+class IOBaselineFigures(Figures):
+    """--io-baseline's figures (measure_io_baseline), a record of the ranks' merge."""
+
+    @classmethod
+    def merge(cls, parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+        """The ranks start together, so each measures its directory while the others do: streams, bytes
+        and GiB/s add up (what the devices gave them all); a rank's failure is the world's."""
+        failed = [p for p in parts if p and "error" in p]
+        return failed[0] if failed else merge_figures(
+            parts, sums=("threads", "write_threads", "write_gib_per_sec", "read_gib_per_sec", "bytes_written", "bytes_read"),
+            maxima=("write_s", "read_s"))
 
 
 def _baseline_write_stream(path: Path, layout: EntryLayout, generator: KVCacheGenerator, direct: bool,
@@ -8704,12 +8745,19 @@ class WorkloadAutoscaler:
         return out
 
 
-def merge_autoscaling(parts: Sequence[Optional[Tuple[list, dict]]]) -> Optional[Tuple[list, dict]]:
-    """Each rank scales its own users: users, evaluations and peaks add up; every rank's decisions."""
-    present = [p for p in parts if p]
-    summary = merge_figures([s for _, s in present], minima=("peak_found",), sums=("initial_users", "final_users",
-                            "settled_users", "evaluations", "peak_throughput", "peak_users", "peak_generated_tokens_per_sec"))
-    return ([h for history, _ in present for h in history], summary) if present else None
+class AutoscalingFigures(NamedTuple):
+    """The autoscaler's decisions and their summary (WorkloadAutoscaler), a record of the ranks' merge."""
+    history: List[Dict[str, Any]]
+    summary: Dict[str, Any]
+
+    @classmethod
+    def merged(cls, parts: Sequence[Optional[Tuple[list, dict]]]) -> Optional["AutoscalingFigures"]:
+        """Each rank scales its own users: users, evaluations and peaks add up; every rank's decisions."""
+        present = [p for p in parts if p]
+        summary = merge_figures([s for _, s in present], minima=("peak_found",), sums=(
+            "initial_users", "final_users", "settled_users", "evaluations", "peak_throughput", "peak_users",
+            "peak_generated_tokens_per_sec"))
+        return cls([h for history, _ in present for h in history], summary) if present else None
 
 
 # ============================================================================
@@ -8807,11 +8855,15 @@ def write_decode_contexts(cache: TieredCache, plan: WorkloadPlan, users: int,
             "gb": sum(w["gb"] for w in where.values()), "seconds": filled["seconds"], "by_tier": where}
 
 
-def merge_decode_contexts(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
-    """The ranks' --decode-only set-ups as one (pure): counts and GiB added up, the longest time."""
-    merged = merge_figures(parts, sums=("users", "contexts_written", "gb"), maxima=("seconds",))
-    return merged and {**merged, "by_tier": {tier: merge_figures([p["by_tier"][tier] for p in parts if p],
-                                                                 sums=("entries", "gb")) for tier in TIER_NAMES}}
+class DecodeContextFigures(Figures):
+    """--decode-only's set-up (write_decode_contexts), a record of the ranks' merge."""
+
+    @classmethod
+    def merge(cls, parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+        """The ranks' --decode-only set-ups as one (pure): counts and GiB added up, the longest time."""
+        merged = merge_figures(parts, sums=("users", "contexts_written", "gb"), maxima=("seconds",))
+        return merged and {**merged, "by_tier": {tier: merge_figures([p["by_tier"][tier] for p in parts if p],
+                                                                     sums=("entries", "gb")) for tier in TIER_NAMES}}
 
 
 class NodeRole:
@@ -8918,8 +8970,10 @@ def precondition_storage(cache: TieredCache, plan: WorkloadPlan, config: Benchma
 
 # MPI: each rank writes the whole size in its directory, so GiB and entries add up; the device's view is
 # the lowest rank's (a node's ranks share its device, whose counters hold all their writes).
-merge_precondition = functools.partial(merge_figures, sums=("target_gb", "written_gb", "entries", "failed_writes"),
-                                       maxima=("seconds",))
+class PreconditionFigures(Figures):
+    """--precondition's figures (precondition_storage): the ranks' fills add up; the longest time."""
+    SUMS = ("target_gb", "written_gb", "entries", "failed_writes")
+    MAXIMA = ("seconds",)
 
 
 # ============================================================================
@@ -9383,18 +9437,22 @@ class BurstArrivals(Arrivals):
                 if self.admitted and paced else None, "admission_lag_max_ms": self.lag_s[1] * 1000 if paced else None}
 
 
-def merge_trace_stats(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
-    """The MPI ranks' BurstGPT figures as the world's: each rank replays its own rows."""
-    parts = [p for p in parts if p]
-    reasons: Dict[str, int] = collections.Counter()
-    for p in parts:
-        reasons.update(p["bad_rows_by_reason"])
-    lag_total = sum((p["admission_lag_mean_ms"] or 0.0) * p["requests_admitted"] for p in parts)
-    lag_max = [p["admission_lag_max_ms"] for p in parts if p["admission_lag_max_ms"] is not None]   # none unpaced
-    merged = merge_figures(parts, sums=("rows", "requests_admitted"), minima=("passes_completed",))
-    return merged and {**merged, "bad_rows": sum(reasons.values()), "bad_rows_by_reason": dict(reasons),
-                       "admission_lag_mean_ms": _per(lag_total, merged["requests_admitted"]) if lag_max else None,
-                       "admission_lag_max_ms": max(lag_max, default=None)}
+class BurstTraceFigures(Figures):
+    """--use-burst-trace's figures (BurstArrivals.trace_stats), a record of the ranks' merge."""
+
+    @classmethod
+    def merge(cls, parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+        """The MPI ranks' BurstGPT figures as the world's: each rank replays its own rows."""
+        parts = [p for p in parts if p]
+        reasons: Dict[str, int] = collections.Counter()
+        for p in parts:
+            reasons.update(p["bad_rows_by_reason"])
+        lag_total = sum((p["admission_lag_mean_ms"] or 0.0) * p["requests_admitted"] for p in parts)
+        lag_max = [p["admission_lag_max_ms"] for p in parts if p["admission_lag_max_ms"] is not None]   # none unpaced
+        merged = merge_figures(parts, sums=("rows", "requests_admitted"), minima=("passes_completed",))
+        return merged and {**merged, "bad_rows": sum(reasons.values()), "bad_rows_by_reason": dict(reasons),
+                           "admission_lag_mean_ms": _per(lag_total, merged["requests_admitted"]) if lag_max else None,
+                           "admission_lag_max_ms": max(lag_max, default=None)}
 
 
 # ============================================================================
@@ -9408,6 +9466,12 @@ def merged_by(rule: Optional[Callable[[List[Any]], Any]], default: Any = None, f
     """A RunMeasurements field a run may leave out, and how the MPI ranks' values (in rank order)
     merge into the world's; rule None: the world's own, set by merge_measurements or main."""
     return field(metadata={"merge": rule}, **({"default_factory": factory} if factory else {"default": default}))
+
+
+def figures_of(record: type) -> Any:
+    """A RunMeasurements field holding one feature's figures (None: the run had none): a record
+    (`record`) that merges the ranks' itself; what a producer hands in plainly is made one."""
+    return field(default=None, metadata={"merge": record.merged, "record": record})
 
 
 @dataclass
@@ -9430,23 +9494,29 @@ class RunMeasurements:
     stop_reason: Optional[str]
     thread_errors: List[str]
     conversations_evicted: int = merged_by(sum, 0)
-    io_baseline: Optional[Dict[str, Any]] = merged_by(merge_io_baseline)
+    io_baseline: Optional[IOBaselineFigures] = figures_of(IOBaselineFigures)
     process_cpu_s: float = merged_by(sum, 0.0)
     shutdown_tail_s: float = merged_by(max, 0.0)
-    autoscaling: Optional[Tuple[List[Dict[str, Any]], Dict[str, Any]]] = merged_by(merge_autoscaling)
-    rag_stats: Optional[Dict[str, Any]] = merged_by(merge_rag_stats)
-    dataset_stats: Optional[Dict[str, Any]] = merged_by(merge_dataset_stats)
-    device_stats: Optional[Dict[str, Any]] = merged_by(merge_device_stats)
+    autoscaling: Optional[AutoscalingFigures] = figures_of(AutoscalingFigures)
+    rag_stats: Optional[RAGFigures] = figures_of(RAGFigures)
+    dataset_stats: Optional[DatasetFigures] = figures_of(DatasetFigures)
+    device_stats: Optional[DeviceFigures] = figures_of(DeviceFigures)
     fio: Dict[str, Any] = merged_by(None, factory=dict)
     ranks: List["RunMeasurements"] = merged_by(None, factory=list)
     rank: Optional[int] = merged_by(None)
     ranks_without_results: List[int] = merged_by(None, factory=list)      # ranks stopped before their workload
-    decode_contexts: Optional[Dict[str, Any]] = merged_by(merge_decode_contexts)  # --decode-only (write_decode_contexts)
-    precondition: Optional[Dict[str, Any]] = merged_by(merge_precondition)    # --precondition (precondition_storage)
-    burst_trace: Optional[Dict[str, Any]] = merged_by(merge_trace_stats)      # --use-burst-trace (trace_stats)
-    latency_tracing: Optional[Dict[str, Any]] = merged_by(merge_latency_tracing)  # --enable-latency-tracing
-    kv_blocks: Optional[KVBlockFigures] = merged_by(KVBlockFigures.merged)     # --kv-block-tokens (KVBlockFigures.of)
-    write_back: Optional[WriteBackFigures] = merged_by(WriteBackFigures.merged)   # --write-back async
+    decode_contexts: Optional[DecodeContextFigures] = figures_of(DecodeContextFigures)     # --decode-only
+    precondition: Optional[PreconditionFigures] = figures_of(PreconditionFigures)         # --precondition
+    burst_trace: Optional[BurstTraceFigures] = figures_of(BurstTraceFigures)              # --use-burst-trace
+    latency_tracing: Optional[LatencyTracingFigures] = figures_of(LatencyTracingFigures)  # --enable-latency-tracing
+    kv_blocks: Optional[KVBlockFigures] = figures_of(KVBlockFigures)           # --kv-block-tokens (KVBlockFigures.of)
+    write_back: Optional[WriteBackFigures] = figures_of(WriteBackFigures)      # --write-back async
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):                # each feature's figures as its record
+            record, value = f.metadata.get("record"), getattr(self, f.name)
+            if record is not None and value is not None and not isinstance(value, record):
+                setattr(self, f.name, record(*value) if issubclass(record, tuple) else record(value))
 
     @property
     def interrupted(self) -> bool:
@@ -9861,7 +9931,8 @@ class Benchmark:
             peak_in_flight=self.recorder.peak_in_flight, stop_reason=self.stop_reason,
             thread_errors=list(self.thread_errors), conversations_evicted=self.conversations.evicted_conversations,
             io_baseline=self.io_baseline, process_cpu_s=self.process_cpu_s, shutdown_tail_s=self.shutdown_tail_s,
-            autoscaling=(scaling.history, scaling.summary(self.scheduler.active_users)) if scaling else None,
+            autoscaling=(AutoscalingFigures(scaling.history, scaling.summary(self.scheduler.active_users))
+                         if scaling else None),
             rag_stats=self.rag.stats() if self.rag else None,
             dataset_stats=self.dataset.stats() if self.dataset else None,
             device_stats=None if self.cache.tiers.trace else self.device_stats,      # trace mode: no I/O to see
@@ -9995,7 +10066,7 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "autoscaling_summary": m.autoscaling[1] if m.autoscaling else None,
         "rag_stats": rag_summary(m.rag_stats, cache_stats),
         "dataset_stats": dataset_summary(m.dataset_stats),
-        "burst_trace": m.burst_trace,
+        "burst_trace": Figures.plain(m.burst_trace),
         "multi_turn_stats": {"cache_hits": multi_hits, "cache_misses": multi_misses,
                              "hit_rate": _ratio(multi_hits, multi_hits + multi_misses),
                              "resumes": cache_stats["multi_turn_resumes"]},
@@ -10007,7 +10078,8 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "peak_in_flight": m.peak_in_flight,
         "conversations_evicted": m.conversations_evicted,
         "stop_reason": m.stop_reason,
-        "node_role": node_role(m.config).name, "decode_contexts": m.decode_contexts, "precondition": m.precondition,
+        "node_role": node_role(m.config).name, "decode_contexts": Figures.plain(m.decode_contexts),
+        "precondition": Figures.plain(m.precondition),
         "thread_errors": list(m.thread_errors),
         **_storage_figures(cache_stats, m),
         **({"kv_blocks": m.kv_blocks.to_json(m.elapsed_s)} if m.kv_blocks else {}),     # --kv-block-tokens
@@ -10030,7 +10102,7 @@ def assemble_results(m: RunMeasurements) -> Dict[str, Any]:
         "summary": summary,
     }
     if m.latency_tracing is not None:
-        results["device_latency_tracing"] = m.latency_tracing        # the original's key and place
+        results["device_latency_tracing"] = Figures.plain(m.latency_tracing)    # the original's key and place
     if m.ranks:
         results["world_size"] = len(m.ranks) + len(m.ranks_without_results)
         results["ranks_without_results"] = m.ranks_without_results
@@ -10083,14 +10155,14 @@ def _request_figures(m: RunMeasurements) -> Dict[str, Any]:
 def _storage_figures(cs: Dict[str, Any], m: RunMeasurements) -> Dict[str, Any]:
     """Errors, checks, CPU per GB, efficiency against the baseline, and the device's view."""
     storage_gb = cs["nvme_bytes_read_gb"] + cs["nvme_bytes_written_gb"]
-    device_stats = m.device_stats
+    device_stats = Figures.plain(m.device_stats)
     return {
         "verify_checked": cs["verify_checked"],
         "verify_mismatches": cs["verify_mismatches"],
         "io_errors": cs["io_errors"],
         "process_cpu_seconds": m.process_cpu_s,
         "cpu_seconds_per_storage_gb": m.process_cpu_s / storage_gb if storage_gb else None,
-        "io_baseline": m.io_baseline,
+        "io_baseline": Figures.plain(m.io_baseline),
         "storage_efficiency": storage_efficiency(cs, m.io_baseline, m.elapsed_s),
         "device_stats": device_stats or {"available": False, "device": None, "reason": "not sampled"},
         "device_comparison": compare_app_with_device(_storage_app_figures(cs), device_stats) if device_stats else None,

@@ -7078,10 +7078,10 @@ class TestNodeRoles:
                            "nvme": {"entries": 2, "gb": 1.0}}}
         two = dict(one, contexts_written=2, gb=1.0, seconds=3.0,
                    by_tier=dict(one["by_tier"], nvme={"entries": 1, "gb": 0.5}))
-        merged = kv.merge_decode_contexts([one, None, two])
+        merged = kv.DecodeContextFigures.merged([one, None, two])
         assert (merged["users"], merged["contexts_written"], merged["gb"], merged["seconds"]) == (6, 5, 2.5, 3.0)
         assert merged["by_tier"]["nvme"] == {"entries": 3, "gb": 1.5} and merged["by_tier"]["cpu"]["entries"] == 2
-        assert kv.merge_decode_contexts([None, None]) is None
+        assert kv.DecodeContextFigures.merged([None, None]) is None
 
     def test_preconditioning_past_the_capacity_keeps_the_newest_entries_within_it(self, make_cache):
         cache = make_cache(cpu_entries=0, storage_capacity_gb=0.1)
@@ -9368,16 +9368,16 @@ class TestMPI:
                     "write_await_ms": None, "reads_merged": 0, "writes_merged": 0, "flushes_completed": 0,
                     "discards_completed": 0, "bytes_discarded": 0, "read_gib_per_sec": read / GIB / window,
                     "write_gib_per_sec": 0.0, "avg_queue_depth": 1.0, "utilization": util}
-        same = kv.merge_device_stats([sample("n1", "vda", 4.0, 4 * GIB, 400, 2.0, 0.5),
+        same = kv.DeviceFigures.merged([sample("n1", "vda", 4.0, 4 * GIB, 400, 2.0, 0.5),
                                       sample("n1", "vda", 4.1, 4 * GIB + MIB, 401, 2.0, 0.5)])
         assert same["bytes_read"] == 4 * GIB + MIB and same["ranks_sampled"] == 2 and same["devices"] == ["n1:vda"]
-        two = kv.merge_device_stats([sample("n1", "vda", 4.0, 4 * GIB, 400, 1.0, 0.5),
+        two = kv.DeviceFigures.merged([sample("n1", "vda", 4.0, 4 * GIB, 400, 1.0, 0.5),
                                      sample("n2", "vda", 4.0, 2 * GIB, 100, 6.0, 0.9), None])
         assert two["bytes_read"] == 6 * GIB and two["reads_completed"] == 500 and two["devices"] == ["n1:vda", "n2:vda"]
         assert two["read_await_ms"] == pytest.approx((400 * 1.0 + 100 * 6.0) / 500) and two["utilization"] == 0.9
         assert two["read_gib_per_sec"] == pytest.approx(1.5) and two["write_await_ms"] is None
         unsampled = {"available": False, "device": None, "reason": "tmpfs has no block device"}
-        assert kv.merge_device_stats([unsampled, unsampled]) == unsampled and kv.merge_device_stats([]) is None
+        assert kv.DeviceFigures.merged([unsampled, unsampled]) == unsampled and kv.DeviceFigures.merged([]) is None
 
     def test_every_figure_a_run_may_leave_out_declares_how_ranks_merge(self):
         optional = [f for f in dataclasses.fields(kv.RunMeasurements)
@@ -9663,7 +9663,7 @@ class TestUpstreamCurrentSuite:
         stats = arrivals.trace_stats()
         assert stats["trace_speedup"] == 0 and stats["requests_admitted"] == 10 and stats["passes_completed"] == 2
         assert stats["admission_lag_mean_ms"] is None and stats["admission_lag_max_ms"] is None
-        merged = kv.merge_trace_stats([stats, stats])
+        merged = kv.BurstTraceFigures.merged([stats, stats])
         assert merged["admission_lag_mean_ms"] is None and merged["admission_lag_max_ms"] is None
         assert merged["requests_admitted"] == 20
 

@@ -6754,14 +6754,15 @@ def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> Me
 
 @dataclass
 class CacheResult:
-    """One cache operation: success (written, or a read hit), where, how long, tokens moved."""
+    """One cache operation: success (written, or a read hit), where, how long, tokens moved. Its
+    fields have the names of the request record's (RequestRecord.add) that they add to."""
     success: bool
     tier: Optional[str]
     latency_s: float
-    tokens: int
+    tokens_moved: int
     aborted: bool = False
-    wait_s: float = 0.0          # of latency_s: waiting for a staging area (one of the storage operations in flight)
-    admission_s: float = 0.0     # before latency_s: waiting for an allocation slot (--max-concurrent-allocs)
+    storage_wait_s: float = 0.0     # of latency_s: waiting for a staging area (one of the storage operations in flight)
+    allocation_wait_s: float = 0.0  # before latency_s: waiting for an allocation slot (--max-concurrent-allocs)
 
 
 @dataclass
@@ -6991,7 +6992,8 @@ class TieredCache:
         finally:
             if self._alloc_slots is not None:
                 self._alloc_slots.release()
-        return CacheResult(success, tier, time.perf_counter() - t_slot, tokens, aborted, area_wait_s, t_slot - t0)
+        return CacheResult(success, tier, time.perf_counter() - t_slot, tokens, aborted, storage_wait_s=area_wait_s,
+                           allocation_wait_s=t_slot - t0)
 
     def _allocate(self, key: str, num_tokens: int, phase: InferencePhase,
                   first_tier: int) -> Tuple[bool, Optional[str], int, bool, float]:
@@ -7213,7 +7215,8 @@ class TieredCache:
                 self.write_back.served()
                 self.stats.record_lookup(cache_type, True, "write_back", entry.size_bytes)
                 self._used(key)
-                return CacheResult(True, "write_back", time.perf_counter() - t0, entry.num_tokens, wait_s=waited_s)
+                return CacheResult(True, "write_back", time.perf_counter() - t0, entry.num_tokens,
+                                   storage_wait_s=waited_s)
             verify = entry.checksum is not None
             transfer = self._transfer(tier, "read", entry.size_bytes, verify, reason)
             try:
@@ -7222,7 +7225,8 @@ class TieredCache:
             except KeyError:
                 continue
             except IOAborted:                          # the run is stopping: neither hit nor miss (counted)
-                return CacheResult(False, None, time.perf_counter() - t0, 0, True, waited_s + transfer.waited_s)
+                return CacheResult(False, None, time.perf_counter() - t0, 0, True,
+                                   storage_wait_s=waited_s + transfer.waited_s)
             except OSError:                            # counted by the transfer
                 break
             finally:
@@ -7236,9 +7240,9 @@ class TieredCache:
             transfer.record(entry.num_tokens)
             if verify:
                 self._check_read(key, tier, entry.checksum, transfer.crc)
-            return CacheResult(True, tier, time.perf_counter() - t0, entry.num_tokens, wait_s=waited_s)
+            return CacheResult(True, tier, time.perf_counter() - t0, entry.num_tokens, storage_wait_s=waited_s)
         self.stats.record_lookup(cache_type, hit=False)
-        return CacheResult(False, None, time.perf_counter() - t0, 0, wait_s=waited_s)
+        return CacheResult(False, None, time.perf_counter() - t0, 0, storage_wait_s=waited_s)
 
     def _check_read(self, key: str, tier: str, expected: int, actual: int) -> None:
         self.stats.count("verify_checked")
@@ -8411,11 +8415,11 @@ class RequestRecord:
     def add(self, phase: InferencePhase, result: CacheResult, load: bool = False) -> CacheResult:
         """One cache operation of the request's `phase`; `load`: a read of cached context."""
         self.storage_s += result.latency_s
-        self.storage_wait_s += result.wait_s
-        self.allocation_wait_s += result.admission_s
+        self.storage_wait_s += result.storage_wait_s
+        self.allocation_wait_s += result.allocation_wait_s
         if load:
             self.load_s, self.loads, self.load_tokens = (self.load_s + result.latency_s, self.loads + 1,
-                                                         self.load_tokens + result.tokens)
+                                                         self.load_tokens + result.tokens_moved)
             if result.tier in LOAD_TIERS and (self.load_tier is None or
                                               LOAD_TIERS.index(result.tier) > LOAD_TIERS.index(self.load_tier)):
                 self.load_tier = result.tier
@@ -8423,7 +8427,7 @@ class RequestRecord:
             self.decode_s += result.latency_s
         else:
             self.prefill_s += result.latency_s
-        self.tokens_moved += result.tokens
+        self.tokens_moved += result.tokens_moved
         self.aborted = self.aborted or result.aborted
         return result
 

@@ -2471,10 +2471,10 @@ class TestWriteBack:
                 writer.start()
                 writer.join(30)                              # (a write that waited for an area would never end)
                 (written,) = results
-                assert (written.success, written.tier, written.tokens) == (True, "nvme", 0)    # 192 tokens queued
+                assert (written.success, written.tier, written.tokens_moved) == (True, "nvme", 0)    # 192 tokens queued
                 assert cache.entry_location("k") == "nvme" and cache.write_back.depth()[0] == 3
                 read = cache.read_entry("k")
-                assert (read.success, read.tier, read.tokens) == (True, "write_back", 192)
+                assert (read.success, read.tier, read.tokens_moved) == (True, "write_back", 192)
                 assert [f for f in our_files(tmp_path) if str(f).endswith(".kvb")] == []
             assert cache.flush_write_back(30) and len([f for f in our_files(tmp_path) if f.endswith(".kvb")]) == 3
             assert cache.read_entry("k").tier == "nvme" and cache.check_invariants() == []
@@ -3409,7 +3409,7 @@ class TestMultiTierCache:
             reader.start()
             reader.join(60)
             assert not reader.is_alive(), "a memory read waited for a storage staging area"
-        assert (result[0].success, result[0].tier, result[0].tokens) == (True, "cpu", tokens)
+        assert (result[0].success, result[0].tier, result[0].tokens_moved) == (True, "cpu", tokens)
         size = tokens * TOKEN_BYTES
         assert pieces == [kv.BOUNCE_BYTES] * 3 + [size - 3 * kv.BOUNCE_BYTES]
 
@@ -3556,14 +3556,14 @@ class TestMultiTierCache:
     def test_results_carry_tokens_moved(self, make_cache):
         cache = make_cache(cpu_entries=10.01)
         for i in range(8):
-            assert cache.write_entry(f"k{i}", TOKENS).tokens == TOKENS
+            assert cache.write_entry(f"k{i}", TOKENS).tokens_moved == TOKENS
         result = cache.write_entry("k8", TOKENS)                # demotes k0 to make room
-        assert (result.success, result.tier, result.tokens) == (True, "cpu", 2 * TOKENS)
+        assert (result.success, result.tier, result.tokens_moved) == (True, "cpu", 2 * TOKENS)
         assert result.latency_s > 0 and result.aborted is False
         hit = cache.read_entry("k0", cache_type="user")
-        assert (hit.success, hit.tier, hit.tokens) == (True, "nvme", TOKENS)
+        assert (hit.success, hit.tier, hit.tokens_moved) == (True, "nvme", TOKENS)
         miss = cache.read_entry("nope")
-        assert (miss.success, miss.tier, miss.tokens, miss.aborted) == (False, None, 0, False)
+        assert (miss.success, miss.tier, miss.tokens_moved, miss.aborted) == (False, None, 0, False)
         assert cache.write_entry("zero", 0).success is False
 
     def test_interrupted_garbage_collection_finishes_later(self, make_cache):
@@ -10044,7 +10044,7 @@ class TestTheHouse:
             kv.RequestRecord("batch", 100, 0.0, 0.0)                       # by name only
         request = kv.InferenceRequest("u", "r", 0.0, 100, 40, 1, submit_time=10.0)
         record = kv.RequestRecord.taken(request, 10.5)
-        hit = kv.CacheResult(True, "nvme", 0.2, 100, wait_s=0.05, admission_s=0.01)
+        hit = kv.CacheResult(True, "nvme", 0.2, 100, storage_wait_s=0.05, allocation_wait_s=0.01)
         record.add(kv.InferencePhase.PREFILL, hit, load=True)
         record.add(kv.InferencePhase.PREFILL, kv.CacheResult(True, "cpu", 0.1, 100), load=True)
         record.add(kv.InferencePhase.DECODE, kv.CacheResult(True, "cpu", 0.3, 100))

@@ -3210,6 +3210,15 @@ class Transfer:
                 busy.stop()
             self._clock.stop()
 
+    def request(self, fn: Callable[..., Any], *args: Any, busy: BusyClock) -> Any:
+        """One data request of the device (a pread or pwrite): timed like any device step, and
+        counted with its duration on the tier's `busy` clock, as fio counts an I/O."""
+        t0 = time.perf_counter()
+        try:
+            return self.timed(fn, *args, busy=busy)
+        finally:
+            busy.record_request(time.perf_counter() - t0)
+
     def timing(self) -> IOTiming:
         end = self._t1 if self._t1 is not None else time.perf_counter()
         return IOTiming.from_device(end - self._t0 - self._untimed_s, self._clock.busy_s())
@@ -3312,10 +3321,11 @@ class ChunkPipeline:
 
     A deep queue is what lets a drive reach its bandwidth: one 8 MiB request at a time per
     operation leaves a fast drive idle between requests. Each transfer is timed by the
-    operation's Transfer and counted on the tier's `busy` clock as a request (fio's view).
+    operation's Transfer and counted on the tier's `busy` clock as a request (fio's view); with
+    `busy` None each call counts its own requests (Transfer.request: a block object's load).
     """
 
-    def __init__(self, transfer: Transfer, busy: BusyClock, depth: int):
+    def __init__(self, transfer: Transfer, busy: Optional[BusyClock], depth: int):
         self.transfer, self.busy = transfer, busy
         self.depth = max(1, depth)
         self._pending: "collections.deque[Tuple[Any, Optional[Callable[[Any], None]]]]" = collections.deque()
@@ -3326,11 +3336,9 @@ class ChunkPipeline:
             self._complete_oldest()
 
     def _timed_request(self, fn: Callable[..., Any], *args: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self.transfer.timed(fn, *args, busy=self.busy)
-        finally:
-            self.busy.record_request(time.perf_counter() - t0)
+        if self.busy is None:                             # the call counts its own requests (a block layout's load)
+            return fn(*args)
+        return self.transfer.request(fn, *args, busy=self.busy)
 
     def submit(self, on_done: Optional[Callable[[Any], None]], fn: Callable[..., Any], *args: Any) -> None:
         self.make_room()
@@ -4196,7 +4204,7 @@ class FileBlocks(FileCensus):
         fd = transfer.timed(os.open, target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags(obj.nbytes), 0o644)
         try:
             for offset, buf in pieces:
-                transfer.timed(pwrite_all, fd, buf, offset, busy=busy)
+                transfer.request(pwrite_all, fd, buf, offset, busy=busy)
             if self.durable:
                 transfer.timed(os.fdatasync, fd, busy=busy)
                 if not self._direct(obj.nbytes):
@@ -4220,7 +4228,7 @@ class FileBlocks(FileCensus):
         try:
             for offset in range(0, obj.nbytes, room.size):
                 want = min(room.size, obj.nbytes - offset)
-                got = transfer.timed(os.preadv, fd, [room[:want]], offset, busy=busy)
+                got = transfer.request(os.preadv, fd, [room[:want]], offset, busy=busy)
                 if got < want:
                     raise OSError(errno.EIO, f"short read of {obj.name}: {got} of {want} bytes")
                 deliver(offset, room[:want])
@@ -4319,7 +4327,7 @@ class SlotBlocks(FileCensus):
                 transfer.timed(preallocate, fd, reserved)
             for offset, buf in pieces:
                 length = -(-buf.size // BLOCK_BYTES) * BLOCK_BYTES if self.direct else buf.size
-                transfer.timed(pwrite_all, fd, buf[:length], base + offset, busy=busy)
+                transfer.request(pwrite_all, fd, buf[:length], base + offset, busy=busy)
             if self.durable:
                 transfer.timed(os.fdatasync, fd, busy=busy)
         except BaseException:
@@ -4338,8 +4346,8 @@ class SlotBlocks(FileCensus):
             for offset in range(0, obj.nbytes, room.size):
                 want = min(room.size, obj.nbytes - offset)
                 length = -(-want // BLOCK_BYTES) * BLOCK_BYTES if self.direct else want
-                got = transfer.timed(os.preadv, self._fds[part], [room[:length]], slot * self.stride + offset,
-                                     busy=busy)
+                got = transfer.request(os.preadv, self._fds[part], [room[:length]], slot * self.stride + offset,
+                                       busy=busy)
                 if got < want:
                     raise OSError(errno.EIO, f"short read of slot {slot}: {got} of {want} bytes")
                 deliver(offset, room[:want])
@@ -4432,10 +4440,10 @@ class BucketBlocks(FileCensus):
               busy: BusyClock) -> None:
         bucket = self._bucket_for(obj, transfer)
         key = obj.name.encode()
-        transfer.timed(pwrite_all, bucket["fd"], np.frombuffer(key, dtype=np.uint8), bucket["offset"], busy=busy)
+        transfer.request(pwrite_all, bucket["fd"], np.frombuffer(key, dtype=np.uint8), bucket["offset"], busy=busy)
         start = bucket["offset"] + len(key)
         for offset, buf in pieces:
-            transfer.timed(pwrite_all, bucket["fd"], buf, start + offset, busy=busy)
+            transfer.request(pwrite_all, bucket["fd"], buf, start + offset, busy=busy)
         bucket["offset"] = start + obj.nbytes
         bucket["keys"].append((obj.name, start, obj.nbytes))
 
@@ -4478,7 +4486,7 @@ class BucketBlocks(FileCensus):
         try:
             for offset in range(0, obj.nbytes, room.size):
                 want = min(room.size, obj.nbytes - offset)
-                got = transfer.timed(os.preadv, fd, [room[:want]], start + offset, busy=busy)
+                got = transfer.request(os.preadv, fd, [room[:want]], start + offset, busy=busy)
                 if got < want:
                     raise OSError(errno.EIO, f"short read of {obj.name} in bucket {bucket}: {got} of {want} bytes")
                 deliver(offset, room[:want])
@@ -4643,7 +4651,7 @@ class BlockTier(StorageTier):
                     self._load(key, obj, room, functools.partial(hand_over, obj), transfer)
                     self._count("read", obj)
                 return
-            pipeline = ChunkPipeline(transfer, BusyClock(), depth)   # (the tier's busy clock times each call)
+            pipeline = ChunkPipeline(transfer, None, depth)       # (each load counts its requests on the tier's clock)
 
             def issue() -> None:
                 for index, obj in enumerate(objects):

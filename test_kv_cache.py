@@ -2012,6 +2012,22 @@ class TestKVBlocks:
         tier.delete("user_1_req_1")
         assert our_files(tmp_path) == [] and tier.block_counts()["files_deleted"] == 3
 
+    @pytest.mark.parametrize("engine", ["lmcache", "vllm", "sglang", "dynamo", "llm-d", "mooncake"])
+    def test_block_reads_and_writes_are_requests_with_their_own_times(self, tmp_path, engine):
+        """Every data call of a layout (a pwrite, a pread) is a request on the tier's clock, as fio
+        counts an I/O, read at depth too: the per-request means (and fio's latency ratio) are
+        figures under every layout."""
+        scheme = kv.KV_ENGINES[engine]
+        tier = kv.BlockTier(tmp_path, scheme, "llama3.1-8b", BPT_8B)
+        write_and_read_entry(tier, "k", 4 * scheme.block_tokens * BPT_8B)
+        objects = tier.block_counts()["objects_written"]                                  # K and V apart: 8
+        assert objects == (8 if scheme.split_kv else 4)
+        pieces = objects * -(-scheme.object_bytes(BPT_8B, 1) // kv.STAGING_BYTES)       # calls of at most 32 MiB
+        keys = objects if scheme.layout == "bucket" else 0                               # Mooncake writes each key too
+        assert (tier.busy["write"].requests, tier.busy["read"].requests) == (pieces + keys, pieces)
+        profile = tier.request_profile()
+        assert profile["write_request_mean_ms"] > 0 and profile["read_request_mean_ms"] > 0
+
     def test_whole_blocks_only_and_tp_ranks_each_their_objects(self, tmp_path):
         scheme = kv.KV_ENGINES["lmcache"]
         assert scheme.whole_blocks(255) == 0 and scheme.whole_blocks(1000) == 768

@@ -47,7 +47,8 @@ Sections, in the order data flows through the program (each uses only those abov
     METRIC MATH                       pure functions over counters and samples, saturation_score
     CACHE STATISTICS                  CacheStats (the cache's counters and samples), KVBlockFigures
     THE WATERFALL'S RULES             EvictionPolicy (--config eviction), AdmissionFilter (--storage-admission)
-    WRITE-BACK                        --write-back async: WriteBack (the queue and its threads), WriteBackFigures
+    WRITE-BACK                        --write-back async: WriteBack (the queue, its buffer, its threads), WriteBackFigures
+    CACHE ENTRIES                     CacheResult, CacheEntry, describe_tiers, the run's clean-up, invariants
     MULTI-TIER CACHE                  TieredCache: the run's tiers, waterfall LRU over them, the write-back's entries
     THE DRIVE'S OWN VIEW              block-layer counters of the cache directory's device
     BLOCK-LAYER LATENCY               --enable-latency-tracing: bpftrace's D2C histograms of that device
@@ -391,12 +392,14 @@ class WriteBackPolicy:
     `threads` threads drain the queue. The queue holds at most `queue_objects` objects (0: no such
     bound) and at most `queue_seconds` of queued work (llm-d's rule: objects queued x mean write
     time / threads; 0: no such bound); a write that finds it full waits (`full` block) or is
-    dropped (drop: the entry is not stored, a future miss)."""
+    dropped (drop: the entry is not stored, a future miss). A queued write holds its bytes in
+    `buffer_gb` of host memory until written; a write that finds no room there is a full queue too."""
     mode: str = "sync"
     threads: int = 4
     queue_objects: int = 0
     queue_seconds: float = 0.0
     full: str = "block"
+    buffer_gb: float = 4.0      # host memory holding queued writes until written (--write-back-buffer-gb)
 
     @property
     def asynchronous(self) -> bool:
@@ -408,11 +411,12 @@ class WriteBackPolicy:
         bound = " and ".join(b for b in (f"{self.queue_objects:,} objects" if self.queue_objects else "",
                                           f"{self.queue_seconds:g} s of work" if self.queue_seconds else "") if b)
         return (f"async, {self.threads} thread{'s' if self.threads != 1 else ''}, queue "
-                f"{'of at most ' + bound + ', then ' + self.full if bound else 'unbounded'}")
+                f"{'of at most ' + bound if bound else 'unbounded'} in a {self.buffer_gb:g} GB buffer, "
+                f"then {self.full}")
 
     def summary(self) -> Dict[str, Any]:
         return {"mode": self.mode, "threads": self.threads, "queue_objects": self.queue_objects,
-                "queue_seconds": self.queue_seconds, "full": self.full}
+                "queue_seconds": self.queue_seconds, "full": self.full, "buffer_gb": self.buffer_gb}
 
 
 # --kv-engine: each engine's defaults as docs/engines.md sources them ("Preset parameters").
@@ -426,10 +430,14 @@ KV_ENGINES: Dict[str, KVBlockScheme] = {
     "mooncake": KVBlockScheme(64, "bucket", "mooncake", "mooncake", split_kv=True),
 }
 # ... and how each queues its storage writes (docs/engines.md, "Write-back").
+# The buffer: the host memory the engine holds a store in until it is written (docs/engines.md).
 WRITE_BACK_ENGINES: Dict[str, WriteBackPolicy] = {
-    "lmcache": WriteBackPolicy("async", 4),                     # local_disk's disk_io_threads; never drops
+    # local_disk's disk_io_threads; a store is held in the CPU buffer (max_local_cpu_size, 5 GB), and
+    # one it cannot allocate there is skipped
+    "lmcache": WriteBackPolicy("async", 4, full="drop", buffer_gb=5.0),
     "vllm": WriteBackPolicy("async", 16),                       # n_write_threads; unbounded deques
-    "llm-d": WriteBackPolicy("async", 64, queue_seconds=30.0, full="drop"),   # max_write_queued_seconds
+    # max_write_queued_seconds; the pinned staging memory's cap, max_staging_memory_gb
+    "llm-d": WriteBackPolicy("async", 64, queue_seconds=30.0, full="drop", buffer_gb=150.0),
     "sglang": WriteBackPolicy("async", 1),                      # one backup thread, unbounded Queue
     "dynamo": WriteBackPolicy("async", 4),                      # 4 concurrent transfers, unbounded channel
     "mooncake": WriteBackPolicy("async", 1, queue_objects=50_000, full="drop"),   # --offloading_queue_limit
@@ -1179,6 +1187,7 @@ class BenchmarkConfig:
     write_back_threads: Optional[int] = None      # async: threads draining the queue; None: the engine's, else 4
     write_back_queue: Optional[str] = None        # async: 'N' objects or 'Ns' of work at most; None: the engine's
     write_back_full: Optional[str] = None         # async, queue full: block | drop; None: the engine's, else block
+    write_back_buffer_gb: Optional[float] = None  # async: host memory holding queued writes; None: the engine's, else 4
     cpu_mem_gb: float = 32.0
     gpu_library: str = "auto"                     # 'auto' (PyTorch, then CuPy), 'torch' or 'cupy'
     cache_dir: Optional[str] = None
@@ -1301,6 +1310,8 @@ class BenchmarkConfig:
             ("--kv-block-tokens", self.kv_block_tokens, 0, MAX_KV_BLOCK_TOKENS,
              f"0 (one object per entry) or a block of 1 to {MAX_KV_BLOCK_TOKENS:,} tokens", "cannot be negative"),
             ("--write-back-threads", self.write_back_threads, 1, 1024, "between 1 and 1024"),
+            ("--write-back-buffer-gb", self.write_back_buffer_gb, 0.001, MAX_CPU_MEMORY_GB,
+             f"between 0.001 and {MAX_CPU_MEMORY_GB:,} GiB"),
             ("--kv-read-depth", self.kv_read_depth, 1, MAX_KV_READ_DEPTH, f"between 1 and {MAX_KV_READ_DEPTH}")]
         checks: List[Callable[[], None]] = [functools.partial(_check_range, *r) for r in ranges if r[1] is not None]
         return checks + [lambda: _check_dataset(self.dataset_path), lambda: _check_cache_dir(self.cache_dir),
@@ -1371,7 +1382,7 @@ class BenchmarkConfig:
         objects, seconds = (base.queue_objects, base.queue_seconds) if self.write_back_queue is None else \
             parse_write_back_queue(self.write_back_queue)
         return WriteBackPolicy(self.write_back or base.mode, self.write_back_threads or base.threads, objects,
-                               seconds, self.write_back_full or base.full)
+                               seconds, self.write_back_full or base.full, self.write_back_buffer_gb or base.buffer_gb)
 
     def _check_write_back(self) -> None:
         policy = self.write_back_policy                         # (a bad --write-back-queue is said here)
@@ -1379,7 +1390,8 @@ class BenchmarkConfig:
             return
         for flag, given in (("--write-back-threads", self.write_back_threads),
                             ("--write-back-queue", self.write_back_queue),
-                            ("--write-back-full", self.write_back_full)):
+                            ("--write-back-full", self.write_back_full),
+                            ("--write-back-buffer-gb", self.write_back_buffer_gb)):
             if given is not None:
                 raise UsageError(f"{flag} sets how --write-back async queues writes: give --write-back async "
                                  f"(a --kv-engine's default), or leave {flag} out")
@@ -4190,8 +4202,8 @@ class FileBlocks(FileCensus):
 
     def _temp_name(self, path: Path) -> Path:
         naming = self.scheme.naming
-        if naming == "lmcache":
-            return path.with_name(path.name + ".tmp")
+        if naming == "lmcache":                       # <key>.tmp beside <key>.data (fs_l2_adapter: with_suffix)
+            return path.with_suffix(".tmp")
         if naming == "sglang":
             return path.with_name(f".{uuid.uuid4()}.tmp")
         return path.with_name(f"{path.name}_{os.urandom(8).hex()}.tmp")
@@ -4845,6 +4857,22 @@ class HostArena:
             return max(self._free.values(), default=0)
 
 
+def copy_into_memory(source: EntrySource, data: np.ndarray, transfer: Transfer) -> None:
+    """An entry's bytes into host memory `data` (uint8): one device-to-host copy from GPU memory,
+    else in pieces, so that a stop is obeyed mid-entry."""
+    if source.copy_whole is not None:
+        transfer.timed(source.copy_whole, data)
+        transfer.observe(data)
+        transfer.advance(data.size)
+        return
+    for offset in range(0, source.nbytes, MEMORY_PIECE_BYTES):
+        transfer.check_stop()
+        part = data[offset:offset + MEMORY_PIECE_BYTES]
+        transfer.timed(source.fill, offset, part)
+        transfer.observe(part)
+        transfer.advance(part.size)
+
+
 class CPUMemoryBackend(StorageBackend):
     """Tier 2: entries in process memory. A write or read costs one memory copy.
 
@@ -4886,17 +4914,7 @@ class CPUMemoryBackend(StorageBackend):
     def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
         data = self._destination(source.nbytes)
         try:
-            if source.copy_whole is not None:             # an entry in GPU memory: one device-to-host copy
-                transfer.timed(source.copy_whole, data)
-                transfer.observe(data)
-                transfer.advance(data.size)
-            else:
-                for offset in range(0, source.nbytes, MEMORY_PIECE_BYTES):
-                    transfer.check_stop()                 # in pieces, so that a stop is obeyed mid-entry
-                    part = data[offset:offset + MEMORY_PIECE_BYTES]
-                    transfer.timed(source.fill, offset, part)
-                    transfer.observe(part)
-                    transfer.advance(part.size)
+            copy_into_memory(source, data, transfer)
         except BaseException:
             self._free(data)
             raise
@@ -6543,18 +6561,84 @@ class EvictionPolicy:
 # figures (WriteBackFigures) are a record that merges itself across ranks.
 
 class WriteBackJob(NamedTuple):
-    """One queued write: the entry, its bytes and objects, when it was queued, and `write`, which
-    does the write and its bookkeeping (True: stored; False: failed or stopped, counted)."""
+    """One queued write: the entry, its bytes and objects, when it was queued, `write`, which
+    does the write and its bookkeeping (True: stored; False: failed or stopped, counted), and the
+    `handle` of its bytes in the write-back's buffer (WriteBack.room)."""
     key: str
     nbytes: int
     objects: int
     queued_at: float
     write: Callable[[], bool]
+    handle: int
 
 
 WRITE_BACK_COUNTS = ("submitted", "submitted_bytes", "submitted_objects", "written", "written_bytes",
                      "written_objects", "failed", "failed_bytes", "dropped", "dropped_bytes", "dropped_objects",
-                     "blocked", "reads_served")
+                     "blocked", "reads_served", "reads_served_bytes", "buffer_full")
+
+
+class WriteBackBuffer:
+    """The host memory a queued write holds until it is written (--write-back-buffer-gb): one
+    arena of that size whose pages are made as they are first used, so memory a run never fills
+    costs nothing. A write's bytes are held (by its `handle`) from its queueing to the end of its
+    write; a read of them copies out, and they are freed when the write is over and the last such
+    read has left. Thread-safe."""
+
+    def __init__(self, nbytes: int):
+        self.arena = HostArena(np.empty(max(int(nbytes), BLOCK_BYTES), dtype=np.uint8))
+        self._lock = threading.Lock()
+        self._held: Dict[int, np.ndarray] = {}
+        self._readers: Dict[int, int] = defaultdict(int)
+        self._released: set = set()                     # written, freed when their last reader leaves
+        self.held_bytes = self.peak_bytes = 0
+
+    def hold(self, handle: int, nbytes: int) -> Optional[np.ndarray]:
+        """Room for a write's `nbytes` (None: the buffer has none now)."""
+        view = self.arena.alloc(nbytes)
+        if view is not None:
+            with self._lock:
+                self._held[handle] = view
+                self.held_bytes += view.nbytes
+                self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        return view
+
+    def release(self, handle: int) -> None:
+        """Its write is over (written, failed or dropped): freed now, or when its last reader leaves."""
+        with self._lock:
+            if handle not in self._held or handle in self._released:
+                return
+            if self._readers.get(handle):
+                self._released.add(handle)
+                return
+            view = self._forget_locked(handle)
+        self.arena.free(view)
+
+    def _forget_locked(self, handle: int) -> np.ndarray:
+        view = self._held.pop(handle)
+        self.held_bytes -= view.nbytes
+        return view
+
+    @contextlib.contextmanager
+    def reading(self, handle: int) -> Iterator[np.ndarray]:
+        """The write's bytes, kept while read (KeyError: its write is over)."""
+        with self._lock:
+            if handle in self._released:
+                raise KeyError(handle)
+            view = self._held[handle]
+            self._readers[handle] += 1
+        try:
+            yield view
+        finally:
+            freed = None
+            with self._lock:
+                self._readers[handle] -= 1
+                if not self._readers[handle]:
+                    del self._readers[handle]
+                    if handle in self._released:
+                        self._released.discard(handle)
+                        freed = self._forget_locked(handle)
+            if freed is not None:
+                self.arena.free(freed)
 
 
 @dataclass
@@ -6571,6 +6655,8 @@ class WriteBackFigures:
     peak_bytes: int = 0
     queued_at_stop_objects: int = 0
     queued_at_stop_bytes: int = 0
+    buffer_bytes: int = 0                 # the buffer's size, and the most it held at once
+    peak_buffer_bytes: int = 0
 
     @staticmethod
     def merged(parts: Sequence[Optional["WriteBackFigures"]]) -> Optional["WriteBackFigures"]:
@@ -6585,7 +6671,8 @@ class WriteBackFigures:
         total = lambda name: sum(getattr(p, name) for p in parts)         # noqa: E731
         return WriteBackFigures(parts[0].policy, {k: sum(p.counts.get(k, 0) for p in parts) for k in WRITE_BACK_COUNTS},
                                 lag, full_wait, total("peak_objects"), total("peak_bytes"),
-                                total("queued_at_stop_objects"), total("queued_at_stop_bytes"))
+                                total("queued_at_stop_objects"), total("queued_at_stop_bytes"), total("buffer_bytes"),
+                                total("peak_buffer_bytes"))
 
     def to_json(self, window_s: float) -> Dict[str, Any]:
         """The results' `write_back` (docs/metrics.md)."""
@@ -6596,7 +6683,8 @@ class WriteBackFigures:
                 "lag_ms": histogram_summary_ms(self.lag), "full_wait_ms": histogram_summary_ms(self.full_wait),
                 "peak_queue_objects": self.peak_objects, "peak_queue_bytes": self.peak_bytes,
                 "queued_at_stop_objects": self.queued_at_stop_objects,
-                "queued_at_stop_bytes": self.queued_at_stop_bytes}
+                "queued_at_stop_bytes": self.queued_at_stop_bytes, "buffer_bytes": self.buffer_bytes,
+                "peak_buffer_bytes": self.peak_buffer_bytes}
 
 
 def format_write_back(w: Dict[str, Any]) -> List[str]:
@@ -6611,9 +6699,11 @@ def format_write_back(w: Dict[str, Any]) -> List[str]:
             f"P99 {_fmt_ms(lag['p99'])}",
             f"  deepest queue {w['peak_queue_objects']:,} objects ({w['peak_queue_bytes'] / GIB:.2f} GiB); still "
             f"queued at the stop {w['queued_at_stop_objects']:,} ({w['queued_at_stop_bytes'] / GIB:.2f} GiB)",
+            f"  buffer {w['buffer_bytes'] / GIB:.2f} GiB of host memory, at most {w['peak_buffer_bytes'] / GIB:.2f} "
+            f"GiB held; full {w['buffer_full']:,} times",
             f"  dropped {w['dropped']:,} writes ({w['dropped_objects']:,} objects), {w['blocked']:,} waited for room "
-            f"(P95 {_fmt_ms(w['full_wait_ms']['p95'])}), failed {w['failed']:,}; reads served before the write "
-            f"{w['reads_served']:,}"]
+            f"(P95 {_fmt_ms(w['full_wait_ms']['p95'])}), failed {w['failed']:,}; reads served from the buffer "
+            f"{w['reads_served']:,} ({w['reads_served_bytes'] / GIB:.2f} GiB copied)"]
 
 
 class WriteBack:
@@ -6623,8 +6713,17 @@ class WriteBack:
     queued or being written; its seconds of work are the objects queued x the mean write time
     of an object so far / threads (llm-d's rule: no bound until a write has completed)."""
 
-    def __init__(self, policy: WriteBackPolicy, stop: threading.Event):
+    def __init__(self, policy: WriteBackPolicy, stop: threading.Event, available_bytes: Optional[int]):
+        """`available_bytes`: the RAM free now; the buffer takes at most ARENA_MAX_SHARE_OF_AVAILABLE
+        of it (said in a warning), so that queued writes never exhaust the machine's memory."""
         self.policy, self._stop = policy, stop
+        size = wanted = int(policy.buffer_gb * GIB)
+        if available_bytes is not None:
+            size = min(size, int(available_bytes * ARENA_MAX_SHARE_OF_AVAILABLE))
+        if size < wanted:
+            logger.warning("the write-back's buffer is %.2f GB (%.0f %% of the free RAM), less than the %.2f GB asked",
+                           size / GIB, 100 * ARENA_MAX_SHARE_OF_AVAILABLE, wanted / GIB)
+        self.buffer = WriteBackBuffer(size)
         self._cond = threading.Condition()
         self._queue: "collections.deque[WriteBackJob]" = collections.deque()
         self._objects = self._bytes = 0                  # queued or being written
@@ -6643,6 +6742,7 @@ class WriteBack:
             self._counts = dict.fromkeys(WRITE_BACK_COUNTS, 0)
             self._lag, self._full_wait = LatencyHistogram(), LatencyHistogram()
             self._peak_objects, self._peak_bytes = self._objects, self._bytes
+            self.buffer.peak_bytes = self.buffer.held_bytes
 
     def _full(self, objects: int) -> bool:
         """Under the lock: whether `objects` more would pass a bound (an empty queue takes anything)."""
@@ -6656,15 +6756,44 @@ class WriteBack:
             return work_s > p.queue_seconds
         return False
 
+    def _dropped_locked(self, nbytes: int, objects: int) -> bool:
+        self._counts["dropped"] += 1
+        self._counts["dropped_bytes"] += nbytes
+        self._counts["dropped_objects"] += objects
+        return False
+
+    def room(self, handle: int, nbytes: int, objects: int) -> Tuple[Optional[np.ndarray], Optional[bool]]:
+        """Room in the buffer for a write's bytes before it is queued: (the room, True); none, and
+        policy.full drop (or more than the whole buffer): (None, False), counted as dropped; block:
+        it waits for a write to end, (None, None) when the run stops first."""
+        view = self.buffer.hold(handle, nbytes)
+        if view is not None:
+            return view, True
+        with self._cond:
+            self._counts["buffer_full"] += 1
+            if self.policy.full == "drop" or nbytes > self.buffer.arena.capacity_bytes:
+                return None, self._dropped_locked(nbytes, objects)
+            t0 = time.perf_counter()
+            self._counts["blocked"] += 1
+            while view is None and not (self._stop.is_set() or self._closed):
+                self._cond.wait(0.05)
+                view = self.buffer.hold(handle, nbytes)
+            self._full_wait.add(time.perf_counter() - t0)
+        return (view, True) if view is not None else (None, None)
+
     def submit(self, job: WriteBackJob) -> Optional[bool]:
-        """Queue a write: True queued, False dropped (the queue full, policy.full drop), None
-        stopped while waiting for room."""
+        """Queue a write (its bytes already in the buffer: room): True queued, False dropped (the
+        queue full, policy.full drop), None stopped while waiting for room; its room is given back
+        unless queued."""
+        queued = self._enqueue(job)
+        if not queued:
+            self.buffer.release(job.handle)
+        return queued
+
+    def _enqueue(self, job: WriteBackJob) -> Optional[bool]:
         with self._cond:
             if self._full(job.objects) and self.policy.full == "drop":
-                self._counts["dropped"] += 1
-                self._counts["dropped_bytes"] += job.nbytes
-                self._counts["dropped_objects"] += job.objects
-                return False
+                return self._dropped_locked(job.nbytes, job.objects)
             if self._full(job.objects):
                 t0 = time.perf_counter()
                 self._counts["blocked"] += 1
@@ -6683,10 +6812,11 @@ class WriteBack:
             self._cond.notify_all()
             return True
 
-    def served(self) -> None:
-        """A read of an entry still queued, served from the memory that holds it until it is written."""
+    def served(self, nbytes: int) -> None:
+        """A read of an entry still queued, copied out of the buffer that holds it until it is written."""
         with self._cond:
             self._counts["reads_served"] += 1
+            self._counts["reads_served_bytes"] += nbytes
 
     def depth(self) -> Tuple[int, int]:
         """Objects and bytes queued or being written now."""
@@ -6708,6 +6838,7 @@ class WriteBack:
                 logger.exception("write-back of %s failed", job.key)
                 stored = False
             done = time.perf_counter()
+            self.buffer.release(job.handle)
             with self._cond:
                 self._objects, self._bytes = self._objects - job.objects, self._bytes - job.nbytes
                 if stored:
@@ -6737,7 +6868,8 @@ class WriteBack:
         with self._cond:
             return WriteBackFigures(self.policy.summary(), dict(self._counts), self._lag.merged(LatencyHistogram()),
                                     self._full_wait.merged(LatencyHistogram()), self._peak_objects, self._peak_bytes,
-                                    self._objects, self._bytes)
+                                    self._objects, self._bytes, self.buffer.arena.capacity_bytes,
+                                    self.buffer.peak_bytes)
 
     def close(self) -> List[WriteBackJob]:
         """Stop the threads once their writes in progress end (a stop makes those give up);
@@ -6749,28 +6881,17 @@ class WriteBack:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join()
+        for job in left:
+            self.buffer.release(job.handle)
         return left
 
 
 # ============================================================================
-# MULTI-TIER CACHE
+# CACHE ENTRIES
 # ============================================================================
-
-BOUNCE_BYTES = 4 * 1024 * 1024          # a memory read's bounce area, reused piece after piece: stays in cache
-
-
-def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> MemoryTiers:
-    """A run's GPU and CPU tiers (the GPU tier N x --gpu-mem-gb); with --io-trace-log, tiers
-    of the same budgets that move no bytes."""
-    if config.io_trace_log:
-        return open_traced_tiers(config)
-    tiers = open_memory_tiers(config.gpu_mem_gb * config.num_gpus, config.cpu_mem_gb, config.gpu_library, generator,
-                              available_memory_bytes(), config.gpu_device, gpu_tunables=config.tunables.gpu_backend)
-    if config.kv_blocks.blocks:
-        tiers.open_storage = block_tier_opener(config.kv_blocks, config.model.name,
-                                               config.shards.model.kv_cache_size_per_token)
-    return tiers
-
+# What a cache operation hands back (CacheResult, with the names of the request record's fields it
+# adds to) and what the cache keeps per entry (CacheEntry); the description of a cache's tiers in
+# the results, the clean-up of a run's files with its errors counted, and the bookkeeping's checks.
 
 @dataclass
 class CacheResult:
@@ -6883,6 +7004,26 @@ def invariant_violations(entries: Dict[str, "CacheEntry"], backends: Dict[str, S
     return problems
 
 
+# ============================================================================
+# MULTI-TIER CACHE
+# ============================================================================
+
+BOUNCE_BYTES = 4 * 1024 * 1024          # a memory read's bounce area, reused piece after piece: stays in cache
+
+
+def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> MemoryTiers:
+    """A run's GPU and CPU tiers (the GPU tier N x --gpu-mem-gb); with --io-trace-log, tiers
+    of the same budgets that move no bytes."""
+    if config.io_trace_log:
+        return open_traced_tiers(config)
+    tiers = open_memory_tiers(config.gpu_mem_gb * config.num_gpus, config.cpu_mem_gb, config.gpu_library, generator,
+                              available_memory_bytes(), config.gpu_device, gpu_tunables=config.tunables.gpu_backend)
+    if config.kv_blocks.blocks:
+        tiers.open_storage = block_tier_opener(config.kv_blocks, config.model.name,
+                                               config.shards.model.kv_cache_size_per_token)
+    return tiers
+
+
 class TieredCache:
     """GPU -> CPU -> storage cache with waterfall LRU eviction.
 
@@ -6926,7 +7067,7 @@ class TieredCache:
             raise
         self._abort = threading.Event()
         policy = config.write_back_policy
-        self.write_back = WriteBack(policy, self._abort) if policy.asynchronous else None
+        self.write_back = WriteBack(policy, self._abort, available_memory_bytes()) if policy.asynchronous else None
         # Its threads end with the cache, closed or collected (the callback holds the queue, not the cache).
         self._close_write_back = weakref.finalize(self, self.write_back.close) if self.write_back else None
         self.staging_pool = StagingPool(STAGING_AREAS, STAGING_BYTES)
@@ -7144,29 +7285,59 @@ class TieredCache:
     def _queue_write(self, entry: CacheEntry, reason: str, verify: bool,
                      release: Optional[str] = None) -> Optional[bool]:
         """Queue `entry`'s write to the storage tier (its room there reserved; `release`: the tier it
-        is demoted from, whose copy goes now). Until written it is in the write-back's memory, where
-        a read finds it. True queued; False dropped (the queue full) and None stopped: it leaves the cache."""
-        with self._lock:
-            if release is not None:
-                self._usage[release] -= entry.size_bytes
-            entry.tier, entry.state = Tier.STORAGE, "queued"
-        if release is not None:
-            self.backends[release].delete(entry.key)
+        is demoted from, whose copy goes now). Its bytes are first copied into the write-back's
+        buffer, host memory held until they are written (as an engine holds a store), from where a
+        read copies them meanwhile. True queued; False dropped (no room in the buffer, or the queue
+        full) and None stopped: it leaves the cache."""
         scheme, bytes_per_token = self.config.kv_blocks, self.model_config.kv_cache_size_per_token
         objects = (entry.size_bytes // scheme.object_bytes(bytes_per_token, self.config.tensor_parallel)
                    if scheme.blocks else self.config.tensor_parallel)
-        queued = self.write_back.submit(WriteBackJob(entry.key, entry.size_bytes, objects, 0.0,
-                                                     functools.partial(self._write_back, entry, reason, verify)))
+        handle = id(entry)
+        view, room = self.write_back.room(handle, entry.size_bytes, objects)
+        filled = view is not None and self._fill_buffer(entry, view, release, verify)
+        with self._lock:
+            if release is not None:
+                self._usage[release] -= entry.size_bytes
+            if filled:
+                entry.tier, entry.state = Tier.STORAGE, "queued"
+        if release is not None:
+            self.backends[release].delete(entry.key)
+        if filled:
+            queued = self.write_back.submit(WriteBackJob(entry.key, entry.size_bytes, objects, 0.0, functools.partial(
+                self._write_back, entry, reason, verify), handle))
+        else:
+            queued = room if view is None else None             # (stopped while copying)
+            if view is not None:
+                self.write_back.buffer.release(handle)
         if not queued:
             self._drop(entry, reserved_tier=Tier.STORAGE)
         return queued
 
-    def _write_back(self, entry: CacheEntry, reason: str, verify: bool) -> bool:
-        """A write-back thread's write of a queued entry (its bytes made again: the same bytes)."""
-        source = EntrySource.generated(self.generator, entry.key, entry.size_bytes, entry.shape, entry.dtype)
-        transfer = self._transfer(Tier.STORAGE, "write", entry.size_bytes, verify, reason)
+    def _fill_buffer(self, entry: CacheEntry, view: np.ndarray, release: Optional[str], verify: bool) -> bool:
+        """The entry's bytes into its room in the write-back's buffer, from the tier it is demoted
+        from or made (the request's own KV); False when the run stopped first. Trace mode moves no
+        bytes: the room is held all the same."""
+        source = (self.backends[release].source(entry.key) if release is not None else
+                  EntrySource.generated(self.generator, entry.key, entry.size_bytes, entry.shape, entry.dtype))
+        transfer = Transfer("write", entry.size_bytes, tier="write_back", stop=self._abort, verify=verify)
         try:
             with transfer:
+                if self.tiers.trace is None:
+                    copy_into_memory(source, view, transfer)
+        except IOAborted:
+            return False
+        if verify and self.tiers.trace is None:          # (a demotion's entry keeps the checksum it has)
+            with self._lock:
+                entry.checksum = transfer.crc
+        return True
+
+    def _write_back(self, entry: CacheEntry, reason: str, verify: bool) -> bool:
+        """A write-back thread's write of a queued entry, from its bytes in the buffer."""
+        transfer = self._transfer(Tier.STORAGE, "write", entry.size_bytes, verify, reason)
+        try:
+            with self.write_back.buffer.reading(id(entry)) as view, transfer:
+                source = EntrySource(entry.size_bytes, entry.shape, entry.dtype,
+                                     lambda offset, out: np.copyto(out, view[offset:offset + out.size]))
                 self.storage.write_from(entry.key, source, transfer)
         except (OSError, IOAborted):                   # counted by the transfer
             self._drop(entry, reserved_tier=Tier.STORAGE)
@@ -7178,6 +7349,22 @@ class TieredCache:
             self._lru[Tier.STORAGE][entry.key] = None
         transfer.record(entry.num_tokens)
         return True
+
+    def _read_buffered(self, entry: CacheEntry, reason: str) -> Optional[Transfer]:
+        """A read of a queued entry: its bytes copied out of the write-back's buffer, as a CPU-tier
+        read is (None: its write ended meanwhile, and storage holds it now)."""
+        verify = entry.checksum is not None
+        copies_out = self.tiers.delivery is None or verify
+        transfer = Transfer("read", entry.size_bytes, tier="write_back", stop=self._abort,
+                            pool=self.bounce_pool if copies_out else None, verify=verify, reason=reason)
+        try:
+            with self.write_back.buffer.reading(id(entry)) as view, transfer:
+                if self.tiers.trace is None:
+                    self._sink.from_host(view.view(np.dtype(entry.dtype)).reshape(entry.shape), transfer)
+        except KeyError:
+            return None
+        self.write_back.served(entry.size_bytes)
+        return transfer
 
     def flush_write_back(self, timeout_s: Optional[float] = None) -> bool:
         """Wait until every queued write is written (or the stop, or `timeout_s`): whether all are."""
@@ -7231,10 +7418,18 @@ class TieredCache:
                 tier, queued = entry.tier, entry.state == "queued"
                 if key in self._lru[tier]:
                     self._lru[tier].move_to_end(key)
-            if queued:                                 # --write-back async: served from memory, no storage I/O
-                self.write_back.served()
+            if queued:                                 # --write-back async: copied out of its buffer
+                try:
+                    buffered = self._read_buffered(entry, reason)
+                except IOAborted:
+                    return CacheResult(False, None, time.perf_counter() - t0, 0, True, storage_wait_s=waited_s)
+                if buffered is None:                   # written meanwhile: read from storage
+                    continue
+                waited_s += buffered.waited_s
                 self.stats.record_lookup(cache_type, True, "write_back", entry.size_bytes)
                 self._used(key)
+                if buffered.verify:
+                    self._check_read(key, "write_back", entry.checksum, buffered.crc)
                 return CacheResult(True, "write_back", time.perf_counter() - t0, entry.num_tokens,
                                    storage_wait_s=waited_s)
             verify = entry.checksum is not None
@@ -11637,8 +11832,11 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
                    help="--write-back async: the queue holds at most N objects (0: unbounded) or Ns seconds of "
                         "queued work (default: the --kv-engine's, else 0)")
     k.add_argument("--write-back-full", choices=["block", "drop"],
-                   help="--write-back async, queue full: the write waits for room, or is dropped (not stored) "
-                        "(default: the --kv-engine's, else block)")
+                   help="--write-back async, queue or buffer full: the write waits for room, or is dropped (not "
+                        "stored) (default: the --kv-engine's, else block)")
+    k.add_argument("--write-back-buffer-gb", type=float,
+                   help="--write-back async: GiB of host memory that hold queued writes until written; a read of "
+                        "a queued entry copies out of it (default: the --kv-engine's, else 4)")
     m.add_argument("--precondition", action="store_true",
                    help="before the timer, age the drive: write incompressible entries of the run's sizes straight "
                         "to the storage tier (the oldest evicted when it is full)")

@@ -2375,8 +2375,9 @@ class TestKVBlocks:
         calls, io_mode = strace_block_write(tmp_path, f'dataclasses.replace(kv.KV_ENGINES["lmcache"], kv_io={kv_io!r})',
                                             2 * 256 * 4096, "fsync,fdatasync,openat,rename")
         assert len(re.findall(r"\bf(?:data)?sync\(", calls)) == syncs
-        assert len(re.findall(r'rename\("[^"]+\.data\.tmp", "[^"]+\.data"\)', calls)) == 2
-        opens = re.findall(r'openat\([^,]+, "[^"]+\.data\.tmp", ([A-Z_|]+)', calls)
+        renames = re.findall(r'rename\("([^"]+)\.tmp", "([^"]+)\.data"\)', calls)      # <key>.tmp, as LMCache's
+        assert len(renames) == 2 and all(temp == final for temp, final in renames)
+        opens = re.findall(r'openat\([^,]+, "[^"]+\.tmp", ([A-Z_|]+)', calls)
         assert len(opens) == 2 and all("O_EXCL" in flags for flags in opens)      # never over a file not ours
         direct = "O_DIRECT" in io_mode.splitlines()[-1]                         # where the file system takes it
         assert all(("O_DIRECT" in flags) == direct for flags in opens) and direct <= (kv_io == "direct")
@@ -2402,11 +2403,11 @@ class TestWriteBack:
             if done is not None:
                 done.append(key)
             return stored
-        return kv.WriteBackJob(key, nbytes, objects, 0.0, write)
+        return kv.WriteBackJob(key, nbytes, objects, 0.0, write, hash(key))   # (no room held in the buffer)
 
     def test_writes_are_queued_written_in_order_and_counted(self):
         gate, stop, done = threading.Event(), threading.Event(), []
-        queue = kv.WriteBack(kv.WriteBackPolicy("async", 1), stop)
+        queue = kv.WriteBack(kv.WriteBackPolicy("async", 1), stop, None)
         try:
             assert [queue.submit(self._job(f"k{i}", gate, 2, 10, done=done)) for i in range(3)] == [True] * 3
             assert queue.depth() == (6, 30)                                 # queued or being written
@@ -2422,7 +2423,7 @@ class TestWriteBack:
 
     def test_a_full_queue_drops_under_drop_and_counts_it(self):
         gate = threading.Event()
-        queue = kv.WriteBack(kv.WriteBackPolicy("async", 1, queue_objects=2, full="drop"), threading.Event())
+        queue = kv.WriteBack(kv.WriteBackPolicy("async", 1, queue_objects=2, full="drop"), threading.Event(), None)
         try:
             assert queue.submit(self._job("a", gate, objects=2))            # an empty queue takes anything
             assert queue.submit(self._job("b", gate)) is False               # 2 + 1 > 2: dropped
@@ -2436,7 +2437,7 @@ class TestWriteBack:
 
     def test_a_full_queue_blocks_the_writer_under_block_until_the_stop(self):
         gate, stop = threading.Event(), threading.Event()
-        queue = kv.WriteBack(kv.WriteBackPolicy("async", 1, queue_objects=1), stop)
+        queue = kv.WriteBack(kv.WriteBackPolicy("async", 1, queue_objects=1), stop, None)
         outcome = []
         try:
             assert queue.submit(self._job("a", gate))
@@ -2461,8 +2462,9 @@ class TestWriteBack:
 
     def test_seconds_of_queued_work_bound_the_queue_once_a_write_has_taken_time(self):
         gate = threading.Event()
-        slow = kv.WriteBackJob("slow", 1, 1, 0.0, lambda: time.sleep(0.2) or True)
-        queue = kv.WriteBack(kv.WriteBackPolicy("async", 1, queue_seconds=0.1, full="drop"), threading.Event())
+        slow = kv.WriteBackJob("slow", 1, 1, 0.0, lambda: time.sleep(0.2) or True, 0)
+        queue = kv.WriteBack(kv.WriteBackPolicy("async", 1, queue_seconds=0.1, full="drop"), threading.Event(),
+                             None)
         try:
             assert queue.submit(self._job("a", gate)) and queue.submit(self._job("b", gate))   # no write timed yet
             gate.set()
@@ -2540,6 +2542,100 @@ class TestWriteBack:
         finally:
             cache.close()
 
+    @staticmethod
+    def _gated_cache(tmp_path, buffer_entries, full="block", **fields):
+        """A storage-only cache whose write-back writes wait for the returned gate (so that queued
+        entries stay queued), with a buffer of `buffer_entries` 64-token entries."""
+        entry = 64 * kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token
+        config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
+                                    write_back="async", write_back_threads=1, write_back_full=full,
+                                    write_back_buffer_gb=buffer_entries * entry / GIB, **fields).validate()
+        cache, gate = kv.TieredCache(config), threading.Event()
+        write = cache.storage.write_from
+
+        def gated(*args):
+            assert gate.wait(30)
+            return write(*args)
+        cache.storage.write_from = gated
+        return cache, gate, entry
+
+    def test_a_queued_write_holds_its_bytes_in_the_buffer_until_written(self, tmp_path):
+        cache, gate, entry = self._gated_cache(tmp_path, 4)
+        try:
+            assert cache.write_entry("a", 64).success and cache.write_entry("b", 64).success
+            assert cache.write_back.buffer.held_bytes == 2 * entry                  # charged while queued
+            gate.set()
+            assert cache.flush_write_back(30) and cache.write_back.buffer.held_bytes == 0     # released when written
+            figures = cache.write_back.figures()
+            assert figures.peak_buffer_bytes == 2 * entry and 4 * entry - 8192 < figures.buffer_bytes <= 4 * entry
+        finally:
+            gate.set()
+            cache.close()
+
+    def test_a_read_of_a_queued_entry_is_a_timed_copy_of_its_bytes(self, tmp_path):
+        cache, gate, entry = self._gated_cache(tmp_path, 4, verify=True)
+        try:
+            assert cache.write_entry("a", 64).success
+            read = cache.read_entry("a")
+            assert (read.success, read.tier, read.tokens_moved) == (True, "write_back", 64) and read.latency_s > 0
+            c = cache.write_back.figures().counts
+            assert (c["reads_served"], c["reads_served_bytes"]) == (1, entry)
+            assert cache.stats.read(lambda c, _: (c["verify_checked"], c["verify_mismatches"])) == (1, 0)
+            gate.set()
+            assert cache.flush_write_back(30) and cache.read_entry("a").tier == "nvme"
+            assert cache.stats.read(lambda c, _: (c["verify_checked"], c["verify_mismatches"])) == (2, 0)
+        finally:
+            gate.set()
+            cache.close()
+
+    def test_the_buffer_never_takes_more_than_its_share_of_the_free_ram(self, caplog):
+        queue = kv.WriteBack(kv.WriteBackPolicy("async", 1, buffer_gb=4.0), threading.Event(), 10 * MIB)
+        try:
+            assert queue.buffer.arena.capacity_bytes <= 0.8 * 10 * MIB
+            assert queue.figures().buffer_bytes == queue.buffer.arena.capacity_bytes
+            assert "the write-back's buffer is 0.01 GB (80 % of the free RAM), less than the 4.00 GB asked" in caplog.text
+        finally:
+            queue.close()
+
+    def test_the_presets_hold_their_stores_where_the_engines_do(self):
+        policies = {name: kv.BenchmarkConfig(kv_engine=name).write_back_policy for name in kv.KV_ENGINES}
+        assert {name: (p.buffer_gb, p.full) for name, p in policies.items()} == {
+            "lmcache": (5.0, "drop"), "vllm": (4.0, "block"), "llm-d": (150.0, "drop"), "sglang": (4.0, "block"),
+            "dynamo": (4.0, "block"), "mooncake": (4.0, "drop")}
+        assert kv.BenchmarkConfig(kv_engine="lmcache", write_back_buffer_gb=0.5).write_back_policy.buffer_gb == 0.5
+
+    def test_a_full_buffer_drops_under_drop(self, tmp_path):
+        cache, gate, entry = self._gated_cache(tmp_path, 1.5, full="drop")
+        try:
+            assert cache.write_entry("a", 64).success
+            dropped = cache.write_entry("b", 64)
+            assert not dropped.success and cache.entry_location("b") is None          # not stored: a future miss
+            c = cache.write_back.figures().counts
+            assert (c["buffer_full"], c["dropped"], c["dropped_bytes"], c["submitted"]) == (1, 1, entry, 1)
+            assert cache.write_back.buffer.held_bytes == entry
+        finally:
+            gate.set()
+            cache.close()
+
+    def test_a_full_buffer_makes_the_writer_wait_under_block(self, tmp_path):
+        cache, gate, entry = self._gated_cache(tmp_path, 1.5)
+        outcome = []
+        try:
+            assert cache.write_entry("a", 64).success
+            waiter = threading.Thread(target=lambda: outcome.append(cache.write_entry("b", 64).success))
+            waiter.start()
+            wait_until(lambda: cache.write_back.figures().counts["buffer_full"] == 1)
+            assert outcome == [] and cache.write_back.buffer.held_bytes == entry    # waiting for room
+            gate.set()
+            waiter.join(30)
+            assert outcome == [True] and cache.flush_write_back(30)
+            figures = cache.write_back.figures()
+            assert figures.counts["blocked"] == 1 and figures.counts["written"] == 2
+            assert figures.peak_buffer_bytes == entry <= figures.buffer_bytes
+        finally:
+            gate.set()
+            cache.close()
+
     def test_a_demotion_is_queued_and_its_memory_freed_at_once(self, tmp_path):
         entry = 64 * kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token
         config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=2.5 * entry / GIB,
@@ -2574,7 +2670,7 @@ class TestWriteBack:
         assert sum(tiers.get("write_back", 0) for tiers in by_tier.values()) >= w["reads_served"] > 0
         assert results["summary"]["cache_stats"]["tier_storage_kv_bytes_written_gb"] * GIB >= w["written_bytes"]
         assert "### WRITE-BACK (--write-back async) ###" in run.stdout
-        assert "; write-back async, 1 thread, queue of at most 50,000 objects, then drop" in \
+        assert "; write-back async, 1 thread, queue of at most 50,000 objects in a 4 GB buffer, then drop" in \
             results["summary"]["cache_stats"]["storage_io_mode"]
         assert results["timeline"] and all("write_back_queue_objects" in point for point in results["timeline"])
         row = next(csv.DictReader((tmp_path / "r.csv").read_text().splitlines()))

@@ -49,6 +49,7 @@ Sections, in the order data flows through the program (each uses only those abov
     THE WATERFALL'S RULES             EvictionPolicy (--config eviction), AdmissionFilter (--storage-admission)
     WRITE-BACK                        --write-back async: WriteBack (the queue, its buffer, its threads), WriteBackFigures
     CACHE ENTRIES                     CacheResult, CacheEntry, describe_tiers, the run's clean-up, invariants
+    THE CACHE'S WRITE-BACK            CacheWriteBack: queued writes, their buffer and their reads (TieredCache's base)
     MULTI-TIER CACHE                  TieredCache: the run's tiers, waterfall LRU over them, the write-back's entries
     THE DRIVE'S OWN VIEW              block-layer counters of the cache directory's device
     BLOCK-LAYER LATENCY               --enable-latency-tracing: bpftrace's D2C histograms of that device
@@ -7005,6 +7006,120 @@ def invariant_violations(entries: Dict[str, "CacheEntry"], backends: Dict[str, S
 
 
 # ============================================================================
+# THE CACHE'S WRITE-BACK (--write-back async)
+# ============================================================================
+# How the cache queues a storage write (WriteBack, above): the entry's bytes copied into the
+# write-back's buffer, queued, written from there by a write-back thread; a read of a queued entry
+# copied out of the buffer. TieredCache (below) is a CacheWriteBack and supplies what it declares.
+
+class CacheWriteBack:
+    """The write-back's side of TieredCache: its queued writes, their buffer and their reads."""
+    config: BenchmarkConfig
+    model_config: ModelConfig
+    generator: KVCacheGenerator
+    write_back: Optional[WriteBack]
+    storage: StorageTier
+    backends: Dict[str, StorageBackend]
+    tiers: MemoryTiers
+    bounce_pool: StagingPool
+    _sink: ReadSink
+    _abort: threading.Event
+    _lock: threading.Lock
+    _usage: Dict[str, int]
+    _lru: Dict[str, "OrderedDict[str, None]"]
+
+    def _transfer(self, tier: str, op: str, nbytes: int, verify: bool, reason: str) -> Transfer:
+        raise NotImplementedError
+
+    def _drop(self, entry: CacheEntry, reserved_tier: Optional[str]) -> None:
+        raise NotImplementedError
+
+    def _queue_write(self, entry: CacheEntry, reason: str, verify: bool,
+                     release: Optional[str] = None) -> Optional[bool]:
+        """Queue `entry`'s write to the storage tier (its room there reserved; `release`: the tier it
+        is demoted from, whose copy goes now). Its bytes are first copied into the write-back's
+        buffer, host memory held until they are written (as an engine holds a store), from where a
+        read copies them meanwhile. True queued; False dropped (no room in the buffer, or the queue
+        full) and None stopped: it leaves the cache."""
+        scheme, bytes_per_token = self.config.kv_blocks, self.model_config.kv_cache_size_per_token
+        objects = (entry.size_bytes // scheme.object_bytes(bytes_per_token, self.config.tensor_parallel)
+                   if scheme.blocks else self.config.tensor_parallel)
+        handle = id(entry)
+        view, room = self.write_back.room(handle, entry.size_bytes, objects)
+        filled = view is not None and self._fill_buffer(entry, view, release, verify)
+        with self._lock:
+            if release is not None:
+                self._usage[release] -= entry.size_bytes
+            if filled:
+                entry.tier, entry.state = Tier.STORAGE, "queued"
+        if release is not None:
+            self.backends[release].delete(entry.key)
+        if filled:
+            queued = self.write_back.submit(WriteBackJob(entry.key, entry.size_bytes, objects, 0.0, functools.partial(
+                self._write_back, entry, reason, verify), handle))
+        else:
+            queued = room if view is None else None             # (stopped while copying)
+            if view is not None:
+                self.write_back.buffer.release(handle)
+        if not queued:
+            self._drop(entry, reserved_tier=Tier.STORAGE)
+        return queued
+
+    def _fill_buffer(self, entry: CacheEntry, view: np.ndarray, release: Optional[str], verify: bool) -> bool:
+        """The entry's bytes into its room in the write-back's buffer, from the tier it is demoted
+        from or made (the request's own KV); False when the run stopped first. Trace mode moves no
+        bytes: the room is held all the same."""
+        source = (self.backends[release].source(entry.key) if release is not None else
+                  EntrySource.generated(self.generator, entry.key, entry.size_bytes, entry.shape, entry.dtype))
+        transfer = Transfer("write", entry.size_bytes, tier="write_back", stop=self._abort, verify=verify)
+        try:
+            with transfer:
+                if self.tiers.trace is None:
+                    copy_into_memory(source, view, transfer)
+        except IOAborted:
+            return False
+        if verify and self.tiers.trace is None:          # (a demotion's entry keeps the checksum it has)
+            with self._lock:
+                entry.checksum = transfer.crc
+        return True
+
+    def _write_back(self, entry: CacheEntry, reason: str, verify: bool) -> bool:
+        """A write-back thread's write of a queued entry, from its bytes in the buffer."""
+        transfer = self._transfer(Tier.STORAGE, "write", entry.size_bytes, verify, reason)
+        try:
+            with self.write_back.buffer.reading(id(entry)) as view, transfer:
+                source = EntrySource(entry.size_bytes, entry.shape, entry.dtype,
+                                     lambda offset, out: np.copyto(out, view[offset:offset + out.size]))
+                self.storage.write_from(entry.key, source, transfer)
+        except (OSError, IOAborted):                   # counted by the transfer
+            self._drop(entry, reserved_tier=Tier.STORAGE)
+            return False
+        with self._lock:
+            if verify:
+                entry.checksum = transfer.crc
+            entry.state = "ready"
+            self._lru[Tier.STORAGE][entry.key] = None
+        transfer.record(entry.num_tokens)
+        return True
+
+    def _read_buffered(self, entry: CacheEntry, reason: str) -> Optional[Transfer]:
+        """A read of a queued entry: its bytes copied out of the write-back's buffer, as a CPU-tier
+        read is (None: its write ended meanwhile, and storage holds it now)."""
+        verify = entry.checksum is not None
+        copies_out = self.tiers.delivery is None or verify
+        transfer = Transfer("read", entry.size_bytes, tier="write_back", stop=self._abort,
+                            pool=self.bounce_pool if copies_out else None, verify=verify, reason=reason)
+        try:
+            with self.write_back.buffer.reading(id(entry)) as view, transfer:
+                if self.tiers.trace is None:
+                    self._sink.from_host(view.view(np.dtype(entry.dtype)).reshape(entry.shape), transfer)
+        except KeyError:
+            return None
+        self.write_back.served(entry.size_bytes)
+        return transfer
+
+
+# ============================================================================
 # MULTI-TIER CACHE
 # ============================================================================
 
@@ -7024,7 +7139,7 @@ def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> Me
     return tiers
 
 
-class TieredCache:
+class TieredCache(CacheWriteBack):
     """GPU -> CPU -> storage cache with waterfall LRU eviction.
 
     A new entry goes to the fastest tier whose budget it fits. When a tier would pass
@@ -7280,91 +7395,6 @@ class TieredCache:
         self.stats.count(f"offloads_{dest}")
         transfer.record(victim.num_tokens)
         return moved + victim.num_tokens
-
-    # --- write-back (--write-back async) ---
-    def _queue_write(self, entry: CacheEntry, reason: str, verify: bool,
-                     release: Optional[str] = None) -> Optional[bool]:
-        """Queue `entry`'s write to the storage tier (its room there reserved; `release`: the tier it
-        is demoted from, whose copy goes now). Its bytes are first copied into the write-back's
-        buffer, host memory held until they are written (as an engine holds a store), from where a
-        read copies them meanwhile. True queued; False dropped (no room in the buffer, or the queue
-        full) and None stopped: it leaves the cache."""
-        scheme, bytes_per_token = self.config.kv_blocks, self.model_config.kv_cache_size_per_token
-        objects = (entry.size_bytes // scheme.object_bytes(bytes_per_token, self.config.tensor_parallel)
-                   if scheme.blocks else self.config.tensor_parallel)
-        handle = id(entry)
-        view, room = self.write_back.room(handle, entry.size_bytes, objects)
-        filled = view is not None and self._fill_buffer(entry, view, release, verify)
-        with self._lock:
-            if release is not None:
-                self._usage[release] -= entry.size_bytes
-            if filled:
-                entry.tier, entry.state = Tier.STORAGE, "queued"
-        if release is not None:
-            self.backends[release].delete(entry.key)
-        if filled:
-            queued = self.write_back.submit(WriteBackJob(entry.key, entry.size_bytes, objects, 0.0, functools.partial(
-                self._write_back, entry, reason, verify), handle))
-        else:
-            queued = room if view is None else None             # (stopped while copying)
-            if view is not None:
-                self.write_back.buffer.release(handle)
-        if not queued:
-            self._drop(entry, reserved_tier=Tier.STORAGE)
-        return queued
-
-    def _fill_buffer(self, entry: CacheEntry, view: np.ndarray, release: Optional[str], verify: bool) -> bool:
-        """The entry's bytes into its room in the write-back's buffer, from the tier it is demoted
-        from or made (the request's own KV); False when the run stopped first. Trace mode moves no
-        bytes: the room is held all the same."""
-        source = (self.backends[release].source(entry.key) if release is not None else
-                  EntrySource.generated(self.generator, entry.key, entry.size_bytes, entry.shape, entry.dtype))
-        transfer = Transfer("write", entry.size_bytes, tier="write_back", stop=self._abort, verify=verify)
-        try:
-            with transfer:
-                if self.tiers.trace is None:
-                    copy_into_memory(source, view, transfer)
-        except IOAborted:
-            return False
-        if verify and self.tiers.trace is None:          # (a demotion's entry keeps the checksum it has)
-            with self._lock:
-                entry.checksum = transfer.crc
-        return True
-
-    def _write_back(self, entry: CacheEntry, reason: str, verify: bool) -> bool:
-        """A write-back thread's write of a queued entry, from its bytes in the buffer."""
-        transfer = self._transfer(Tier.STORAGE, "write", entry.size_bytes, verify, reason)
-        try:
-            with self.write_back.buffer.reading(id(entry)) as view, transfer:
-                source = EntrySource(entry.size_bytes, entry.shape, entry.dtype,
-                                     lambda offset, out: np.copyto(out, view[offset:offset + out.size]))
-                self.storage.write_from(entry.key, source, transfer)
-        except (OSError, IOAborted):                   # counted by the transfer
-            self._drop(entry, reserved_tier=Tier.STORAGE)
-            return False
-        with self._lock:
-            if verify:
-                entry.checksum = transfer.crc
-            entry.state = "ready"
-            self._lru[Tier.STORAGE][entry.key] = None
-        transfer.record(entry.num_tokens)
-        return True
-
-    def _read_buffered(self, entry: CacheEntry, reason: str) -> Optional[Transfer]:
-        """A read of a queued entry: its bytes copied out of the write-back's buffer, as a CPU-tier
-        read is (None: its write ended meanwhile, and storage holds it now)."""
-        verify = entry.checksum is not None
-        copies_out = self.tiers.delivery is None or verify
-        transfer = Transfer("read", entry.size_bytes, tier="write_back", stop=self._abort,
-                            pool=self.bounce_pool if copies_out else None, verify=verify, reason=reason)
-        try:
-            with self.write_back.buffer.reading(id(entry)) as view, transfer:
-                if self.tiers.trace is None:
-                    self._sink.from_host(view.view(np.dtype(entry.dtype)).reshape(entry.shape), transfer)
-        except KeyError:
-            return None
-        self.write_back.served(entry.size_bytes)
-        return transfer
 
     def flush_write_back(self, timeout_s: Optional[float] = None) -> bool:
         """Wait until every queued write is written (or the stop, or `timeout_s`): whether all are."""

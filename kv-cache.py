@@ -50,6 +50,7 @@ Sections, in the order data flows through the program (each uses only those abov
     WRITE-BACK                        --write-back async: WriteBack (the queue, its buffer, its threads), WriteBackFigures
     CACHE ENTRIES                     CacheResult, CacheEntry, describe_tiers, the run's clean-up, invariants
     THE CACHE'S WRITE-BACK            CacheWriteBack: queued writes, their buffer and their reads (TieredCache's base)
+    RETIRED ENTRIES AND THE REAPER    CacheReaper: retired entries and replaced files deleted off the requests' path
     MULTI-TIER CACHE                  TieredCache: the run's tiers, waterfall LRU over them, the write-back's entries
     THE DRIVE'S OWN VIEW              block-layer counters of the cache directory's device
     BLOCK-LAYER LATENCY               --enable-latency-tracing: bpftrace's D2C histograms of that device
@@ -7120,6 +7121,74 @@ class CacheWriteBack:
 
 
 # ============================================================================
+# RETIRED ENTRIES AND THE REAPER
+# ============================================================================
+# Entries the workload will never read again (a finished conversation's turns) and replaced files:
+# deleted off the requests' path by the storage reaper (Benchmark's thread), so a run's files do
+# not pile up for a long clean-up at its end. TieredCache (below) is a CacheReaper.
+
+class CacheReaper:
+    """Retired entries and files to delete: TieredCache's base; it supplies what is declared here."""
+    stats: CacheStats
+    _lock: threading.Lock
+    _entries: Dict[str, CacheEntry]
+    _retired: set
+    _trash: List[os.PathLike]
+
+    def _forget(self, entry: CacheEntry) -> None:
+        raise NotImplementedError
+
+    def _remove_data_locked(self, tier: str, key: str) -> List[os.PathLike]:
+        raise NotImplementedError
+
+    def retire(self, keys: Sequence[str]) -> None:
+        """Mark entries the workload will never read again (a finished conversation).
+
+        They keep their place in the GPU/CPU LRU order, so the waterfall is
+        exactly what it would be without this; once they reach the storage
+        tier, where they would otherwise sit until the end of the run,
+        `collect_garbage` deletes them (a server frees a finished session too),
+        so the run's files do not pile up for a long cleanup at the end.
+        """
+        with self._lock:
+            self._retired.update(keys)
+
+    def _discard_data(self, tier: str, key: str) -> None:
+        """Drop a replaced entry's data. A storage file is only renamed here; deleting it
+        can take long (discard on unlink) and is left to `collect_garbage`, off the request's path."""
+        trash = self._remove_data_locked(tier, key)        # the entry is forgotten: no lock needed here
+        with self._lock:
+            self._trash.extend(trash)
+
+    def collect_garbage(self, should_stop: Callable[[], bool] = lambda: False, count_retired: bool = True) -> int:
+        """Delete retired entries that reached the storage tier and replaced files; returns how
+        many retired entries were deleted. Stops early when `should_stop()` says so; what is
+        left stays listed for the next call."""
+        retired = 0
+        with self._lock:
+            for key in list(self._retired):
+                entry = self._entries.get(key)
+                if entry is None:
+                    self._retired.discard(key)
+                elif entry.tier == Tier.STORAGE and entry.state == "ready":
+                    self._forget(entry)
+                    self._retired.discard(key)
+                    self._trash.extend(self._remove_data_locked(Tier.STORAGE, key))
+                    retired += 1
+            trash = self._trash[:]
+            self._trash.clear()                         # in place: the finalizer holds this list
+        for i, path in enumerate(trash):
+            if should_stop():
+                with self._lock:
+                    self._trash.extend(trash[i:])
+                break
+            _unlink_counted(self.stats, path)
+        if retired and count_retired:               # the final clean-up's are not the reaper's work
+            self.stats.count("retired_entries_deleted", retired)
+        return retired
+
+
+# ============================================================================
 # MULTI-TIER CACHE
 # ============================================================================
 
@@ -7139,7 +7208,7 @@ def open_cache_tiers(config: BenchmarkConfig, generator: KVCacheGenerator) -> Me
     return tiers
 
 
-class TieredCache(CacheWriteBack):
+class TieredCache(CacheWriteBack, CacheReaper):
     """GPU -> CPU -> storage cache with waterfall LRU eviction.
 
     A new entry goes to the fastest tier whose budget it fits. When a tier would pass
@@ -7500,53 +7569,6 @@ class TieredCache(CacheWriteBack):
         """Bookkeeping violations, as messages (empty when all hold); see invariant_violations."""
         with self._lock:
             return invariant_violations(self._entries, self.backends, self._usage, self.tier_limit)
-
-    # --- end of life of entries ---
-    def retire(self, keys: Sequence[str]) -> None:
-        """Mark entries the workload will never read again (a finished conversation).
-
-        They keep their place in the GPU/CPU LRU order, so the waterfall is
-        exactly what it would be without this; once they reach the storage
-        tier, where they would otherwise sit until the end of the run,
-        `collect_garbage` deletes them (a server frees a finished session too),
-        so the run's files do not pile up for a long cleanup at the end.
-        """
-        with self._lock:
-            self._retired.update(keys)
-
-    def _discard_data(self, tier: str, key: str) -> None:
-        """Drop a replaced entry's data. A storage file is only renamed here; deleting it
-        can take long (discard on unlink) and is left to `collect_garbage`, off the request's path."""
-        trash = self._remove_data_locked(tier, key)        # the entry is forgotten: no lock needed here
-        with self._lock:
-            self._trash.extend(trash)
-
-    def collect_garbage(self, should_stop: Callable[[], bool] = lambda: False, count_retired: bool = True) -> int:
-        """Delete retired entries that reached the storage tier and replaced files; returns how
-        many retired entries were deleted. Stops early when `should_stop()` says so; what is
-        left stays listed for the next call."""
-        retired = 0
-        with self._lock:
-            for key in list(self._retired):
-                entry = self._entries.get(key)
-                if entry is None:
-                    self._retired.discard(key)
-                elif entry.tier == Tier.STORAGE and entry.state == "ready":
-                    self._forget(entry)
-                    self._retired.discard(key)
-                    self._trash.extend(self._remove_data_locked(Tier.STORAGE, key))
-                    retired += 1
-            trash = self._trash[:]
-            self._trash.clear()                         # in place: the finalizer holds this list
-        for i, path in enumerate(trash):
-            if should_stop():
-                with self._lock:
-                    self._trash.extend(trash[i:])
-                break
-            _unlink_counted(self.stats, path)
-        if retired and count_retired:               # the final clean-up's are not the reaper's work
-            self.stats.count("retired_entries_deleted", retired)
-        return retired
 
     def reset_statistics(self) -> None:
         """Forget every figure so far (the entries stay): the measurement starts now, with no write

@@ -3645,6 +3645,10 @@ class StorageTier(StorageBackend):
         self.delete(key)
         return []
 
+    def follows(self, key: str, parent: Optional[str]) -> None:
+        """`key` comes after `parent` in its conversation: what names block objects (BlockNames)
+        needs; an entry's own file is named by its key alone."""
+
 
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,159}$")
 
@@ -4031,10 +4035,13 @@ class BlockObject(NamedTuple):
     nbytes: int
 
 
-def block_chain(key: str, count: int) -> List[str]:
+def block_chain(key: str, count: int, parent: Optional[str] = None) -> List[str]:
     """Each block's identity as engines make it: SHA-256 chained over the blocks before it, so
-    the same entry (a shared system prompt, a conversation's earlier turn) gives the same names."""
-    digest, out = hashlib.sha256(key.encode()).digest(), []
+    the same entry (a shared system prompt, a conversation's earlier turn) gives the same names.
+    `parent`: the last block hash of what comes before the entry in its conversation (BlockNames),
+    from which its chain goes on; without one, the chain starts from the entry's key."""
+    seed = key.encode() if parent is None else bytes.fromhex(parent) + key.encode()
+    digest, out = hashlib.sha256(seed).digest(), []
     for index in range(count):
         digest = hashlib.sha256(digest + index.to_bytes(8, "little")).digest()
         out.append(digest.hex())
@@ -4058,22 +4065,75 @@ def block_object_name(scheme: KVBlockScheme, model: str, block_hash: str, rank: 
 
 
 def kv_block_objects(scheme: KVBlockScheme, model: str, key: str, nbytes: int, shards: int,
-                     bytes_per_token: int) -> List[BlockObject]:
+                     bytes_per_token: int, parent: Optional[str] = None) -> List[BlockObject]:
     """The objects an entry of `nbytes` (whole blocks, `shards` consecutive parts) is stored as,
-    in the order they move: block by block, each block's ranks (and K before V) in turn."""
+    in the order they move: block by block, each block's ranks (and K before V) in turn; `parent`
+    as block_chain's."""
+    return block_objects_of(scheme, model, block_chain(key, block_count(scheme, nbytes, shards, bytes_per_token),
+                                                       parent), nbytes, shards, bytes_per_token)
+
+
+def block_count(scheme: KVBlockScheme, nbytes: int, shards: int, bytes_per_token: int) -> int:
+    """Whole blocks in an entry of `nbytes`."""
+    parts, kinds = (shards if scheme.per_rank else 1), (2 if scheme.split_kv else 1)
+    return nbytes // parts // (scheme.object_bytes(bytes_per_token, shards) * kinds)
+
+
+def block_objects_of(scheme: KVBlockScheme, model: str, chain: List[str], nbytes: int, shards: int,
+                     bytes_per_token: int) -> List[BlockObject]:
     parts = shards if scheme.per_rank else 1
     kinds = ("k", "v") if scheme.split_kv else ("",)
     part_bytes = nbytes // parts
     per_object = scheme.object_bytes(bytes_per_token, shards)
-    count = part_bytes // (per_object * len(kinds))
     objects = []
-    for index, block_hash in enumerate(block_chain(key, count)):
+    for index, block_hash in enumerate(chain):
         for rank in range(parts):
             for k, kind in enumerate(kinds):
                 offset = rank * part_bytes + (index * len(kinds) + k) * per_object
                 objects.append(BlockObject(block_object_name(scheme, model, block_hash, rank, parts, kind),
                                            rank, offset, per_object))
     return objects
+
+
+class BlockNames:
+    """A conversation's blocks named over all of its tokens, as engines name them: an entry that
+    follows another (a turn the turn before it, a first turn the shared system prompt it starts
+    with) chains its blocks from that entry's last block hash, so each name stands for every block
+    before it in the conversation, and two users with the same prompt share its objects. An entry
+    that follows none is chained from its own key. One hash and one key kept per entry named."""
+
+    KEPT = 1_000_000                    # entries remembered, the most recently named (a conversation's next
+                                        # turn follows soon: its parent's hash is among them)
+
+    def __init__(self, scheme: KVBlockScheme, model: str, shards: int, bytes_per_token: int):
+        self.scheme, self.model, self.shards, self.bytes_per_token = scheme, model, shards, bytes_per_token
+        self._lock = threading.Lock()
+        self._follows: "OrderedDict[str, str]" = OrderedDict()
+        self._ends: "OrderedDict[str, Optional[str]]" = OrderedDict()
+
+    def follows(self, key: str, parent: Optional[str]) -> None:
+        """`key` comes after `parent` in its conversation (None: it starts one)."""
+        with self._lock:
+            if parent is None:
+                self._follows.pop(key, None)
+            else:
+                self._follows[key] = parent
+                self._follows.move_to_end(key)
+                if len(self._follows) > self.KEPT:
+                    self._follows.popitem(last=False)
+
+    def objects(self, key: str, nbytes: int) -> List[BlockObject]:
+        """The entry's objects, named after what it follows; its last hash kept for what follows it."""
+        with self._lock:
+            parent = self._follows.get(key)
+            start = self._ends.get(parent) if parent is not None else None
+        chain = block_chain(key, block_count(self.scheme, nbytes, self.shards, self.bytes_per_token), start)
+        with self._lock:
+            self._ends[key] = chain[-1] if chain else start      # no whole block: the chain goes on as it was
+            self._ends.move_to_end(key)
+            if len(self._ends) > self.KEPT:
+                self._ends.popitem(last=False)
+        return block_objects_of(self.scheme, self.model, chain, nbytes, self.shards, self.bytes_per_token)
 
 
 class LookupSamples:
@@ -4574,6 +4634,7 @@ class BlockTier(StorageTier):
         mode = "O_DIRECT" if self.direct_io else "buffered" + (" + fdatasync + fadvise(DONTNEED)" if durable else "")
         self.io_mode = f"{scheme.describe()}; {mode}" + ("" if supported or not direct_io else f": {reason}")
         self.lookups = LookupSamples()
+        self.names = BlockNames(scheme, model_name, max(1, shards), bytes_per_token)
         self.metadata: Dict[str, Dict[str, Any]] = {}
         self.store: BlockStore = layout.opened(self.base_path, scheme, object_bytes, max(1, shards), self.direct_io,
                                                durable)
@@ -4592,6 +4653,9 @@ class BlockTier(StorageTier):
             meta = self.metadata[key]
         return StoredEntry(meta["size"], meta["shape"], meta["dtype"])
 
+    def follows(self, key: str, parent: Optional[str]) -> None:
+        self.names.follows(key, parent)
+
     def _lookup(self, obj: BlockObject, transfer: Transfer) -> bool:
         t0 = time.perf_counter()
         found = transfer.timed(self.store.exists, obj)
@@ -4608,7 +4672,7 @@ class BlockTier(StorageTier):
 
     # --- writing ---
     def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
-        objects = kv_block_objects(self.scheme, self.model_name, key, source.nbytes, self.shards, self.bytes_per_token)
+        objects = self.names.objects(key, source.nbytes)
         self.delete(key)
         room, stored = transfer.staging, []
 
@@ -5900,20 +5964,30 @@ class TracedTier(StorageTier):
     source tier's Read and this tier's Write, phase Evict), with --io-trace-deletes a deletion
     a Delete row (Evict after a demotion, Cleanup at the end). A storage tier of --tensor-parallel TP writes a row per
     shard, named as the files would be (shard_objects); with --kv-block-tokens, a row per block
-    object (`objects`: kv_block_objects), as the block tier would store them."""
+    object (`names`: BlockNames), as the block tier would store them."""
 
     trace_mode = True
 
-    def __init__(self, name: str, log: TraceLog, shards: int = 1,
-                 objects: Optional[Callable[[str, int], List[Tuple[str, int]]]] = None):
+    def __init__(self, name: str, log: TraceLog, shards: int = 1, names: Optional[BlockNames] = None):
         self.name, self.log, self.model = name, log, log.model
-        self._objects = objects or (lambda key, nbytes: shard_objects(key, nbytes, self.shards))
+        self._names = names
+        self._objects: Callable[[str, int], List[Tuple[str, int]]] = (
+            (lambda key, nbytes: [(o.name, o.nbytes) for o in names.objects(key, nbytes)]) if names is not None
+            else (lambda key, nbytes: shard_objects(key, nbytes, self.shards)))
         self._entries: Dict[str, StoredEntry] = {}
+        self._written_names: Dict[str, List[Tuple[str, int]]] = {}     # (with block names)
         self._delete_phase: Dict[str, str] = {}      # a key's Delete row's phase, where not Delete
         self.io_mode = f"trace mode, no I/O (--io-trace-log {log.path}); latency model: {log.model.describe()}"
         super().__init__(shards)
 
-    def _operate(self, transfer: Transfer, rows: List[Tuple[str, str]], key: str, nbytes: int) -> None:
+    def _named(self, key: str, nbytes: int) -> List[Tuple[str, int]]:
+        """The entry's objects as written (block names depend on what came before it when written)."""
+        with self._lock:
+            named = self._written_names.get(key)
+        return named if named is not None else self._objects(key, nbytes)
+
+    def _operate(self, transfer: Transfer, rows: List[Tuple[str, str]], key: str, nbytes: int,
+                 objects: List[Tuple[str, int]]) -> None:
         """rows: (operation, tier) each; they start together and end when the model says. Nothing
         is issued (reserved or written to the trace) once the run stopped, and an operation queued
         behind its tier's earlier work writes its rows when it begins: one the stop finds still
@@ -5924,7 +5998,7 @@ class TracedTier(StorageTier):
 
         def begin() -> None:
             for op, tier in rows:                          # the other tier of a demotion holds it whole
-                for name, size in (self._objects(key, nbytes) if tier == self.name else [(key, nbytes)]):
+                for name, size in (objects if tier == self.name else [(key, nbytes)]):
                     self.log.row(start, op, size, tier, name, phase)
 
         def wait() -> None:
@@ -5944,13 +6018,16 @@ class TracedTier(StorageTier):
 
     def write_from(self, key: str, source: EntrySource, transfer: Transfer) -> None:
         rows = ([("Read", source.tier)] if source.tier else []) + [("Write", self.name)]
-        self._operate(transfer, rows, key, source.nbytes)
+        objects = self._objects(key, source.nbytes)
+        self._operate(transfer, rows, key, source.nbytes, objects)
         with self._lock:
             self._entries[key] = StoredEntry(source.nbytes, tuple(source.shape), source.dtype)
+            if self._names is not None:
+                self._written_names[key] = objects
 
     def read_into(self, key: str, sink: ReadSink, transfer: Transfer) -> None:
         self.entry_info(key)                               # KeyError when it is not here
-        self._operate(transfer, [("Read", self.name)], key, transfer.nbytes)
+        self._operate(transfer, [("Read", self.name)], key, transfer.nbytes, self._named(key, transfer.nbytes))
 
     def source(self, key: str) -> EntrySource:
         info = self.entry_info(key)
@@ -5960,6 +6037,10 @@ class TracedTier(StorageTier):
         def no_bytes(offset: int, out: np.ndarray) -> None:
             raise RuntimeError("trace mode moves no bytes")
         return EntrySource(info.nbytes, info.shape, info.dtype, no_bytes, tier=self.name)
+
+    def follows(self, key: str, parent: Optional[str]) -> None:
+        if self._names is not None:
+            self._names.follows(key, parent)
 
     def entry_info(self, key: str) -> StoredEntry:
         with self._lock:
@@ -5972,8 +6053,10 @@ class TracedTier(StorageTier):
         if info is None:
             return False
         at = time.perf_counter()
-        for name, size in self._objects(key, info.nbytes):
+        for name, size in self._named(key, info.nbytes):
             self.log.row(at, "Delete", size, self.name, name, phase)
+        with self._lock:
+            self._written_names.pop(key, None)
         return True
 
     def clear(self) -> None:
@@ -5995,9 +6078,8 @@ def open_traced_tiers(config: BenchmarkConfig) -> MemoryTiers:
     scheme, bpt = config.kv_blocks, config.shards.model.kv_cache_size_per_token
 
     def storage(directory: Path, shards: int) -> TracedTier:
-        objects = (None if not scheme.blocks else lambda key, nbytes: [
-            (o.name, o.nbytes) for o in kv_block_objects(scheme, config.model.name, key, nbytes, shards, bpt)])
-        return TracedTier("nvme", log, shards, objects)
+        return TracedTier("nvme", log, shards, BlockNames(scheme, config.model.name, shards, bpt) if scheme.blocks
+                          else None)
     tiers = MemoryTiers({}, {}, cpu_memory="none (trace mode)", trace=log, open_storage=storage)
     for tier, gb in (("gpu", config.gpu_mem_gb * config.num_gpus), ("cpu", config.cpu_mem_gb)):
         if gb > 0:
@@ -7316,6 +7398,11 @@ class TieredCache(CacheWriteBack, CacheReaper):
                         reason=reason)
 
     # --- writes ---
+    def follows(self, key: str, parent: Optional[str]) -> None:
+        """`key` comes after `parent` in its conversation (the turn before it, or the shared prefix a
+        first turn starts with): block objects are named over the whole conversation (BlockNames)."""
+        self.storage.follows(key, parent)
+
     def write_entry(self, key: str, num_tokens: int, phase: InferencePhase = InferencePhase.PREFILL,
                     first_tier: int = 0) -> "CacheResult":
         """Write a new entry of `num_tokens` tokens into the fastest tier that takes it (`first_tier`:
@@ -10163,6 +10250,7 @@ class Benchmark:
                 read = record.add(prefill, cache.read_entry(key, prefill, "rag"), load=True)
                 if not read.aborted:
                     self.rag.record_read(read.latency_s)
+        cache.follows(req.cache_key, req.previous_cache_keys[-1] if req.previous_cache_keys else req.prefix_key)
         record.add(prefill, cache.write_entry(req.cache_key, req.context_tokens + req.carried_tokens, prefill))
 
     def _decode(self, req: InferenceRequest, record: RequestRecord) -> Optional[float]:

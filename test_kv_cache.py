@@ -2068,6 +2068,37 @@ class TestKVBlocks:
         assert [o.name for o in b] == [o.name for o in a[:2]]
         assert not {o.name for o in c} & {o.name for o in a}
 
+    def test_names_run_over_the_conversation(self, tmp_path):
+        """A turn's blocks are chained from the last block of what it follows (the turn before it,
+        or the shared prompt a first turn starts with), so each name stands for every block before
+        it in the conversation; the prompt's objects are one set for every user."""
+        scheme, blocks = kv.KV_ENGINES["vllm"], 16 * BPT_8B
+        config = kv.BenchmarkConfig(model="llama3.1-8b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
+                                    kv_engine="vllm", write_back="sync", storage_admission="all")
+        cache = kv.TieredCache(config)
+        try:
+            cache.write_entry("kv_system_1", 3 * 16)                          # 3 blocks, shared
+            for user in ("a", "b"):
+                cache.follows(f"conv_{user}_turn_1", "kv_system_1")
+                cache.write_entry(f"conv_{user}_turn_1", 2 * 16)
+            cache.follows("conv_a_turn_2", "conv_a_turn_1")
+            cache.write_entry("conv_a_turn_2", 2 * 16)
+            on_disk = {f.rsplit("/", 1)[1][:-4] for f in our_files(Path(cache.run_dir))}
+            prompt = kv.block_chain("kv_system_1", 3)
+            turn_a = kv.block_chain("conv_a_turn_1", 2, prompt[-1])
+            turn_b = kv.block_chain("conv_b_turn_1", 2, prompt[-1])
+            second = kv.block_chain("conv_a_turn_2", 2, turn_a[-1])
+            assert on_disk == set(prompt + turn_a + turn_b + second) and len(on_disk) == 9
+            assert not set(turn_a) & set(kv.block_chain("conv_a_turn_1", 2))        # not chained per entry
+            names = kv.BlockNames(scheme, "llama3.1-8b", 1, BPT_8B)                # the same chain, named again
+            names.objects("kv_system_1", 3 * blocks)
+            names.follows("conv_a_turn_1", "kv_system_1")
+            assert [o.name for o in names.objects("conv_a_turn_1", 2 * blocks)] == [
+                o.name for o in kv.kv_block_objects(scheme, "llama3.1-8b", "conv_a_turn_1", 2 * blocks, 1, BPT_8B,
+                                                    prompt[-1])]
+        finally:
+            cache.close()
+
     def test_dynamo_slots_in_one_unlinked_file_per_rank(self, tmp_path):
         scheme = dataclasses.replace(kv.KV_ENGINES["dynamo"], read_depth=1)     # reads on this thread, counted
         tier = kv.BlockTier(tmp_path, scheme, "llama3.1-8b", BPT_8B, shards=2)

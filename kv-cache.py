@@ -47,7 +47,7 @@ Sections, in the order data flows through the program (each uses only those abov
     METRIC MATH                       pure functions over counters and samples, saturation_score
     CACHE STATISTICS                  CacheStats (the cache's counters and samples), KVBlockFigures
     THE WATERFALL'S RULES             EvictionPolicy (--config eviction), AdmissionFilter (--storage-admission)
-    WRITE-BACK                        --write-back async: WriteBack (the queue, its buffer, its threads), WriteBackFigures
+    WRITE-BACK                        --write-back async: WriteBack (queue, buffer, threads), WriteBackFigures
     CACHE ENTRIES                     CacheResult, CacheEntry, describe_tiers, the run's clean-up, invariants
     THE CACHE'S WRITE-BACK            CacheWriteBack: queued writes, their buffer and their reads (TieredCache's base)
     RETIRED ENTRIES AND THE REAPER    CacheReaper: retired entries and replaced files deleted off the requests' path
@@ -1181,7 +1181,7 @@ class BenchmarkConfig:
     tensor_parallel: int = 1                      # ranks per instance: each entry stored as this many shards
     kv_engine: Optional[str] = None               # an engine's block size, layout, names and I/O mode (KV_ENGINES)
     kv_block_tokens: Optional[int] = None         # tokens per stored block (0: one object per entry); None: the engine's
-    kv_layout: Optional[str] = None               # how blocks are kept ("entry" or BLOCK_LAYOUTS); None: the engine's or file-per-block
+    kv_layout: Optional[str] = None               # "entry" or one of BLOCK_LAYOUTS; None: the engine's, else file-per-block
     kv_io: str = "direct"                         # direct: every byte reaches the device; engine: the engine's own mode
     storage_admission: Optional[str] = None       # all | reused (an entry stored from its second use); None: the engine's
     kv_read_depth: Optional[int] = None           # block objects of an entry read at once; None: the engine's, else 1
@@ -8077,11 +8077,13 @@ class DeviceFigures(Figures):
             if key not in devices or d["window_s"] > devices[key]["window_s"]:
                 devices[key] = d
         every = sorted(devices.values(), key=lambda d: -d["window_s"])       # the longest window's figures first
-        merged = dict(merge_figures(every, sums=_DEVICE_SUMS + ("read_gib_per_sec", "write_gib_per_sec", "avg_queue_depth")),
-                      ranks_sampled=len(sampled), devices=sorted(f"{host}:{name}" for host, name in devices))
+        sums = _DEVICE_SUMS + ("read_gib_per_sec", "write_gib_per_sec", "avg_queue_depth")
+        merged = dict(merge_figures(every, sums=sums), ranks_sampled=len(sampled),
+                      devices=sorted(f"{host}:{name}" for host, name in devices))
         if len(devices) == 1:
             return merged
-        for op, done, moved in (("read", "reads_completed", "bytes_read"), ("write", "writes_completed", "bytes_written")):
+        for op, done, moved in (("read", "reads_completed", "bytes_read"),
+                                ("write", "writes_completed", "bytes_written")):
             merged[f"{op}_gb"] = _per(merged[moved], GIB)
             merged[f"mean_{op}_request_bytes"] = _per(merged[moved], merged[done])
             weighted = [(d.get(f"{op}_await_ms"), d.get(done)) for d in every]
@@ -8311,8 +8313,8 @@ class IOBaselineFigures(Figures):
         and GiB/s add up (what the devices gave them all); a rank's failure is the world's."""
         failed = [p for p in parts if p and "error" in p]
         return failed[0] if failed else merge_figures(
-            parts, sums=("threads", "write_threads", "write_gib_per_sec", "read_gib_per_sec", "bytes_written", "bytes_read"),
-            maxima=("write_s", "read_s"))
+            parts, sums=("threads", "write_threads", "write_gib_per_sec", "read_gib_per_sec", "bytes_written",
+                         "bytes_read"), maxima=("write_s", "read_s"))
 
 
 def _baseline_write_stream(path: Path, layout: EntryLayout, generator: KVCacheGenerator, direct: bool,
@@ -11748,8 +11750,10 @@ class MultiTierCache(TieredCache):
         raise AttributeError(f"{tier}_memory_limit is fixed when the cache opens (give {tier}_memory_gb): a memory "
                              "tier is set up for its budget; nvme_memory_limit, the storage tier's capacity, can change")
 
-    gpu_memory_limit = property(lambda self: self._original_limit("gpu"), lambda self, _: self._original_fixed_budget("gpu"))
-    cpu_memory_limit = property(lambda self: self._original_limit("cpu"), lambda self, _: self._original_fixed_budget("cpu"))
+    gpu_memory_limit = property(lambda self: self._original_limit("gpu"),
+                                lambda self, _: self._original_fixed_budget("gpu"))
+    cpu_memory_limit = property(lambda self: self._original_limit("cpu"),
+                                lambda self, _: self._original_fixed_budget("cpu"))
     gpu_memory_used = property(lambda self: self._original_used("gpu"))
     cpu_memory_used = property(lambda self: self._original_used("cpu"))
     nvme_memory_used = property(lambda self: self._original_used("nvme"))

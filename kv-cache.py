@@ -5989,30 +5989,20 @@ class TracedTier(StorageTier):
     def _operate(self, transfer: Transfer, rows: List[Tuple[str, str]], key: str, nbytes: int,
                  objects: List[Tuple[str, int]]) -> None:
         """rows: (operation, tier) each; they start together and end when the model says. Nothing
-        is issued (reserved or written to the trace) once the run stopped, and an operation queued
-        behind its tier's earlier work writes its rows when it begins: one the stop finds still
-        queued (a write-back's, say) never reaches the trace."""
+        is issued (reserved or written to the trace) once the run stopped. Rows are written when
+        the operation is issued, so the file keeps the order the cache issued them in (a read
+        queued behind its tier's earlier work stays before a later deletion of its object)."""
         transfer.check_stop()
         start, end = self.model.reserve([tier for _, tier in rows], nbytes)
         phase = TRACE_PHASES.get(transfer.reason, transfer.reason.capitalize())
-
-        def begin() -> None:
-            for op, tier in rows:                          # the other tier of a demotion holds it whole
-                for name, size in (objects if tier == self.name else [(key, nbytes)]):
-                    self.log.row(start, op, size, tier, name, phase)
+        for op, tier in rows:                              # the other tier of a demotion holds it whole
+            for name, size in (objects if tier == self.name else [(key, nbytes)]):
+                self.log.row(start, op, size, tier, name, phase)
 
         def wait() -> None:
-            begun = False
-            while True:
-                now = time.perf_counter()
-                if not begun and now >= start:
-                    begin()
-                    begun = True
-                    continue                               # (writing the rows took time: the clock again)
-                if now >= end:
-                    return
+            while (left := end - time.perf_counter()) > 0:
                 transfer.check_stop()
-                time.sleep(min((end if begun else start) - now, 0.05))
+                time.sleep(min(left, 0.05))
         transfer.timed(wait, busy=self.busy[transfer.op])
         transfer.advance(nbytes)
 

@@ -7504,35 +7504,6 @@ class TestIOTrace:
         s3, _ = model.reserve(["cpu", "nvme"], 0)                  # a demotion waits for both tiers
         assert s3 == pytest.approx(s2 + 1000)
 
-    def test_an_operation_the_stop_finds_queued_never_reaches_the_trace(self, tmp_path):
-        """Trace mode: a write queued behind its tier's earlier work (a write-back's, at the stop)
-        writes its rows when it begins; stopped before then, it leaves none. One begun is traced."""
-        model = kv.LatencyModel({t: 1.0 for t in kv.TIER_NAMES}, {t: 0 for t in kv.TIER_NAMES})
-        log = kv.TraceLog(str(tmp_path / "trace.csv"), model)
-        tier, stop = kv.TracedTier("nvme", log), threading.Event()
-        source = kv.EntrySource(4096, (4096,), "|u1", lambda offset, out: None)
-        with kv.Transfer("write", 4096, stop=stop) as first:
-            tier.write_from("begun", source, first)                # 4 us at 1 GB/s: begins at once
-        model.reserve(["nvme"], 10 ** 12)                          # the tier busy for 1,000 s
-        outcome = []
-
-        def queued_write():
-            try:
-                with kv.Transfer("write", 4096, stop=stop) as transfer:
-                    tier.write_from("queued", source, transfer)
-            except kv.IOAborted:
-                outcome.append("stopped")
-        thread = threading.Thread(target=queued_write)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while tier.busy["write"].busy_s() < 0.05 and time.monotonic() < deadline:    # reserved, and waiting
-            time.sleep(0.01)
-        stop.set()
-        thread.join(10)
-        log.close()
-        assert outcome == ["stopped"] and not thread.is_alive()
-        assert [(r["Operation"], r["Key"]) for r in read_trace(tmp_path / "trace.csv")] == [("Write", "begun")]
-
     def test_a_zst_trace_and_shard_rows(self, tmp_path):
         trace = tmp_path / "t.csv.zst"
         run = run_in_process(*small_run(tmp_path, "--num-users", "2", "--max-requests", "4", "--cpu-mem-gb", "0",

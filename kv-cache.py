@@ -2943,6 +2943,13 @@ class BusyClock:
         with self._lock:
             return self._busy_s + (time.perf_counter() - self._since if self._inflight else 0.0)
 
+    def inflight_s(self) -> float:
+        """Transfers in flight integrated over time (request-seconds): over a window, / its length
+        is the mean number in flight over the whole window, idle times included."""
+        with self._lock:
+            self._account(time.perf_counter())
+            return self._inflight_area
+
     def mean_inflight(self) -> Optional[float]:
         """Mean number of transfers in flight while any was (the queue depth we kept); None if never busy."""
         with self._lock:
@@ -4275,7 +4282,11 @@ class FileBlocks(FileCensus):
         path = self.root / obj.name
         self._directory(path, transfer)
         target = self._temp_name(path) if self.scheme.temp_rename else path
-        fd = transfer.timed(os.open, target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags(obj.nbytes), 0o644)
+        # LMCache opens its temporary file as Python's open("wb") does, O_TRUNC included (docs/engines.md);
+        # with O_EXCL kept, the flag can never truncate a file that is not ours.
+        truncates = os.O_TRUNC if self.scheme.naming == "lmcache" and self.scheme.temp_rename else 0
+        fd = transfer.timed(os.open, target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | truncates | self._flags(obj.nbytes),
+                            0o644)
         try:
             for offset, buf in pieces:
                 transfer.request(pwrite_all, fd, buf, offset, busy=busy)
@@ -4456,6 +4467,9 @@ class SlotBlocks(FileCensus):
         return len(self._fds)
 
 
+BUCKET_LIMIT_BYTES = 256 * MIB          # a Mooncake bucket's size before the next one starts
+
+
 class BucketBlocks(FileCensus):
     """bucket (Mooncake store's SSD offload): an operation's objects are appended as records
     (the key's bytes, then the value's) to a bucket file of its own, a new one past
@@ -4473,7 +4487,7 @@ class BucketBlocks(FileCensus):
                durable: bool) -> "BucketBlocks":
         return cls(root, durable)
 
-    def __init__(self, root: Path, durable: bool, limit_bytes: int = 256 * MIB, limit_keys: int = 500):
+    def __init__(self, root: Path, durable: bool, limit_bytes: int = BUCKET_LIMIT_BYTES, limit_keys: int = 500):
         super().__init__()
         self.root, self.durable = root, durable
         self.limit_bytes, self.limit_keys = limit_bytes, limit_keys
@@ -4638,12 +4652,14 @@ class BlockTier(StorageTier):
         self.metadata: Dict[str, Dict[str, Any]] = {}
         self.store: BlockStore = layout.opened(self.base_path, scheme, object_bytes, max(1, shards), self.direct_io,
                                                durable)
+        self.store_object_bytes = object_bytes
         super().__init__(shards)
 
     def reset_accounting(self) -> None:
         with self._lock:
             super().reset_accounting()
             self.moved = {"objects_written": 0, "objects_read": 0, "object_bytes_written": 0, "object_bytes_read": 0}
+            self._read_depths = [0, 0]        # entries read, and the objects each had in flight, summed
             self.request_sizes: Dict[str, Dict[int, int]] = {"read": defaultdict(int), "write": defaultdict(int)}
         self.lookups.reset()
         self.store.reset_counts()
@@ -4718,6 +4734,9 @@ class BlockTier(StorageTier):
                 rooms += held.enter_context(transfer.spare_staging(-(-want // per_area) - 1))
             slots = [area[i * largest:(i + 1) * largest] for area in rooms for i in range(per_area)][:want]
             depth = max(1, len(slots))
+            with self._lock:
+                self._read_depths[0] += 1
+                self._read_depths[1] += depth
 
             def hand_over(obj: BlockObject, offset: int, view: np.ndarray) -> None:
                 transfer.observe(view, obj.part)
@@ -4797,13 +4816,20 @@ class BlockTier(StorageTier):
         for op, clock in self.busy.items():
             profile[f"{op}_mean_inflight"] = clock.mean_inflight()
             profile[f"{op}_peak_inflight"] = clock.peak_inflight
+            profile[f"{op}_inflight_s"] = clock.inflight_s()
             profile[f"{op}_request_mean_ms"] = clock.request_s / clock.requests * 1000 if clock.requests else None
-        # An operation moves its objects one at a time (depth 1), each made durable alone (--kv-io direct).
+        # A write moves its objects one at a time (depth 1), each made durable alone (--kv-io direct);
+        # a read as many at once as it had in flight (the scheme's read depth, its objects allowing).
         sizes = [{"max_bytes": 1 << max(0, int(size) - 1).bit_length(), "count": count,
                   "bytes": moved["object_bytes_written"]}] if count else []          # every object of one size
+        with self._lock:
+            entries, depths = self._read_depths
         profile.update(files_written=count, file_bytes_mean=size, file_bytes_min=size, file_bytes_max=size,
                        shards_per_entry=self.shards, object_sizes=sizes, depth_per_operation=1,
-                       bytes_per_sync=STAGING_BYTES if self.scheme.kv_io == "direct" else 0)
+                       read_depth_per_operation=depths / entries if entries else 1.0,
+                       bytes_per_sync=STAGING_BYTES if self.scheme.kv_io == "direct" else 0,
+                       layout=self.scheme.layout, temp_rename=self.scheme.temp_rename,
+                       object_bytes=self.store_object_bytes)
         return profile
 
     def block_counts(self) -> Dict[str, Any]:
@@ -6653,13 +6679,17 @@ WRITE_BACK_COUNTS = ("submitted", "submitted_bytes", "submitted_objects", "writt
 
 class WriteBackBuffer:
     """The host memory a queued write holds until it is written (--write-back-buffer-gb): one
-    arena of that size whose pages are made as they are first used, so memory a run never fills
-    costs nothing. A write's bytes are held (by its `handle`) from its queueing to the end of its
+    arena of that size, in huge pages where the kernel gives them, its pages mapped when it is
+    made (map_pages), as an engine allocates its buffer when it starts: a first touch inside the
+    run cost this VM up to 3 CPU s per GiB in the middle of the measured window
+    (docs/performance.md, "The presets end to end"). A write's bytes are held (by its `handle`) from its queueing to the end of its
     write; a read of them copies out, and they are freed when the write is over and the last such
     read has left. Thread-safe."""
 
     def __init__(self, nbytes: int):
-        self.arena = HostArena(np.empty(max(int(nbytes), BLOCK_BYTES), dtype=np.uint8))
+        buffer = aligned_empty(max(int(nbytes), BLOCK_BYTES))
+        map_pages(buffer)
+        self.arena = HostArena(buffer)
         self._lock = threading.Lock()
         self._held: Dict[int, np.ndarray] = {}
         self._readers: Dict[int, int] = defaultdict(int)
@@ -8488,6 +8518,64 @@ def _fio_rw_lines(read_sizes: Dict[Any, int], write_sizes: Dict[Any, int]) -> Tu
             f"{mix}% of requests are reads")
 
 
+# How fio keeps each KV block layout's objects (docs/engines.md): a file per object, created when
+# written and removed (fio has no rename: a temporary file's rename is the one call it leaves out);
+# slots at random places in one preallocated file; buckets of appended objects, read anywhere.
+FIO_BLOCK_FILES: Dict[str, Dict[str, Any]] = {
+    "file-per-block": {"read": "read", "write": "write", "created": True, "opened_per_object": True, "sync": "object"},
+    "slot-file": {"read": "randread", "write": "randwrite", "created": False, "opened_per_object": False,
+                  "sync": "object"},
+    "bucket": {"read": "randread", "write": "write", "created": True, "opened_per_object": False, "sync": "file"},
+}
+
+
+def _mean_request_bytes(sizes: Dict[Any, int]) -> int:
+    counts = _aligned_size_counts(sizes)
+    return max(1, sum(size * count for size, count in counts.items()) // max(1, sum(counts.values())))
+
+
+def _fio_block_jobs(run: Dict[str, Any]) -> str:
+    """fio_job_text for a KV block layout (pure): two jobs at once, a reader and a writer, each
+    with the run's depth in its direction (`read_streams` x `read_depth` reads in flight,
+    `write_streams` writes, one each) and the layout's file operations (FIO_BLOCK_FILES): under
+    file-per-block every object is a file of `object_bytes` opened for each read, and written by
+    creating it, one sync per object where the run syncs, and unlinking it after each pass."""
+    files, direct = FIO_BLOCK_FILES[run["layout"]], bool(run.get("direct"))
+    read_sizes, write_sizes = run.get("read_sizes") or {}, run.get("write_sizes") or {}
+    object_bytes = _align_up(int(run.get("object_bytes") or 0))
+    directions = [op for op, sizes in (("read", read_sizes), ("write", write_sizes)) if sum(_aligned_size_counts(sizes).values())]
+    if not directions:
+        raise ValueError("the run moved no storage-tier requests: nothing for fio to replay")
+    data_bytes = int(run.get("bytes_written") or 0) or int(run.get("bytes_read") or 0) or object_bytes
+    file_bytes = object_bytes if run["layout"] == "file-per-block" else min(
+        max(object_bytes, _align_up(data_bytes)), BUCKET_LIMIT_BYTES if run["layout"] == "bucket" else FIO_MAX_DATASET_BYTES)
+    per_sync = int(run.get("bytes_per_sync") or 0)          # 0: the run never syncs (--kv-io engine)
+    lines = _fio_header(run, f"{run['layout']}: a reader and a writer at once") + [
+        "", "[global]", f"direct={1 if direct else 0}",
+        f"runtime={max(1, math.ceil(float(run.get('runtime_s') or 1)))}", "time_based=1",
+        "group_reporting=1", "lat_percentiles=1", "refill_buffers=1", "buffer_compress_percentage=0",
+        "randrepeat=0", f"filename_format={FIO_JOB_NAME}-$jobname.$jobnum.$filenum", f"filesize={file_bytes}"]
+    for op in directions:
+        streams = max(1, int(run.get(f"{op}_streams") or 1))
+        depth = max(1, round(float(run.get("read_depth") or 1))) if op == "read" else 1
+        nrfiles = min(FIO_MAX_FILES_PER_JOB, max(1, math.ceil(data_bytes / streams / file_bytes)))
+        lines += ["", f"[{op}]", f"rw={files[op]}", f"bssplit={fio_bssplit(read_sizes if op == 'read' else write_sizes)}",
+                  # libaio keeps `depth` requests in flight only with O_DIRECT
+                  f"ioengine={'libaio' if depth > 1 and direct else 'psync'}", f"iodepth={depth}",
+                  f"numjobs={streams}", f"nrfiles={nrfiles}"]
+        if op == "read":
+            lines += ["file_service_type=random", "fallocate=native",
+                      *([f"openfiles={min(depth, nrfiles)}"] if files["opened_per_object"] else [])]
+        elif files["created"]:
+            lines += ["create_on_open=1", "unlink_each_loop=1", "file_service_type=sequential", "fallocate=none"]
+        else:
+            lines += ["file_service_type=random", "fallocate=native"]
+        if op == "write" and per_sync:          # where the run syncs: once per object, or per bucket
+            synced = object_bytes if files["sync"] == "object" else file_bytes
+            lines.append(f"fdatasync={max(1, math.ceil(synced / _mean_request_bytes(write_sizes)))}")
+    return "\n".join(lines + [""])
+
+
 def fio_job_text(run: Dict[str, Any]) -> str:
     """An fio job file reproducing the storage tier's I/O of a run (pure).
 
@@ -8506,8 +8594,12 @@ def fio_job_text(run: Dict[str, Any]) -> str:
         ioengine         optional: default libaio when depth > 1, else psync
         header           {name: value} printed as comments: model, users, seed, digest,
                          and the run's read/write GiB/s and mean latencies to compare with
+        layout           optional: a KV block layout (--kv-block-tokens): the job is then a
+                         reader and a writer doing each object's file operations (_fio_block_jobs)
     Raises ValueError when the run moved nothing or names no entry size.
     """
+    if run.get("layout") in FIO_BLOCK_FILES:
+        return _fio_block_jobs(run)
     read_sizes, write_sizes = run.get("read_sizes") or {}, run.get("write_sizes") or {}
     streams, depth = max(1, int(run.get("streams") or 1)), max(1, int(run.get("depth") or 1))
     rw_lines, rw_note = _fio_rw_lines(read_sizes, write_sizes)
@@ -8536,6 +8628,10 @@ def fio_job_text(run: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _fio_streams(inflight_s: Optional[float], elapsed_s: float, depth: Optional[float]) -> int:
+    return max(1, round((inflight_s or 0.0) / max(elapsed_s, 1e-9) / (depth or 1)))
+
+
 def fio_replay_spec(cs: Dict[str, Any], run_label: str, elapsed_s: float, directory: Optional[str],
                     runtime_s: Optional[float] = None) -> Dict[str, Any]:
     """fio_job_text's input for a finished run (pure), from its `cache_stats`: the storage tier's
@@ -8554,6 +8650,13 @@ def fio_replay_spec(cs: Dict[str, Any], run_label: str, elapsed_s: float, direct
         "depth": req.get("depth_per_operation", IO_DEPTH), "bytes_per_sync": req.get("bytes_per_sync"),
         "file_sizes": sizes, "file_size_bytes": req.get("file_bytes_mean"),
         "runtime_s": runtime_s or elapsed_s or 60,
+        # KV blocks: each direction at its own depth, the layout's file operations (_fio_block_jobs)
+        "layout": req.get("layout"), "object_bytes": req.get("object_bytes"),
+        # (streams: the mean in flight over the whole run, idle times included, / the depth: fio keeps
+        # them busy throughout, so that at our depth and fio's latency it moves what we could)
+        "read_depth": req.get("read_depth_per_operation"),
+        "read_streams": _fio_streams(req.get("read_inflight_s"), elapsed_s, req.get("read_depth_per_operation")),
+        "write_streams": _fio_streams(req.get("write_inflight_s"), elapsed_s, 1),
         "header": {
             "run": run_label,
             "storage tier, wall basis": f"read {cs['nvme_read_gib_per_sec_wall']:.3f} GiB/s, "
@@ -12205,7 +12308,7 @@ def _run_fio_comparison(cs: Dict[str, Any], label: str, elapsed_s: float, cache_
 def _remove_fio_files(workdir: Path) -> None:
     """The replay's clean-up: its job and the files fio laid out (NAME.JOB.FILE), then the directory
     if that left it empty. A file someone else put there stays, and so does the directory."""
-    ours = re.compile(rf"{re.escape(FIO_JOB_NAME)}\.\d+\.\d+|{re.escape(FIO_JOB_FILE)}")
+    ours = re.compile(rf"{re.escape(FIO_JOB_NAME)}(-read|-write)?\.\d+\.\d+|{re.escape(FIO_JOB_FILE)}")
     for entry in os.scandir(workdir):
         if ours.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
             with contextlib.suppress(FileNotFoundError):

@@ -2261,6 +2261,10 @@ class TestKVBlocks:
                 io = write_and_read_entry(tier, "k", 8 * 16 * 4096)
                 assert (io["read_crc"], io["reads"]) == (io["crc"], own_reads), depth
                 assert tier.block_counts()["objects_read"] == 10 and tier.block_counts()["lookup_hits"] >= 10
+                profile = tier.request_profile()                     # what fio's replay takes (2 objects, then 8)
+                assert profile["read_depth_per_operation"] == {1: 1.0, 4: (2 + 4) / 2}[depth]
+                assert (profile["layout"], profile["object_bytes"]) == (layout, 16 * 4096)
+                assert profile["read_inflight_s"] > 0 and profile["write_inflight_s"] > 0
             finally:
                 tier.clear()
         assert kv.BenchmarkConfig(kv_engine="llm-d").kv_blocks.read_depth == 48
@@ -2410,6 +2414,7 @@ class TestKVBlocks:
         assert len(renames) == 2 and all(temp == final for temp, final in renames)
         opens = re.findall(r'openat\([^,]+, "[^"]+\.tmp", ([A-Z_|]+)', calls)
         assert len(opens) == 2 and all("O_EXCL" in flags for flags in opens)      # never over a file not ours
+        assert all("O_WRONLY" in flags and "O_CREAT" in flags and "O_TRUNC" in flags for flags in opens)  # LMCache's "wb"
         direct = "O_DIRECT" in io_mode.splitlines()[-1]                         # where the file system takes it
         assert all(("O_DIRECT" in flags) == direct for flags in opens) and direct <= (kv_io == "direct")
 
@@ -5645,6 +5650,78 @@ class TestFioJobText:
         assert result["read_bytes_per_sec"] > 0 and result["write_bytes_per_sec"] > 0
         assert result["read_io_bytes"] > 0 and result["read_requests"] > 0
         assert result["read_p95_ms"] >= 0 and result["read_mean_ms"] > 0
+
+
+def _block_run(tmp_path, layout, **overrides):
+    """A block layout's replay: 2 MiB objects read four at a time by 3 streams, written by 2."""
+    return _run(tmp_path, **{"layout": layout, "object_bytes": 2 * MIB, "read_depth": 4.0, "read_streams": 3,
+                             "write_streams": 2, "read_sizes": {2 * MIB: 800}, "write_sizes": {2 * MIB: 300},
+                             "bytes_written": 600 * MIB, "bytes_per_sync": 32 * MIB, "direct": True, **overrides})
+
+
+class TestFioBlockJobs:
+    """--kv-block-tokens: fio replays each direction at its own depth with the layout's file operations."""
+
+    def test_file_per_block_opens_each_object_for_a_read_and_creates_and_removes_it_for_a_write(self, tmp_path):
+        jobs = _options(kv.fio_job_text(_block_run(tmp_path, "file-per-block")))
+        g, read, write = jobs["global"], jobs["read"], jobs["write"]
+        assert kv.FIO_JOB_NAME not in jobs and g["filesize"] == str(2 * MIB)     # one object, one file
+        assert g["filename_format"] == f"{kv.FIO_JOB_NAME}-$jobname.$jobnum.$filenum"
+        assert (read["rw"], read["ioengine"], read["iodepth"], read["numjobs"]) == ("read", "libaio", "4", "3")
+        assert read["openfiles"] == "4" and read["bssplit"] == f"{2 * MIB}/100"   # a file opened per read in flight
+        assert (write["rw"], write["ioengine"], write["iodepth"], write["numjobs"]) == ("write", "psync", "1", "2")
+        assert write["create_on_open"] == "1" and write["unlink_each_loop"] == "1" and write["fallocate"] == "none"
+        assert write["fdatasync"] == "1"                                         # one sync per object, as the run
+        assert int(write["nrfiles"]) == 600 // 2 // 2                           # written data / streams / object
+
+    def test_slots_are_random_places_in_one_file_and_buckets_sync_once_per_file(self, tmp_path):
+        slots = _options(kv.fio_job_text(_block_run(tmp_path, "slot-file")))
+        assert (slots["read"]["rw"], slots["write"]["rw"]) == ("randread", "randwrite")
+        assert "create_on_open" not in slots["write"] and slots["global"]["filesize"] == str(600 * MIB)
+        assert slots["write"]["nrfiles"] == "1" and slots["write"]["fdatasync"] == "1"
+        buckets = _options(kv.fio_job_text(_block_run(tmp_path, "bucket")))
+        assert buckets["global"]["filesize"] == str(256 * MIB) and buckets["write"]["create_on_open"] == "1"
+        assert buckets["write"]["fdatasync"] == "128" and "openfiles" not in buckets["read"]   # a sync per bucket
+        never = _options(kv.fio_job_text(_block_run(tmp_path, "file-per-block", bytes_per_sync=0)))
+        assert "fdatasync" not in never["write"]                                 # --kv-io engine: no sync
+
+    def test_buffered_reads_keep_their_depth_in_streams_and_a_direction_without_requests_is_left_out(self, tmp_path):
+        jobs = _options(kv.fio_job_text(_block_run(tmp_path, "file-per-block", direct=False, write_sizes={})))
+        assert "write" not in jobs and jobs["read"]["ioengine"] == "psync" and jobs["global"]["direct"] == "0"
+        with pytest.raises(ValueError):
+            kv.fio_job_text(_block_run(tmp_path, "file-per-block", read_sizes={}, write_sizes={}))
+
+    def test_the_spec_takes_each_directions_depth_over_the_whole_window(self):
+        req = {"read_sizes": {2 * MIB: 10}, "write_sizes": {2 * MIB: 5}, "layout": "file-per-block",
+               "object_bytes": 2 * MIB, "read_depth_per_operation": 4.0, "read_inflight_s": 240.0,
+               "write_inflight_s": 59.0, "read_mean_inflight": 12.0, "write_mean_inflight": 3.0,
+               "file_bytes_mean": 2 * MIB}
+        cs = {"storage_requests": req, "storage_direct_io": True, "nvme_bytes_read_gb": 1.0,
+              "nvme_bytes_written_gb": 0.5, "nvme_read_gib_per_sec_wall": 0.1, "nvme_write_gib_per_sec_wall": 0.1}
+        spec = kv.fio_replay_spec(cs, "run", 20.0, None)
+        assert (spec["read_streams"], spec["write_streams"], spec["read_depth"]) == (3, 3, 4.0)  # 240/20/4, 59/20
+        assert spec["layout"] == "file-per-block" and spec["object_bytes"] == 2 * MIB
+
+    def test_fio_runs_each_layouts_job_and_leaves_no_file(self, tmp_path):
+        _fio_or_skip()
+        import subprocess
+        for layout in kv.FIO_BLOCK_FILES:
+            work = tmp_path / layout
+            work.mkdir()
+            job = work / kv.FIO_JOB_FILE
+            job.write_text(kv.fio_job_text(_block_run(tmp_path, layout, object_bytes=64 * 1024, direct=False,
+                                                      read_sizes={65536: 8}, write_sizes={65536: 8},
+                                                      bytes_written=MIB, runtime_s=1)))
+            done = subprocess.run(["fio", "--output-format=json", job.name], cwd=work, capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            result = kv.parse_fio_json(done.stdout)
+            assert result["read_requests"] > 0 and result["write_requests"] > 0
+            made = sorted(p.name for p in work.iterdir())
+            assert all(name.startswith((f"{kv.FIO_JOB_NAME}-read.", f"{kv.FIO_JOB_NAME}-write."))
+                       for name in made if name != kv.FIO_JOB_FILE)
+            kv._remove_fio_files(work)
+            assert not work.exists()
 
 
 FIO_JSON = {

@@ -8519,14 +8519,15 @@ def _fio_rw_lines(read_sizes: Dict[Any, int], write_sizes: Dict[Any, int]) -> Tu
 
 
 # How fio keeps each KV block layout's objects (docs/engines.md): a file per object, created when
-# written and removed (fio has no rename: a temporary file's rename is the one call it leaves out);
-# slots at random places in one preallocated file; buckets of appended objects, read anywhere.
+# written and removed (fio has no rename, and its reader keeps its files open: a temporary file's
+# rename and a read's open and close are the calls it leaves out); slots at random places in one
+# preallocated file; buckets of appended objects, read anywhere.
 FIO_BLOCK_FILES: Dict[str, Dict[str, Any]] = {
-    "file-per-block": {"read": "read", "write": "write", "created": True, "opened_per_object": True, "sync": "object"},
-    "slot-file": {"read": "randread", "write": "randwrite", "created": False, "opened_per_object": False,
-                  "sync": "object"},
-    "bucket": {"read": "randread", "write": "write", "created": True, "opened_per_object": False, "sync": "file"},
+    "file-per-block": {"read": "read", "write": "write", "created": True, "sync": "object"},
+    "slot-file": {"read": "randread", "write": "randwrite", "created": False, "sync": "object"},
+    "bucket": {"read": "randread", "write": "write", "created": True, "sync": "file"},
 }
+FIO_FLOW_SLEEP_US = 100                 # a job ahead of its share of the mix sleeps this long (fio's flow)
 
 
 def _mean_request_bytes(sizes: Dict[Any, int]) -> int:
@@ -8537,9 +8538,10 @@ def _mean_request_bytes(sizes: Dict[Any, int]) -> int:
 def _fio_block_jobs(run: Dict[str, Any]) -> str:
     """fio_job_text for a KV block layout (pure): two jobs at once, a reader and a writer, each
     with the run's depth in its direction (`read_streams` x `read_depth` reads in flight,
-    `write_streams` writes, one each) and the layout's file operations (FIO_BLOCK_FILES): under
-    file-per-block every object is a file of `object_bytes` opened for each read, and written by
-    creating it, one sync per object where the run syncs, and unlinking it after each pass."""
+    `write_streams` writes, one each), held to the run's mix of requests by fio's flow control,
+    and the layout's file operations (FIO_BLOCK_FILES): under file-per-block every object is a
+    file of `object_bytes`, written by creating it, one sync per object where the run syncs, and
+    unlinking it after each pass."""
     files, direct = FIO_BLOCK_FILES[run["layout"]], bool(run.get("direct"))
     read_sizes, write_sizes = run.get("read_sizes") or {}, run.get("write_sizes") or {}
     object_bytes = _align_up(int(run.get("object_bytes") or 0))
@@ -8550,6 +8552,8 @@ def _fio_block_jobs(run: Dict[str, Any]) -> str:
     file_bytes = object_bytes if run["layout"] == "file-per-block" else min(
         max(object_bytes, _align_up(data_bytes)), BUCKET_LIMIT_BYTES if run["layout"] == "bucket" else FIO_MAX_DATASET_BYTES)
     per_sync = int(run.get("bytes_per_sync") or 0)          # 0: the run never syncs (--kv-io engine)
+    requests = {"read": sum(_aligned_size_counts(read_sizes).values()),
+                "write": sum(_aligned_size_counts(write_sizes).values())}
     lines = _fio_header(run, f"{run['layout']}: a reader and a writer at once") + [
         "", "[global]", f"direct={1 if direct else 0}",
         f"runtime={max(1, math.ceil(float(run.get('runtime_s') or 1)))}", "time_based=1",
@@ -8563,16 +8567,23 @@ def _fio_block_jobs(run: Dict[str, Any]) -> str:
                   # libaio keeps `depth` requests in flight only with O_DIRECT
                   f"ioengine={'libaio' if depth > 1 and direct else 'psync'}", f"iodepth={depth}",
                   f"numjobs={streams}", f"nrfiles={nrfiles}"]
+        sync_every = 0
+        if op == "write" and per_sync:          # where the run syncs: once per object, or per bucket
+            synced = object_bytes if files["sync"] == "object" else file_bytes
+            sync_every = max(1, math.ceil(synced / _mean_request_bytes(write_sizes)))
+        if len(directions) == 2:        # each of the job's streams its share of the run's requests
+            share = requests[op] * 1000 // (requests["read"] + requests["write"]) // streams
+            # (fio's flow counts a sync as a request: a writer's share grows by its syncs)
+            share += share // sync_every if sync_every else 0
+            lines += ["flow_id=1", f"flow={max(1, share)}", f"flow_sleep={FIO_FLOW_SLEEP_US}"]
         if op == "read":
-            lines += ["file_service_type=random", "fallocate=native",
-                      *([f"openfiles={min(depth, nrfiles)}"] if files["opened_per_object"] else [])]
+            lines += ["file_service_type=random", "fallocate=native"]
         elif files["created"]:
             lines += ["create_on_open=1", "unlink_each_loop=1", "file_service_type=sequential", "fallocate=none"]
         else:
             lines += ["file_service_type=random", "fallocate=native"]
-        if op == "write" and per_sync:          # where the run syncs: once per object, or per bucket
-            synced = object_bytes if files["sync"] == "object" else file_bytes
-            lines.append(f"fdatasync={max(1, math.ceil(synced / _mean_request_bytes(write_sizes)))}")
+        if sync_every:
+            lines.append(f"fdatasync={sync_every}")
     return "\n".join(lines + [""])
 
 

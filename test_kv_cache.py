@@ -5668,7 +5668,9 @@ class TestFioBlockJobs:
         assert kv.FIO_JOB_NAME not in jobs and g["filesize"] == str(2 * MIB)     # one object, one file
         assert g["filename_format"] == f"{kv.FIO_JOB_NAME}-$jobname.$jobnum.$filenum"
         assert (read["rw"], read["ioengine"], read["iodepth"], read["numjobs"]) == ("read", "libaio", "4", "3")
-        assert read["openfiles"] == "4" and read["bssplit"] == f"{2 * MIB}/100"   # a file opened per read in flight
+        assert read["bssplit"] == f"{2 * MIB}/100" and read["flow_id"] == write["flow_id"] == "1"
+        writer = 300 * 1000 // 1100 // 2                  # its share of the mix, and as much again for its syncs
+        assert (read["flow"], write["flow"]) == (str(800 * 1000 // 1100 // 3), str(2 * writer))
         assert (write["rw"], write["ioengine"], write["iodepth"], write["numjobs"]) == ("write", "psync", "1", "2")
         assert write["create_on_open"] == "1" and write["unlink_each_loop"] == "1" and write["fallocate"] == "none"
         assert write["fdatasync"] == "1"                                         # one sync per object, as the run
@@ -5681,13 +5683,14 @@ class TestFioBlockJobs:
         assert slots["write"]["nrfiles"] == "1" and slots["write"]["fdatasync"] == "1"
         buckets = _options(kv.fio_job_text(_block_run(tmp_path, "bucket")))
         assert buckets["global"]["filesize"] == str(256 * MIB) and buckets["write"]["create_on_open"] == "1"
-        assert buckets["write"]["fdatasync"] == "128" and "openfiles" not in buckets["read"]   # a sync per bucket
+        assert buckets["write"]["fdatasync"] == "128"                            # a sync per bucket
         never = _options(kv.fio_job_text(_block_run(tmp_path, "file-per-block", bytes_per_sync=0)))
         assert "fdatasync" not in never["write"]                                 # --kv-io engine: no sync
 
     def test_buffered_reads_keep_their_depth_in_streams_and_a_direction_without_requests_is_left_out(self, tmp_path):
         jobs = _options(kv.fio_job_text(_block_run(tmp_path, "file-per-block", direct=False, write_sizes={})))
         assert "write" not in jobs and jobs["read"]["ioengine"] == "psync" and jobs["global"]["direct"] == "0"
+        assert "flow" not in jobs["read"]                                        # one direction: no mix to hold
         with pytest.raises(ValueError):
             kv.fio_job_text(_block_run(tmp_path, "file-per-block", read_sizes={}, write_sizes={}))
 
@@ -5717,6 +5720,7 @@ class TestFioBlockJobs:
             assert done.returncode == 0, done.stderr
             result = kv.parse_fio_json(done.stdout)
             assert result["read_requests"] > 0 and result["write_requests"] > 0
+            assert 1 / 4 < result["read_requests"] / result["write_requests"] < 4      # the mix, 1:1, held
             made = sorted(p.name for p in work.iterdir())
             assert all(name.startswith((f"{kv.FIO_JOB_NAME}-read.", f"{kv.FIO_JOB_NAME}-write."))
                        for name in made if name != kv.FIO_JOB_FILE)

@@ -3124,7 +3124,9 @@ class EntrySource:
     `fill(offset, out)` writes bytes [offset, offset + out.size) into the host array `out`.
     `layout`: the bytes are the generator's for this layout, so a GPU tier can make them on
     the device. `copy_whole(out)`: the whole entry into host memory in one copy (an entry
-    that lies in GPU memory: its demotion to the CPU tier is one device-to-host copy).
+    that lies in GPU memory: its demotion to the CPU tier is one device-to-host copy). `host`:
+    the entry's bytes already lie in this host array (a queued write's in the write-back's
+    buffer), which a writer may hand to the file system as they are (`lying`).
     """
     nbytes: int
     shape: Tuple[int, ...]
@@ -3133,6 +3135,16 @@ class EntrySource:
     layout: Optional[EntryLayout] = None
     copy_whole: Optional[Callable[[np.ndarray], None]] = None
     tier: Optional[str] = None          # trace mode: the tier a demotion reads it from (TracedTier)
+    host: Optional[np.ndarray] = field(default=None, compare=False)
+
+    def lying(self, offset: int, nbytes: int) -> Optional[np.ndarray]:
+        """Bytes [offset, offset + nbytes) where they lie in host memory, when they do and may go
+        to the file system as they are, O_DIRECT included (whole 4 KiB blocks at a 4 KiB address);
+        else None: they are to be made or copied into a staging area (`fill`)."""
+        if self.host is None or offset % BLOCK_BYTES or nbytes % BLOCK_BYTES:
+            return None
+        view = self.host[offset:offset + nbytes]
+        return view if view.size == nbytes and view.ctypes.data % BLOCK_BYTES == 0 else None
 
     @classmethod
     def generated(cls, generator: KVCacheGenerator, key: str, nbytes: int, shape: Tuple[int, ...],
@@ -4694,8 +4706,11 @@ class BlockTier(StorageTier):
 
         def pieces(obj: BlockObject) -> Iterator[Tuple[int, np.ndarray]]:
             for offset in range(0, obj.nbytes, room.size):
-                buf = room[:min(room.size, obj.nbytes - offset)]
-                source.fill(obj.offset + offset, buf)
+                nbytes = min(room.size, obj.nbytes - offset)
+                buf = source.lying(obj.offset + offset, nbytes)     # written from where it lies, as an
+                if buf is None:                                      # engine writes from its buffer
+                    buf = room[:nbytes]
+                    source.fill(obj.offset + offset, buf)
                 transfer.observe(buf, obj.part)
                 yield offset, buf
                 transfer.advance(buf.size)
@@ -6682,7 +6697,7 @@ class WriteBackBuffer:
     arena of that size, in huge pages where the kernel gives them, its pages mapped when it is
     made (map_pages), as an engine allocates its buffer when it starts: a first touch inside the
     run cost this VM up to 3 CPU s per GiB in the middle of the measured window
-    (docs/performance.md, "The presets end to end"). A write's bytes are held (by its `handle`) from its queueing to the end of its
+    (docs/performance.md, "The presets end to end, beside fio"). A write's bytes are held (by its `handle`) from its queueing to the end of its
     write; a read of them copies out, and they are freed when the write is over and the last such
     read has left. Thread-safe."""
 
@@ -7192,7 +7207,7 @@ class CacheWriteBack:
         try:
             with self.write_back.buffer.reading(id(entry)) as view, transfer:
                 source = EntrySource(entry.size_bytes, entry.shape, entry.dtype,
-                                     lambda offset, out: np.copyto(out, view[offset:offset + out.size]))
+                                     lambda offset, out: np.copyto(out, view[offset:offset + out.size]), host=view)
                 self.storage.write_from(entry.key, source, transfer)
         except (OSError, IOAborted):                   # counted by the transfer
             self._drop(entry, reserved_tier=Tier.STORAGE)

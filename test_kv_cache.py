@@ -2249,6 +2249,32 @@ class TestKVBlocks:
         carry.forget("c1")
         assert carry.turn("c1", 10) == 0 and len(carry) == 2 and kv.BlockCarry(0).turn("c", 10) == 0
 
+    @pytest.mark.parametrize("layout", ["file-per-block", "slot-file", "bucket"])
+    def test_bytes_lying_in_host_memory_are_written_from_there_else_staged(self, tmp_path, layout):
+        """A queued write's bytes lie in the write-back's buffer: a block tier hands them to the file
+        system as they are (no copy through a staging area) where they are whole 4 KiB blocks at a
+        4 KiB address, O_DIRECT or not; else it copies them in (`fill`). The same bytes either way."""
+        tier = kv.BlockTier(tmp_path / layout, kv.KVBlockScheme(16, layout), "m", 4096)
+        arena = kv.aligned_empty(3 * 16 * 4096 + kv.BLOCK_BYTES)
+        try:
+            for at, copies in ((0, 0), (8, 3)):                  # aligned: no copy; 8 bytes off: 3 objects copied
+                data = arena[at:at + 3 * 16 * 4096]
+                data[:] = np.random.default_rng(at).integers(0, 256, data.size, dtype=np.uint8)
+                filled = []
+                source = kv.EntrySource(data.size, (data.size,), "|u1",
+                                        lambda offset, out: (filled.append(offset), np.copyto(out, data[offset:offset + out.size])),
+                                        host=data)
+                with kv.Transfer("write", data.size, verify=True) as written:
+                    tier.write_from(f"k{at}", source, written)
+                with kv.Transfer("read", data.size, verify=True) as read:
+                    tier.read_into(f"k{at}", kv.HostSink(), read)
+                assert len(filled) == copies and written.crc == read.crc == zlib.crc32(data), at
+        finally:
+            tier.clear()
+        assert kv.EntrySource(8192, (8192,), "|u1", None, host=arena[:8192]).lying(4096, 4096) is not None
+        assert kv.EntrySource(8192, (8192,), "|u1", None, host=arena[:8192]).lying(0, 5000) is None
+        assert kv.EntrySource(8192, (8192,), "|u1", None).lying(0, 4096) is None      # nothing lies anywhere
+
     @pytest.mark.parametrize("layout", ["slot-file", "file-per-block"])
     def test_a_read_depth_loads_an_entrys_objects_at_once_on_the_io_threads(self, tmp_path, layout):
         """read_depth 1: the reading thread issues one read per object; 4 (Dynamo's): the I/O

@@ -6696,10 +6696,10 @@ class WriteBackBuffer:
     """The host memory a queued write holds until it is written (--write-back-buffer-gb): one
     arena of that size, in huge pages where the kernel gives them, its pages mapped when it is
     made (map_pages), as an engine allocates its buffer when it starts: a first touch inside the
-    run cost this VM up to 3 CPU s per GiB in the middle of the measured window
-    (docs/performance.md, "The presets end to end, beside fio"). A write's bytes are held (by its `handle`) from its queueing to the end of its
-    write; a read of them copies out, and they are freed when the write is over and the last such
-    read has left. Thread-safe."""
+    run cost this VM up to 3 CPU s per GiB in the middle of the measured window (docs/performance.md,
+    "The presets end to end, beside fio"). A write's bytes are held (by its `handle`) from its
+    queueing to the end of its write; a read of them copies out, and they are freed when the write
+    is over and the last such read has left. Thread-safe."""
 
     def __init__(self, nbytes: int):
         buffer = aligned_empty(max(int(nbytes), BLOCK_BYTES))

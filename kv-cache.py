@@ -8558,17 +8558,17 @@ def _fio_block_jobs(run: Dict[str, Any]) -> str:
     file of `object_bytes`, written by creating it, one sync per object where the run syncs, and
     unlinking it after each pass."""
     files, direct = FIO_BLOCK_FILES[run["layout"]], bool(run.get("direct"))
-    read_sizes, write_sizes = run.get("read_sizes") or {}, run.get("write_sizes") or {}
-    object_bytes = _align_up(int(run.get("object_bytes") or 0))
-    directions = [op for op, sizes in (("read", read_sizes), ("write", write_sizes)) if sum(_aligned_size_counts(sizes).values())]
+    sizes = {"read": run.get("read_sizes") or {}, "write": run.get("write_sizes") or {}}
+    requests = {op: sum(_aligned_size_counts(sizes[op]).values()) for op in sizes}
+    directions = [op for op in sizes if requests[op]]
     if not directions:
         raise ValueError("the run moved no storage-tier requests: nothing for fio to replay")
+    object_bytes = _align_up(int(run.get("object_bytes") or 0))
     data_bytes = int(run.get("bytes_written") or 0) or int(run.get("bytes_read") or 0) or object_bytes
-    file_bytes = object_bytes if run["layout"] == "file-per-block" else min(
-        max(object_bytes, _align_up(data_bytes)), BUCKET_LIMIT_BYTES if run["layout"] == "bucket" else FIO_MAX_DATASET_BYTES)
+    most = BUCKET_LIMIT_BYTES if run["layout"] == "bucket" else FIO_MAX_DATASET_BYTES
+    file_bytes = (object_bytes if run["layout"] == "file-per-block"           # one object, one file
+                  else min(max(object_bytes, _align_up(data_bytes)), most))
     per_sync = int(run.get("bytes_per_sync") or 0)          # 0: the run never syncs (--kv-io engine)
-    requests = {"read": sum(_aligned_size_counts(read_sizes).values()),
-                "write": sum(_aligned_size_counts(write_sizes).values())}
     lines = _fio_header(run, f"{run['layout']}: a reader and a writer at once") + [
         "", "[global]", f"direct={1 if direct else 0}",
         f"runtime={max(1, math.ceil(float(run.get('runtime_s') or 1)))}", "time_based=1",
@@ -8578,27 +8578,24 @@ def _fio_block_jobs(run: Dict[str, Any]) -> str:
         streams = max(1, int(run.get(f"{op}_streams") or 1))
         depth = max(1, round(float(run.get("read_depth") or 1))) if op == "read" else 1
         nrfiles = min(FIO_MAX_FILES_PER_JOB, max(1, math.ceil(data_bytes / streams / file_bytes)))
-        lines += ["", f"[{op}]", f"rw={files[op]}", f"bssplit={fio_bssplit(read_sizes if op == 'read' else write_sizes)}",
+        lines += ["", f"[{op}]", f"rw={files[op]}", f"bssplit={fio_bssplit(sizes[op])}",
                   # libaio keeps `depth` requests in flight only with O_DIRECT
                   f"ioengine={'libaio' if depth > 1 and direct else 'psync'}", f"iodepth={depth}",
                   f"numjobs={streams}", f"nrfiles={nrfiles}"]
         sync_every = 0
         if op == "write" and per_sync:          # where the run syncs: once per object, or per bucket
             synced = object_bytes if files["sync"] == "object" else file_bytes
-            sync_every = max(1, math.ceil(synced / _mean_request_bytes(write_sizes)))
+            sync_every = max(1, math.ceil(synced / _mean_request_bytes(sizes[op])))
         if len(directions) == 2:        # each of the job's streams its share of the run's requests
             share = requests[op] * 1000 // (requests["read"] + requests["write"]) // streams
             # (fio's flow counts a sync as a request: a writer's share grows by its syncs)
             share += share // sync_every if sync_every else 0
             lines += ["flow_id=1", f"flow={max(1, share)}", f"flow_sleep={FIO_FLOW_SLEEP_US}"]
-        if op == "read":
-            lines += ["file_service_type=random", "fallocate=native"]
-        elif files["created"]:
+        if op == "write" and files["created"]:
             lines += ["create_on_open=1", "unlink_each_loop=1", "file_service_type=sequential", "fallocate=none"]
         else:
             lines += ["file_service_type=random", "fallocate=native"]
-        if sync_every:
-            lines.append(f"fdatasync={sync_every}")
+        lines += [f"fdatasync={sync_every}"] if sync_every else []
     return "\n".join(lines + [""])
 
 

@@ -1968,6 +1968,10 @@ def our_files(directory: Path) -> list:
 
 
 BPT_8B = 131_072                       # llama3.1-8b bf16: bytes of K and V per token
+# The write-back's buffer is mapped when made (as an engine allocates it at start): a test's small run
+# asks for a small one, so that two test processes do not each map a preset's 4-5 GB.
+SMALL_BUFFER_GB = 1.0
+SMALL_BUFFER = ("--write-back-buffer-gb", str(SMALL_BUFFER_GB))
 
 
 def strace_block_write(tmp_path: Path, scheme_code: str, nbytes: int, syscalls: str):
@@ -2212,7 +2216,7 @@ class TestKVBlocks:
     def test_the_prefix_load_is_the_prefills_reads_of_cached_context(self, tmp_path):
         run = run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "16", "--cpu-mem-gb", "0",
                                         "--seed", "11", "--kv-engine", "lmcache", "--monitor-interval", "0.1",
-                                        "--plot", tmp_path / "charts"))
+                                        *SMALL_BUFFER, "--plot", tmp_path / "charts"))
         results = results_of(run, tmp_path)
         summary = results["summary"]
         records = run.bench.recorder.records
@@ -2322,7 +2326,8 @@ class TestKVBlocks:
 
     def test_an_entry_below_one_block_is_not_cached(self, tmp_path):
         cache = kv.TieredCache(kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0,
-                                                             cache_dir=str(tmp_path), kv_engine="lmcache"))
+                                                             cache_dir=str(tmp_path), kv_engine="lmcache",
+                                                             write_back_buffer_gb=SMALL_BUFFER_GB))
         try:
             assert not cache.write_entry("short", 255).success and cache.write_entry("long", 600).success
             assert cache.stored_entries()[0].num_tokens == 512                   # two whole blocks of 256
@@ -2349,7 +2354,8 @@ class TestKVBlocks:
     def test_the_fio_job_moves_one_object_per_io_each_made_durable(self, tmp_path):
         job = tmp_path / "j.fio"
         results_of(run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "8", "--cpu-mem-gb", "0",
-                                             "--seed", "3", "--kv-engine", "lmcache", "--fio-job", job)), tmp_path)
+                                             "--seed", "3", "--kv-engine", "lmcache", *SMALL_BUFFER, "--fio-job", job)),
+                   tmp_path)
         lines = set(job.read_text().splitlines())
         per_object = kv.KV_ENGINES["lmcache"].object_bytes(kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token, 1)
         assert {"iodepth=1", "ioengine=psync", "fdatasync=1", f"filesize={per_object}", "direct=1"} <= lines
@@ -2358,7 +2364,7 @@ class TestKVBlocks:
 
     def test_a_shared_prompt_is_stored_once_and_a_turn_writes_only_its_own_blocks(self, tmp_path):
         config = kv.BenchmarkConfig(model="llama3.1-8b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
-                                    kv_engine="lmcache")
+                                    kv_engine="lmcache", write_back_buffer_gb=SMALL_BUFFER_GB)
         cache = kv.TieredCache(config)
         try:
             for user in ("user_1", "user_2", "user_3"):        # each looks the prompt up; the first writes it
@@ -2377,7 +2383,7 @@ class TestKVBlocks:
     @pytest.mark.parametrize("admission, stored_at_first", [(None, False), ("all", True)])
     def test_dynamo_stores_an_entry_from_its_second_use(self, tmp_path, admission, stored_at_first):
         config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
-                                    kv_engine="dynamo", storage_admission=admission)
+                                    kv_engine="dynamo", storage_admission=admission, write_back_buffer_gb=SMALL_BUFFER_GB)
         cache = kv.TieredCache(config)
         try:
             first = cache.write_entry("system_prompt_0", 64)
@@ -2392,7 +2398,8 @@ class TestKVBlocks:
     def test_dynamo_demotes_to_storage_only_what_was_used_twice(self, tmp_path):
         entry = 64 * kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token
         config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=2.5 * entry / GIB,
-                                    cache_dir=str(tmp_path), kv_engine="dynamo", storage_admission="reused")
+                                    cache_dir=str(tmp_path), kv_engine="dynamo", storage_admission="reused",
+                                    write_back_buffer_gb=SMALL_BUFFER_GB)
         cache = kv.TieredCache(config)
         try:
             assert cache.write_entry("once", 64).tier == "cpu" and cache.write_entry("twice", 64).tier == "cpu"
@@ -2541,7 +2548,8 @@ class TestWriteBack:
 
     def test_the_request_goes_on_and_a_read_before_the_write_is_served_from_memory(self, tmp_path):
         config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
-                                    kv_block_tokens=64, write_back="async", write_back_threads=2)
+                                    kv_block_tokens=64, write_back="async", write_back_threads=2,
+                                    write_back_buffer_gb=SMALL_BUFFER_GB)
         cache = kv.TieredCache(config)
         try:
             with contextlib.ExitStack() as held:        # every staging area held: no write-back can start
@@ -2568,7 +2576,7 @@ class TestWriteBack:
 
     def test_the_write_back_threads_end_with_the_cache_closed_or_collected(self, tmp_path):
         config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
-                                    write_back="async", write_back_threads=3)
+                                    write_back="async", write_back_threads=3, write_back_buffer_gb=SMALL_BUFFER_GB)
         named = lambda: [t for t in threading.enumerate() if t.name.startswith("write-back-")]   # noqa: E731
         before = len(named())
         cache = kv.TieredCache(config)
@@ -2588,7 +2596,7 @@ class TestWriteBack:
         entry = 64 * kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token
         config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=1.5 * entry / GIB, cpu_mem_gb=0, verify=True,
                                     cache_dir=str(tmp_path), kv_engine="dynamo", storage_admission="all",
-                                    write_back=write_back)
+                                    write_back=write_back, write_back_buffer_gb=SMALL_BUFFER_GB)
         cache = kv.TieredCache(config)
         try:
             assert opened and cache.config.kv_blocks.read_depth == 4
@@ -2702,7 +2710,8 @@ class TestWriteBack:
     def test_a_demotion_is_queued_and_its_memory_freed_at_once(self, tmp_path):
         entry = 64 * kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token
         config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=2.5 * entry / GIB,
-                                    cache_dir=str(tmp_path), write_back="async", verify=True)
+                                    cache_dir=str(tmp_path), write_back="async", verify=True,
+                                    write_back_buffer_gb=SMALL_BUFFER_GB)
         cache = kv.TieredCache(config)
         try:
             for i in range(4):
@@ -2721,7 +2730,7 @@ class TestWriteBack:
         (tmp_path / "cache").mkdir()
         run = run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "12", "--cpu-mem-gb", "0",
                                         "--seed", "7", "--kv-engine", "mooncake", "--monitor-interval", "0.1",
-                                        "--xlsx-output", tmp_path / "r.csv"))
+                                        *SMALL_BUFFER, "--xlsx-output", tmp_path / "r.csv"))
         results = results_of(run, tmp_path)
         w = results["summary"]["write_back"]
         assert "write_back" not in base["summary"] and results["workload_digest"] == base["workload_digest"]
@@ -2733,7 +2742,7 @@ class TestWriteBack:
         assert sum(tiers.get("write_back", 0) for tiers in by_tier.values()) >= w["reads_served"] > 0
         assert results["summary"]["cache_stats"]["tier_storage_kv_bytes_written_gb"] * GIB >= w["written_bytes"]
         assert "### WRITE-BACK (--write-back async) ###" in run.stdout
-        assert "; write-back async, 1 thread, queue of at most 50,000 objects in a 4 GB buffer, then drop" in \
+        assert "; write-back async, 1 thread, queue of at most 50,000 objects in a 1 GB buffer, then drop" in \
             results["summary"]["cache_stats"]["storage_io_mode"]
         assert results["timeline"] and all("write_back_queue_objects" in point for point in results["timeline"])
         row = next(csv.DictReader((tmp_path / "r.csv").read_text().splitlines()))

@@ -5958,7 +5958,13 @@ class TraceLog:
     Write and Read; Delete rows too with `deletes` (--io-trace-deletes). What made it and the
     latency model are in the results (cache_stats.storage_io_mode). Written as an OutputFile, put
     in place by close() and dropped by discard() (a run stopped before it began); PATH.zst is
-    zstd-compressed."""
+    zstd-compressed.
+
+    Rows keep the order their operations were issued in, and an operation the model starts later
+    (queued behind its tier's earlier work) may never begin: the run stops first. So a row waits
+    in memory until its operation begins, and those behind it wait with it; `cancel` drops the
+    rows of an operation the stop ended before it began, so that nothing the run did not do
+    reaches the trace."""
 
     def __init__(self, path: str, model: LatencyModel, deletes: bool = False):
         self.path, self.model, self.deletes, self.rows = Path(path).expanduser(), model, deletes, 0
@@ -5972,18 +5978,43 @@ class TraceLog:
         self._csv = csv.writer(self._text, lineterminator="\n")
         self._epoch = time.time() - time.perf_counter()
         self._csv.writerow(TRACE_COLUMNS)
+        self._tickets = itertools.count()
+        self._pending: "collections.deque[Tuple[int, float, str, int, str, str, str]]" = collections.deque()
+        self._cancelled: set = set()
 
-    def row(self, at: float, op: str, nbytes: int, tier: str, key: str, phase: str) -> None:
+    def row(self, at: float, op: str, nbytes: int, tier: str, key: str, phase: str) -> int:
+        """A row of an operation the model starts at `at` (perf_counter): its ticket for `cancel`."""
         with self._lock:
-            if self._text.closed or (op == "Delete" and not self.deletes):
-                return
-            self._csv.writerow((f"{self._epoch + at:.6f}", op, nbytes, TRACE_TIER_LABELS[tier], key, phase))
-            self.rows += 1
+            ticket = next(self._tickets)
+            if not self._text.closed and (op != "Delete" or self.deletes):
+                self._pending.append((ticket, at, op, nbytes, tier, key, phase))
+                self._write_begun(time.perf_counter())
+            return ticket
+
+    def cancel(self, tickets: Sequence[int]) -> None:
+        """The rows of an operation that never began (the run stopped while it waited for its start)."""
+        with self._lock:
+            self._cancelled.update(tickets)
+
+    def _write_begun(self, now: float) -> None:
+        """The rows at the front whose operations have begun (or were cancelled), in order."""
+        while self._pending and (self._pending[0][1] <= now or self._pending[0][0] in self._cancelled):
+            self._write_row(self._pending.popleft())
+
+    def _write_row(self, row: Tuple[int, float, str, int, str, str, str]) -> None:
+        ticket, at, op, nbytes, tier, key, _ = row
+        if ticket in self._cancelled:                  # (a cancelled write stored nothing: no Delete follows)
+            self._cancelled.discard(ticket)
+            return
+        self._csv.writerow((f"{self._epoch + at:.6f}", op, nbytes, TRACE_TIER_LABELS[tier], key, row[6]))
+        self.rows += 1
 
     def close(self) -> None:
         with self._lock:
             if self._text.closed:
                 return
+            while self._pending:                       # begun by now, or cancelled: never begun
+                self._write_row(self._pending.popleft())
             self._text.close()
         self._out.commit()
         logger.info("I/O trace: %d operations written to %s", self.rows, self.path)
@@ -6030,20 +6061,28 @@ class TracedTier(StorageTier):
     def _operate(self, transfer: Transfer, rows: List[Tuple[str, str]], key: str, nbytes: int,
                  objects: List[Tuple[str, int]]) -> None:
         """rows: (operation, tier) each; they start together and end when the model says. Nothing
-        is issued (reserved or written to the trace) once the run stopped. Rows are written when
-        the operation is issued, so the file keeps the order the cache issued them in (a read
-        queued behind its tier's earlier work stays before a later deletion of its object)."""
+        is issued (reserved or written to the trace) once the run stopped. Rows are handed to the
+        log when the operation is issued, so the file keeps the order the cache issued them in (a
+        read queued behind its tier's earlier work stays before a later deletion of its object); an
+        operation the stop ends before its modelled start is cancelled there (TraceLog)."""
         transfer.check_stop()
         start, end = self.model.reserve([tier for _, tier in rows], nbytes)
         phase = TRACE_PHASES.get(transfer.reason, transfer.reason.capitalize())
-        for op, tier in rows:                              # the other tier of a demotion holds it whole
-            for name, size in (objects if tier == self.name else [(key, nbytes)]):
-                self.log.row(start, op, size, tier, name, phase)
+        tickets = [self.log.row(start, op, size, tier, name, phase)
+                   for op, tier in rows                    # the other tier of a demotion holds it whole
+                   for name, size in (objects if tier == self.name else [(key, nbytes)])]
 
-        def wait() -> None:
-            while (left := end - time.perf_counter()) > 0:
-                transfer.check_stop()
-                time.sleep(min(left, 0.05))
+        def wait() -> None:                                # (woken at its start, to see if it began)
+            begun = False
+            while (now := time.perf_counter()) < end:
+                try:
+                    transfer.check_stop()
+                except IOAborted:
+                    if not begun:                          # stopped before it began: it never happened
+                        self.log.cancel(tickets)
+                    raise
+                begun = now >= start
+                time.sleep(min(end - now, 0.05) if begun else min(start - now, 0.05))
         transfer.timed(wait, busy=self.busy[transfer.op])
         transfer.advance(nbytes)
 

@@ -7582,6 +7582,38 @@ class TestIOTrace:
         log.close()
         assert [r["Key"] for r in read_trace(tmp_path / "trace.csv")] == ["before"]
 
+    def test_an_operation_the_stop_ends_before_it_begins_leaves_no_row(self, tmp_path):
+        """Issue order is kept, and a write queued behind its tier's earlier work (the model starts
+        it later) that the stop ends before it begins never reaches the trace, nor does a later
+        Delete of its object; the earlier write, begun, stays."""
+        log = kv.TraceLog(str(tmp_path / "trace.csv"), kv.LatencyModel({t: 1.0 for t in kv.TIER_NAMES},
+                                                                        {t: 0 for t in kv.TIER_NAMES}), deletes=True)
+        traced, stop = kv.TracedTier("nvme", log), threading.Event()
+        source = kv.EntrySource.of_array(np.zeros(300_000_000, dtype=np.uint8))       # 0.3 s at 1 GB/s each
+        began, errors = threading.Event(), []
+
+        def write(key):
+            try:
+                with kv.Transfer("write", source.nbytes, tier="nvme", stop=stop) as transfer:
+                    began.set()
+                    traced.write_from(key, source, transfer)
+            except kv.IOAborted as exc:
+                errors.append((key, exc))
+        first = threading.Thread(target=write, args=("first",))
+        first.start()
+        assert began.wait(30)
+        time.sleep(0.05)
+        second = threading.Thread(target=write, args=("second",))       # its modelled start: the first's end
+        second.start()
+        time.sleep(0.1)
+        traced.delete("first")                                      # not stored: no row
+        stop.set()                                                  # while the second waits for its start
+        first.join(30), second.join(30)
+        traced.delete("second")
+        log.close()
+        assert sorted(key for key, _ in errors) == ["first", "second"]
+        assert [(r["Operation"], r["Key"]) for r in read_trace(tmp_path / "trace.csv")] == [("Write", "first")]
+
     def test_trace_mode_storage_is_unbounded_unless_capped(self, traced_run, tmp_path):
         run = run_in_process(*small_run(tmp_path, "--num-users", "2", "--max-requests", "2", "--cpu-mem-gb", "0.05",
                                         "--seed", "1", "--io-trace-log", tmp_path / "t.csv"))

@@ -535,8 +535,12 @@ class UsageError(ValueError):
 
 
 def _shown(value: float) -> str:
-    """A value for an error message, whatever its size (a 400-digit integer has no float form)."""
-    text = f"{value:g}" if isinstance(value, float) else str(value)
+    """A value for an error message, whatever its size (a 400-digit integer has no float form; one
+    of thousands of digits, which YAML makes of a hex number, not even a decimal one)."""
+    try:
+        text = f"{value:g}" if isinstance(value, float) else str(value)
+    except ValueError:                              # over Python's 4,300 digits for int -> str
+        return f"a number of about {int(abs(int(value)).bit_length() * math.log10(2)) + 1:,} digits"
     return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
 
 
@@ -975,6 +979,16 @@ def _strict_yaml_loader() -> type:
                                                                 f"given twice", key_node.start_mark)
                     seen.add(key)
             return super().construct_mapping(node, deep)
+
+        def construct_yaml_int(self, node: Any) -> int:
+            """An integer; one of more digits than Python converts (4,300) stands in as a number of
+            as many digits, so that its key's range check names the key (no conversion is made)."""
+            try:
+                return super().construct_yaml_int(node)
+            except ValueError:
+                digits = sum(c.isdigit() for c in str(node.value))
+                return (-1 if str(node.value).lstrip().startswith("-") else 1) * 10 ** max(0, digits - 1)
+    StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
     return StrictLoader
 
 
@@ -12017,9 +12031,19 @@ def get_qos_profiles() -> Dict[QoSLevel, QoSSLA]:
 # COMMAND LINE
 # ============================================================================
 
+def _shortened_values(message: str) -> str:
+    """argparse's message with each quoted value of over 24 characters shortened, as _shown does
+    (an integer of thousands of digits, which int() refuses, is echoed by argparse whole)."""
+    def short(match: "re.Match[str]") -> str:
+        text = match.group(1)
+        unit = "digits" if re.fullmatch(r"[+-]?\d+", text) else "characters"
+        return f"'{text[:10]}...({len(text)} {unit})'"
+    return re.sub(r"'([^'\n]{25,})'", short, message)
+
+
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:          # one line, no usage dump
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {_shortened_values(message)} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

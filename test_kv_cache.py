@@ -8502,6 +8502,15 @@ class TestReliability:
         assert sorted(p.name for p in cache_dir.iterdir()) == ["foreign.txt", "keep"]   # its kvcache_run_* is gone
 
     # --- second round: hostile values and paths, dying file systems, interrupts (issue 14) -----
+    @pytest.mark.parametrize("flag", ["--num-users", "--kv-block-tokens", "--write-back-threads", "--kv-read-depth"])
+    def test_a_5000_digit_integer_is_refused_in_one_short_line(self, tmp_path, flag):
+        """Python's int() refuses over 4,300 digits, and argparse echoed the whole value (5,083 bytes)."""
+        proc = run_forked(*[a.format(tmp=tmp_path) for a in HARMLESS_RUN], flag, "9" * 5000, cwd=tmp_path, timeout=30)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and len(lines[0]) < 200 and flag in lines[0] and "9999999999...(5000 digits)" in lines[0]
+        assert list(tmp_path.iterdir()) == []
+
     @pytest.mark.parametrize("flag", ["--num-users", "--seed", "--max-requests", "--rag-num-docs"])
     def test_a_400_digit_integer_is_a_usage_error(self, tmp_path, flag):
         proc = run_forked(*[a.format(tmp=tmp_path) for a in HARMLESS_RUN], flag, "9" * 400, cwd=tmp_path, timeout=30)
@@ -8849,7 +8858,14 @@ class TestForeignFilesAndHostileInputs:
         f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcde", "bcdef"))
     CONFIG_CASES = {
         "nested 500 levels": ("a: " + "[" * 500 + "]" * 500 + "\n", "line 1: nested deeper than 16 levels"),
-        "an integer of 5000 digits": ("decode:\n  batch_size: " + "9" * 5000 + "\n", "not valid YAML (Exceeds the limit"),
+        "an integer of 5000 digits": ("decode:\n  batch_size: " + "9" * 5000 + "\n",
+                                      "decode.batch_size must be at most 9,007,199,254,740,992 (2**53), got a number of "
+                                      "about 5,000 digits"),
+        "a limit of 5000 hex digits": ("validation_limits:\n  max_users: 0x" + "f" * 5000 + "\n",
+                                       "validation_limits.max_users must be at most 9,007,199,254,740,992 (2**53), got a "
+                                       "number of about 6,021 digits"),
+        "a negative integer of 5000 digits": ("conversation:\n  max_turns_per_conv: -" + "9" * 5000 + "\n",
+                                              "conversation.max_turns_per_conv must be"),
         "an integer of 100 digits": ("decode:\n  batch_size: " + "9" * 100 + "\n",
                                      "decode.batch_size must be at most 9,007,199,254,740,992 (2**53), got 9999999999...(100 digits)"),
         "aliases expanding to 531441 values": (BOMB, "over 100,000 values once its aliases are expanded"),

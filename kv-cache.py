@@ -4809,12 +4809,21 @@ class BlockTier(StorageTier):
 
     # --- removal ---
     def delete(self, key: str) -> bool:
+        """Forget the entry and remove every object of it, even when one cannot be (a file system
+        gone read-only, a file made a directory by someone else): the first failure is raised
+        after the rest were tried."""
         with self._lock:
             meta = self.metadata.pop(key, None)
         if meta is None:
             return False
+        failed: List[OSError] = []
         for obj in meta["objects"]:
-            self.store.remove(obj)
+            try:
+                self.store.remove(obj)
+            except OSError as exc:
+                failed.append(exc)
+        if failed:
+            raise failed[0]
         return True
 
     def clear(self) -> None:
@@ -7673,6 +7682,9 @@ class TieredCache(CacheWriteBack, CacheReaper):
         except DetachFailed as exc:                    # a vanished or stuck file: counted; the rest go
             self.stats.record_io_error(Tier.STORAGE, "delete", exc)
             return exc.set_aside
+        except OSError as exc:                         # a block tier deletes at once: its failure, counted
+            self.stats.record_io_error(Tier.STORAGE, "delete", exc)
+            return []
 
     # --- reads ---
     def read_entry(self, key: str, phase: InferencePhase = InferencePhase.DECODE,

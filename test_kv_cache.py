@@ -2335,6 +2335,26 @@ class TestKVBlocks:
         finally:
             cache.close()
 
+    def test_an_object_that_cannot_be_removed_is_a_counted_error_and_the_rest_go(self, tmp_path):
+        """A block tier deletes an entry's objects at once. One that cannot be removed (here made a
+        directory by someone else: unlink fails as on a read-only file system) is a counted delete
+        error, the entry's other objects are removed all the same, and the worker carries on."""
+        cache = kv.TieredCache(kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
+                                                  kv_engine="lmcache", write_back="sync"))
+        try:
+            assert cache.write_entry("k", 1024).success                          # four objects of 256 tokens
+            objects = sorted(p for p in tmp_path.rglob("*.data"))
+            assert len(objects) == 4
+            objects[1].unlink()
+            objects[1].mkdir()                                                 # not a file any more
+            assert cache.write_entry("k", 1024).success                         # the old entry's objects go first
+            errors = cache.stats.read(lambda c, s: {k: n for k, n in c.items() if k.startswith("io_errors_nvme_delete") and n})
+            assert errors == {"io_errors_nvme_delete_EISDIR": 1}
+            assert sorted(p for p in tmp_path.rglob("*.data") if p.is_file()) == [o for i, o in enumerate(objects) if i != 1]
+        finally:
+            cache.close()
+        assert objects[1].is_dir()                                              # the foreign directory stays
+
     def test_trace_mode_writes_a_row_per_block_object(self, tmp_path):
         trace = tmp_path / "t.csv"
         results = results_of(run_in_process(*small_run(tmp_path, "--num-users", "4", "--max-requests", "8",

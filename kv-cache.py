@@ -6426,7 +6426,8 @@ def cache_stats_summary(report: CacheReport, profile: str, windows: Sequence[Tup
     stats["nvme_write_gib_per_sec_wall"] = wall_rate("nvme_bytes_written", scale=GIB)
     stats["tokens_read"] = sum(c[TIER_COUNTERS[(t, "read")].tokens] for t in TIER_NAMES)
     stats["tokens_written"] = sum(c[TIER_COUNTERS[(t, "write")].tokens] for t in TIER_NAMES)
-    for name in ("retired_entries_deleted", "verify_checked", "verify_mismatches", "storage_admission_refused"):
+    for name in ("retired_entries_deleted", "verify_checked", "verify_mismatches", "storage_admission_refused",
+                 "entries_below_one_block"):
         stats[name] = c[name]
     stats.update(report.tiers_info)
     # Device-busy basis: bytes over the wall time during which at least one such I/O was in flight.
@@ -6640,8 +6641,9 @@ class KVBlockFigures:
                             "latency_ms": histogram_summary_ms(self.lookup_latency)}}
 
 
-def format_kv_blocks(b: Dict[str, Any], admission_refused: int = 0) -> List[str]:
-    """The report's KV BLOCKS section (pure); `admission_refused`: cache_stats' storage_admission_refused."""
+def format_kv_blocks(b: Dict[str, Any], admission_refused: int = 0, below_one_block: int = 0) -> List[str]:
+    """The report's KV BLOCKS section (pure); `admission_refused`, `below_one_block`: cache_stats'
+    storage_admission_refused and entries_below_one_block."""
     lookups, latency = b["lookups"], b["lookups"]["latency_ms"]
     engine = f" as {b['engine']}" if b.get("engine") else ""
     return ["### KV BLOCKS ###",
@@ -6653,7 +6655,10 @@ def format_kv_blocks(b: Dict[str, Any], admission_refused: int = 0) -> List[str]
             f"  lookups {lookups['count']:,} ({lookups['per_sec'] or 0:,.0f}/s, {lookups['hits']:,} found): "
             f"P50 {_fmt_ms(latency['p50'])}, P95 {_fmt_ms(latency['p95'])}, P99 {_fmt_ms(latency['p99'])}",
             *([f"  storage admission: reused entries only; {admission_refused:,} kept off the storage tier (first use)"]
-              if b.get("storage_admission") == "reused" else [])]
+              if b.get("storage_admission") == "reused" else []),
+            *([f"  entries below one block: {below_one_block:,} not cached (fewer than {b['block_tokens']:,} tokens; "
+               f"no engine stores a partial block)"
+               + (": no entry was stored" if not b.get("objects_written") else "")] if below_one_block else [])]
 
 
 # ============================================================================
@@ -10815,8 +10820,8 @@ def format_report(results: Dict[str, Any]) -> str:
     if results.get("device_latency_tracing"):
         lines += ["", *format_latency_tracing(results["device_latency_tracing"])]
     if results["summary"].get("kv_blocks"):
-        lines += ["", *format_kv_blocks(results["summary"]["kv_blocks"],
-                                        results["summary"]["cache_stats"].get("storage_admission_refused", 0))]
+        lines += ["", *format_kv_blocks(results["summary"]["kv_blocks"], cs.get("storage_admission_refused", 0),
+                                        cs.get("entries_below_one_block", 0))]
     if results["summary"].get("write_back"):
         lines += ["", *format_write_back(results["summary"]["write_back"])]
     if s.get("fio_comparison"):

@@ -2335,6 +2335,16 @@ class TestKVBlocks:
         finally:
             cache.close()
 
+    def test_a_block_larger_than_any_context_says_why_nothing_was_stored(self, tmp_path):
+        """--kv-block-tokens 1048576: no entry is a whole block, so none is cached; the JSON counts
+        them (cache_stats.entries_below_one_block) and the report says so, where the run said nothing."""
+        run = run_in_process(*small_run(tmp_path, "--num-users", "2", "--max-requests", "4", "--cpu-mem-gb", "0",
+                                        "--seed", "1", "--kv-block-tokens", "1048576"))
+        cs = results_of(run, tmp_path)["summary"]["cache_stats"]
+        assert cs["entries_below_one_block"] > 0 and cs["nvme_writes"] == 0
+        assert (f"entries below one block: {cs['entries_below_one_block']:,} not cached (fewer than 1,048,576 tokens; "
+                "no engine stores a partial block): no entry was stored") in run.stdout
+
     def test_an_object_that_cannot_be_removed_is_a_counted_error_and_the_rest_go(self, tmp_path):
         """A block tier deletes an entry's objects at once. One that cannot be removed (here made a
         directory by someone else: unlink fails as on a read-only file system) is a counted delete

@@ -4379,8 +4379,8 @@ class SlotBlocks(FileCensus):
     """slot-file (Dynamo KVBM's disk tier): one file per rank, made with mkstemp, opened O_DIRECT
     and unlinked at once (its blocks live while the tier holds the descriptor; nothing is left
     behind); objects are fixed-size slots at `slot x stride`, found in an in-memory index. The
-    file grows by fallocate in SLOT_FILE_EXTENT_BYTES steps (Dynamo reserves its whole pool at
-    start); no file is created, renamed or deleted per block."""
+    file grows by fallocate in SLOT_FILE_EXTENT_BYTES steps, smaller on a small file system
+    (Dynamo reserves its whole pool at start); no file is created, renamed or deleted per block."""
 
     direct_capable = True
 
@@ -4424,8 +4424,21 @@ class SlotBlocks(FileCensus):
             self._slots[part] += 1
             grow = (slot + 1) * self.stride > self._reserved[part]
             if grow:
-                self._reserved[part] += max(SLOT_FILE_EXTENT_BYTES, self.stride)
+                self._reserved[part] += self._extent(part)
             return slot, grow
+
+    def _extent(self, part: int) -> int:
+        """How much a slot file grows by: SLOT_FILE_EXTENT_BYTES, or on a file system with less
+        free than twice that, half its free space (whole slots, one at least), so that the file
+        never outgrows the capacity the run took of that free space (a 200 MB tmpfs refused a
+        1 GiB step: ENOSPC)."""
+        try:
+            stat = os.fstatvfs(self._fds[part])
+            free = stat.f_bavail * stat.f_frsize
+        except OSError:
+            free = SLOT_FILE_EXTENT_BYTES
+        step = min(SLOT_FILE_EXTENT_BYTES, free // 2)
+        return max(self.stride, step // self.stride * self.stride)
 
     def store(self, obj: BlockObject, pieces: Iterator[Tuple[int, np.ndarray]], transfer: Transfer,
               busy: BusyClock) -> None:

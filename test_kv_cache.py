@@ -8674,6 +8674,24 @@ class TestReliability:
         finally:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
+    @pytest.mark.slow
+    def test_dynamos_slot_file_stays_within_a_small_file_system(self, tmp_path):
+        """On a 200 MB tmpfs the slot file grew 1 GiB at a time: fallocate's ENOSPC, exit 1. It now
+        grows by half the free space there at most, so the run stores its blocks without an error."""
+        mnt = self.small_tmpfs(tmp_path, "200m")
+        try:
+            out = tmp_path / "r.json"
+            proc = run_cli(*SMALL_RUN, "--cpu-mem-gb", "0", "--num-users", "4", "--max-requests", "12", "--seed", "5",
+                           "--kv-engine", "dynamo", "--storage-admission", "all", "--write-back", "sync",
+                           "--cache-dir", mnt, "--output", out, "--quiet", cwd=tmp_path, timeout=120)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            s = json.loads(out.read_text())["summary"]
+            assert s["io_errors"] == 0 and s["cache_stats"]["nvme_writes"] > 0
+            assert s["kv_blocks"]["objects_written"] > 0
+            assert list(mnt.iterdir()) == []                        # the run's own files gone
+        finally:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
     def test_a_full_file_system_at_the_start_is_reported_as_full(self, tmp_path):
         mnt = self.small_tmpfs(tmp_path, "1m")
         try:

@@ -9346,6 +9346,26 @@ def decode_context_key(user_index: int) -> str:
 
 # --- Filling the cache before the timer: --decode-only's contexts, --precondition's bytes (below) ---
 # One fill for both, so that a stop, a progress line or a count is handled once.
+FILL_FLUSH_POLL_S = 0.1                 # the fill's wait for its queued writes looks at the stop this often
+
+
+def _written_back(cache: TieredCache, filled: Dict[str, Any], queued_before: Optional[Dict[str, int]],
+                  should_stop: Callable[[], bool]) -> None:
+    """--write-back async: the fill's writes were only queued. Wait until they are written (a stop
+    still heard: Interrupted), then count those whose write failed (a full file system) as the
+    fill's failures: `filled` says what reached the storage tier, not what was queued."""
+    if queued_before is None:
+        return
+    while not cache.flush_write_back(FILL_FLUSH_POLL_S):
+        if should_stop():
+            cache.abort_io()
+            raise Interrupted()
+    after = cache.write_back.figures().counts
+    failed, failed_bytes = (after[k] - queued_before[k] for k in ("failed", "failed_bytes"))
+    filled.update(entries=filled["entries"] - failed, failed=filled["failed"] + failed,
+                  bytes=max(0, filled["bytes"] - failed_bytes))
+
+
 def fill_before_the_timer(cache: TieredCache, jobs: Iterator[Tuple[str, int, int]], threads: int, label: str,
                           what: str, total_bytes: int, should_stop: Callable[[], bool],
                           after_each: Callable[[int], None] = lambda nbytes: None) -> Dict[str, Any]:
@@ -9358,6 +9378,7 @@ def fill_before_the_timer(cache: TieredCache, jobs: Iterator[Tuple[str, int, int
     from concurrent.futures import ThreadPoolExecutor, wait
     lock, filled = threading.Lock(), {"entries": 0, "failed": 0, "bytes": 0}
     per_token, t0 = cache.model_config.kv_cache_size_per_token, time.perf_counter()
+    queued_before = cache.write_back.figures().counts if cache.write_back is not None else None
 
     def take() -> Optional[Tuple[str, int, int]]:
         with lock:                                      # an iterator is not safe to share unlocked
@@ -9387,6 +9408,7 @@ def fill_before_the_timer(cache: TieredCache, jobs: Iterator[Tuple[str, int, int
     if should_stop():
         cache.abort_io()                                # also when every writer saw the stop before writing
         raise Interrupted()
+    _written_back(cache, filled, queued_before, should_stop)
     filled["seconds"] = time.perf_counter() - t0
     cache.reset_statistics()
     logger.info("%s: %d entries (%.2f GB) written in %.1f s", label, filled["entries"], filled["bytes"] / GIB,

@@ -7417,6 +7417,31 @@ class TestNodeRoles:
         assert sum(cache.tier_entry_counts().values()) == 4
         assert not cache.write_entry("after", 10).success              # the writes in flight were aborted
 
+    def test_a_stop_while_the_fills_queued_writes_drain_is_heard(self, tmp_path):
+        """--write-back async: a fill's writes are only queued when its threads end, and the fill
+        waits for them. A stop during that wait (a SIGINT in --precondition's or --decode-only's
+        set-up) ends it (Interrupted), where the wait went on until the whole queue was written.
+        The storage tier is trace mode's at 0.2 GB/s: 20 entries of 32 MiB take 3 s to drain."""
+        config = kv.BenchmarkConfig(model="tiny-1b", gpu_mem_gb=0, cpu_mem_gb=0, cache_dir=str(tmp_path),
+                                    io_trace_log=str(tmp_path / "t.csv"), trace_bandwidth_gbps="nvme=0.2",
+                                    write_back="async", write_back_threads=1, write_back_buffer_gb=SMALL_BUFFER_GB)
+        cache = kv.TieredCache(config)
+        tokens = 32 * MIB // kv.MODEL_CONFIGS["tiny-1b"].kv_cache_size_per_token
+        calls_after_the_fill = []
+
+        def should_stop():                       # after the fill's own check that its threads saw no stop
+            if not any(t.name.startswith("kv-fill") for t in threading.enumerate()):
+                calls_after_the_fill.append(1)
+            return len(calls_after_the_fill) > 1
+        try:
+            with pytest.raises(kv.Interrupted):
+                kv.fill_before_the_timer(cache, ((f"fill_{i}", tokens, 0) for i in range(20)), 2, "--test",
+                                         "20 entries", 20 * 32 * MIB, should_stop)
+            w = cache.write_back.figures().counts
+            assert w["submitted"] == 20 and w["written"] < 20            # the queue was not written out
+        finally:
+            cache.close()
+
     def test_a_stop_during_the_decode_set_up_is_interrupted(self, make_cache):
         cache = make_cache(cpu_entries=10)
         plan = workload_plan("tiny-1b", 4, 42)
@@ -8689,6 +8714,25 @@ class TestReliability:
             assert s["io_errors"] == 0 and s["cache_stats"]["nvme_writes"] > 0
             assert s["kv_blocks"]["objects_written"] > 0
             assert list(mnt.iterdir()) == []                        # the run's own files gone
+        finally:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+    @pytest.mark.slow
+    def test_preconditioning_a_full_file_system_reports_only_what_was_written(self, tmp_path):
+        """--precondition with async write-back on a 64 MB tmpfs (a capacity of 1 GB given): the fill
+        counted queued writes as written (0.3 GB, no failure); the writes that failed (ENOSPC) now
+        count as failed and their bytes are not written_gb."""
+        mnt = self.small_tmpfs(tmp_path, "64m")
+        try:
+            out = tmp_path / "r.json"
+            proc = run_cli(*SMALL_RUN, "--cpu-mem-gb", "0", "--num-users", "2", "--max-requests", "2", "--seed", "1",
+                           "--precondition", "--precondition-size-gb", "0.3", "--write-back", "async",
+                           "--storage-capacity-gb", "1", *SMALL_BUFFER, "--cache-dir", mnt, "--output", out, "--quiet",
+                           cwd=tmp_path, timeout=120)
+            assert "Traceback" not in proc.stderr
+            p = json.loads(out.read_text())["summary"]["precondition"]
+            assert p["failed_writes"] > 0 and p["written_gb"] < 64 / 1024            # what a 64 MB file system holds
+            assert p["entries"] + p["failed_writes"] == 10                           # ten entries asked for
         finally:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 

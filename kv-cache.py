@@ -8019,9 +8019,24 @@ def device_window_stats(start: Dict[str, int], end: Dict[str, int], wall_s: floa
     return figures
 
 
+PROCESS_IO_PATH = Path("/proc/self/io")  # the bytes this process had the block layer read and write
+
+
+def process_io_bytes(path: Path = PROCESS_IO_PATH) -> Optional[Tuple[int, int]]:
+    """(read_bytes, write_bytes) the kernel counts for this process's storage I/O (any device,
+    the page cache's write-back of its pages included); None where there is no such file."""
+    try:
+        fields = dict(line.split(":", 1) for line in path.read_text().splitlines() if ":" in line)
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 class BlockDeviceMonitor:
     """Samples the stat file of the device holding the cache directory: interval() for the
-    throughput timeline (monitor thread), start()/finish() for the run's window (main thread)."""
+    throughput timeline (monitor thread), start()/finish() for the run's window (main thread),
+    and, over the same window, this process's own storage bytes (process_io_bytes): what the
+    device moved beyond them was not the run's (another process, the file system's journal)."""
 
     def __init__(self, directory: Union[str, os.PathLike], sys_root: Path = SYS_ROOT,
                  mountinfo_path: Path = MOUNTINFO_PATH):
@@ -8030,6 +8045,7 @@ class BlockDeviceMonitor:
         self._first: Optional[Tuple[float, Dict[str, int]]] = None
         self._last: Optional[Tuple[float, Dict[str, int]]] = None
         self._failure: Optional[str] = None
+        self._process_first: Optional[Tuple[int, int]] = None
 
     @property
     def available(self) -> bool:
@@ -8049,6 +8065,7 @@ class BlockDeviceMonitor:
         with self._lock:
             if self.available:
                 self._first = self._last = self._read_sample()
+                self._process_first = process_io_bytes()
 
     def interval(self) -> Dict[str, Optional[float]]:
         """Device read/write GiB/s since the previous interval() (or start()); {} when unavailable."""
@@ -8072,11 +8089,15 @@ class BlockDeviceMonitor:
             if sample is None or self._first is None:
                 return {"available": False, "device": None, "reason": self._failure or self.description}
             t0, first = self._first
+            process = process_io_bytes()
+            before = self._process_first
         wall_s = sample[0] - t0
         assert self.device is not None
+        ours = (None, None) if process is None or before is None else (process[0] - before[0], process[1] - before[1])
         return {"available": True, "device": self.device.name, "disk": self.device.disk, "reason": None,
                 "host": platform.node(), "logical_block_bytes": self.device.logical_block_bytes, "window_s": wall_s,
-                **device_window_stats(first, sample[1], wall_s)}
+                **device_window_stats(first, sample[1], wall_s),
+                "process_bytes_read": ours[0], "process_bytes_written": ours[1]}
 
 
 def compare_app_with_device(app: Dict[str, Any], device: Dict[str, Any]) -> Dict[str, Any]:
@@ -8104,6 +8125,10 @@ def compare_app_with_device(app: Dict[str, Any], device: Dict[str, Any]) -> Dict
     device_bytes = sum(device_parts) if available and None not in device_parts else None
     share = _per(device_bytes * 100.0 if device_bytes is not None else None, app_bytes)
     out.update(app_bytes=app_bytes, device_bytes=device_bytes, share_reached_pct=share, share_note=_share_note(share))
+    process = (device.get("process_bytes_read"), device.get("process_bytes_written"))
+    other = None if device_bytes is None or None in process else max(0, device_bytes - sum(process))
+    out.update(process_bytes=None if None in process else sum(process), other_bytes=other,
+               other_share_pct=_per(other * 100.0 if other is not None else None, device_bytes))
     return out
 
 
@@ -8168,6 +8193,10 @@ def _fmt_comparison(c: Dict[str, Any]) -> List[str]:
     if share is not None:
         lines.append(f"  Bytes reaching the device: {share:.1f}% of the benchmark's storage bytes "
                      f"({c['device_bytes'] / GIB:.3f} GB of {c['app_bytes'] / GIB:.3f} GB)")
+    if c.get("other_bytes") is not None and c["device_bytes"]:
+        lines.append(f"  Not this run's: {c['other_bytes'] / GIB:.3f} GB of the device's {c['device_bytes'] / GIB:.3f} GB "
+                     f"({c['other_share_pct']:.1f}%) beyond the process's own {c['process_bytes'] / GIB:.3f} GB: other "
+                     f"processes on the device, the file system's journal and metadata")
     if c.get("share_note"):
         lines.append(f"  Note: {c['share_note']}")
     return lines
@@ -8190,12 +8219,19 @@ class DeviceFigures(Figures):
         if not sampled:
             return next((d for d in parts if d), None)
         devices: Dict[Tuple[Any, Any], Dict[str, Any]] = {}
+        processes: Dict[Tuple[Any, Any], List[Dict[str, Any]]] = defaultdict(list)
         for d in sampled:
             key = (d.get("host"), d.get("device"))
+            processes[key].append(d)
             if key not in devices or d["window_s"] > devices[key]["window_s"]:
                 devices[key] = d
+        for key, ranks in processes.items():      # the device counts once; each rank's own bytes add up
+            devices[key] = dict(devices[key], **{name: merge_figures(ranks, sums=(name,))[name] for name in
+                                                 ("process_bytes_read", "process_bytes_written")
+                                                 if name in devices[key]})
         every = sorted(devices.values(), key=lambda d: -d["window_s"])       # the longest window's figures first
-        sums = _DEVICE_SUMS + ("read_gib_per_sec", "write_gib_per_sec", "avg_queue_depth")
+        sums = _DEVICE_SUMS + ("read_gib_per_sec", "write_gib_per_sec", "avg_queue_depth", "process_bytes_read",
+                               "process_bytes_written")
         merged = dict(merge_figures(every, sums=sums), ranks_sampled=len(sampled),
                       devices=sorted(f"{host}:{name}" for host, name in devices))
         if len(devices) == 1:

@@ -7064,10 +7064,41 @@ class TestDriveViewEndToEnd:
         assert d["available"] and d["device"] == device.name
         device_bytes = d["bytes_read"] + d["bytes_written"]
         assert device_bytes >= 0.95 * kernel               # other processes may add to the device, never take
-        assert r["summary"]["device_comparison"]["share_reached_pct"] >= 95
+        c = r["summary"]["device_comparison"]
+        assert c["share_reached_pct"] >= 95
+        # the device's bytes beyond the process's own are another's: the run's own hold beside any load
+        assert abs(c["process_bytes"] - ours) / ours < 0.05
+        assert c["other_bytes"] == max(0, device_bytes - c["process_bytes"]) and "Not this run's:" in out
         assert f"### DEVICE (kernel block layer: {device.name}) ###" in out
         assert "Bytes reaching the device:" in out
         assert r["timeline"] and all("device_read_gib_per_sec" in p for p in r["timeline"])
+
+    def test_another_processs_writes_on_the_device_are_reported_as_not_the_runs(self, tmp_path):
+        """A process beside the run writes 8 MiB at a time to the same device throughout its window:
+        the device moved more than the run, and the report says how much was not the run's."""
+        cache = tmp_path / "cache"
+        cache.mkdir()
+        if kv.find_block_device(cache)[0] is None:
+            pytest.skip("no block device under the test's directory")
+        stop = tmp_path / "stop"
+        writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import os, pathlib, time
+            data, stop, n = os.urandom(8 << 20), pathlib.Path({str(stop)!r}), 0
+            with open({str(tmp_path / 'foreign')!r}, "wb") as f:
+                while not stop.exists():
+                    f.seek(0); f.write(data); f.flush(); os.fsync(f.fileno()); n += 1; time.sleep(0.02)
+            print(n)""")], stdout=subprocess.PIPE, text=True)
+        try:
+            time.sleep(0.3)                                # it has begun
+            run = run_in_process(*SMALL_RUN, "--num-users", "4", "--max-requests", "12", "--seed", "7",
+                                 "--cpu-mem-gb", "0", "--cache-dir", cache, "--output", tmp_path / "r.json", "--quiet")
+        finally:
+            stop.touch()
+            written = int(writer.communicate(timeout=60)[0])
+        assert run.status == 0 and written > 0
+        c = json.loads((tmp_path / "r.json").read_text())["summary"]["device_comparison"]
+        assert c["other_bytes"] >= 8 * MIB and c["device_bytes"] >= c["process_bytes"] + 8 * MIB
+        assert "Not this run's:" in run.stdout
 
     def test_tmpfs_cache_dir_is_accepted_and_its_device_section_says_why_not(self, tmp_path):
         shm = Path("/dev/shm")
@@ -9782,6 +9813,14 @@ class TestMPI:
         assert two["read_gib_per_sec"] == pytest.approx(1.5) and two["write_await_ms"] is None
         unsampled = {"available": False, "device": None, "reason": "tmpfs has no block device"}
         assert kv.DeviceFigures.merged([unsampled, unsampled]) == unsampled and kv.DeviceFigures.merged([]) is None
+        # each rank's own bytes add up, also where the ranks share a device that counts once
+        own = lambda d, n: dict(d, process_bytes_read=n, process_bytes_written=0)          # noqa: E731
+        same = kv.DeviceFigures.merged([own(sample("n1", "vda", 4.0, 4 * GIB, 400, 2.0, 0.5), GIB),
+                                        own(sample("n1", "vda", 4.1, 4 * GIB, 400, 2.0, 0.5), 2 * GIB),
+                                        own(sample("n2", "vdb", 4.0, GIB, 100, 2.0, 0.5), GIB)])
+        assert same["bytes_read"] == 5 * GIB and same["process_bytes_read"] == 4 * GIB
+        c = kv.compare_app_with_device({"bytes_read": 4 * GIB, "bytes_written": 0}, same)
+        assert (c["process_bytes"], c["other_bytes"], c["other_share_pct"]) == (4 * GIB, GIB, 20.0)
 
     def test_every_figure_a_run_may_leave_out_declares_how_ranks_merge(self):
         optional = [f for f in dataclasses.fields(kv.RunMeasurements)

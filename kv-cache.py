@@ -6557,6 +6557,11 @@ class CacheStats:
         self.count(names.bytes, nbytes)
         self.count(names.aborted)
 
+    def record_discarded(self, tier: str, op: str, nbytes: int) -> None:
+        """Bytes of a completed operation whose result was thrown away (a read of an entry replaced
+        while it read): the device moved them, so they count as bytes, not as an operation."""
+        self.count(TIER_COUNTERS[(tier, op)].bytes, nbytes)
+
     def record_io_error(self, tier: str, op: str, exc: OSError) -> None:
         kind = errno.errorcode.get(exc.errno, "EOTHER") if exc.errno else "EOTHER"
         self.count("io_errors")
@@ -7753,6 +7758,7 @@ class TieredCache(CacheWriteBack, CacheReaper):
             with self._lock:
                 replaced = self._entries.get(key) is not entry
             if replaced:                               # rewritten while we read: those were another entry's bytes
+                self.stats.record_discarded(tier, "read", transfer.moved)   # not a hit, but the device read them
                 continue
             self.stats.record_lookup(cache_type, True, tier, entry.size_bytes)
             self._used(key)                            # a hit is a use (--storage-admission)

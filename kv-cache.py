@@ -6440,7 +6440,7 @@ def cache_stats_summary(report: CacheReport, profile: str, windows: Sequence[Tup
     stats["tokens_read"] = sum(c[TIER_COUNTERS[(t, "read")].tokens] for t in TIER_NAMES)
     stats["tokens_written"] = sum(c[TIER_COUNTERS[(t, "write")].tokens] for t in TIER_NAMES)
     for name in ("retired_entries_deleted", "verify_checked", "verify_mismatches", "storage_admission_refused",
-                 "entries_below_one_block"):
+                 "entries_below_one_block", "reads_discarded"):
         stats[name] = c[name]
     stats.update(report.tiers_info)
     # Device-busy basis: bytes over the wall time during which at least one such I/O was in flight.
@@ -6559,8 +6559,10 @@ class CacheStats:
 
     def record_discarded(self, tier: str, op: str, nbytes: int) -> None:
         """Bytes of a completed operation whose result was thrown away (a read of an entry replaced
-        while it read): the device moved them, so they count as bytes, not as an operation."""
+        while it read): the device moved them, so they count as bytes, not as an operation (they
+        are counted in `reads_discarded`)."""
         self.count(TIER_COUNTERS[(tier, op)].bytes, nbytes)
+        self.count("reads_discarded")
 
     def record_io_error(self, tier: str, op: str, exc: OSError) -> None:
         kind = errno.errorcode.get(exc.errno, "EOTHER") if exc.errno else "EOTHER"

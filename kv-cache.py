@@ -4434,10 +4434,9 @@ class SlotBlocks(FileCensus):
         1 GiB step: ENOSPC)."""
         try:
             stat = os.fstatvfs(self._fds[part])
-            free = stat.f_bavail * stat.f_frsize
-        except OSError:
-            free = SLOT_FILE_EXTENT_BYTES
-        step = min(SLOT_FILE_EXTENT_BYTES, free // 2)
+            step = min(SLOT_FILE_EXTENT_BYTES, stat.f_bavail * stat.f_frsize // 2)
+        except OSError:                                   # (its free space unknown: the usual step)
+            step = SLOT_FILE_EXTENT_BYTES
         return max(self.stride, step // self.stride * self.stride)
 
     def store(self, obj: BlockObject, pieces: Iterator[Tuple[int, np.ndarray]], transfer: Transfer,
@@ -12132,8 +12131,7 @@ def _shortened_values(message: str) -> str:
     (an integer of thousands of digits, which int() refuses, is echoed by argparse whole)."""
     def short(match: "re.Match[str]") -> str:
         text = match.group(1)
-        unit = "digits" if re.fullmatch(r"[+-]?\d+", text) else "characters"
-        return f"'{text[:10]}...({len(text)} {unit})'"
+        return f"'{_shown(text)}'" if re.fullmatch(r"[+-]?\d+", text) else f"'{text[:10]}...({len(text)} characters)'"
     return re.sub(r"'([^'\n]{25,})'", short, message)
 
 

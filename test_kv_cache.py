@@ -7704,28 +7704,31 @@ class TestIOTrace:
 
     def test_an_operation_the_stop_ends_before_it_begins_leaves_no_row(self, tmp_path):
         """Issue order is kept, and a write queued behind its tier's earlier work (the model starts
-        it later) that the stop ends before it begins never reaches the trace, nor does a later
-        Delete of its object; the earlier write, begun, stays."""
+        it 3 s later) that the stop ends before it begins never reaches the trace; the earlier
+        write, begun, stays."""
         log = kv.TraceLog(str(tmp_path / "trace.csv"), kv.LatencyModel({t: 1.0 for t in kv.TIER_NAMES},
                                                                         {t: 0 for t in kv.TIER_NAMES}), deletes=True)
         traced, stop = kv.TracedTier("nvme", log), threading.Event()
-        source = kv.EntrySource.of_array(np.zeros(300_000_000, dtype=np.uint8))       # 0.3 s at 1 GB/s each
-        began, errors = threading.Event(), []
+
+        def no_bytes(offset, out):
+            raise AssertionError("trace mode moves no bytes")
+        source = kv.EntrySource(3_000_000_000, (3_000_000_000,), "|u1", no_bytes)        # 3 s at 1 GB/s each
+        errors = []
 
         def write(key):
             try:
                 with kv.Transfer("write", source.nbytes, tier="nvme", stop=stop) as transfer:
-                    began.set()
                     traced.write_from(key, source, transfer)
             except kv.IOAborted as exc:
                 errors.append((key, exc))
         first = threading.Thread(target=write, args=("first",))
         first.start()
-        assert began.wait(30)
-        time.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while log.rows < 1 and time.monotonic() < deadline:        # the first has begun (its row is written)
+            time.sleep(0.01)
         second = threading.Thread(target=write, args=("second",))       # its modelled start: the first's end
         second.start()
-        time.sleep(0.1)
+        time.sleep(0.2)                                             # issued: it waits 3 s for its start
         traced.delete("first")                                      # not stored: no row
         stop.set()                                                  # while the second waits for its start
         first.join(30), second.join(30)

@@ -6037,11 +6037,11 @@ class TraceLog:
             self._write_row(self._pending.popleft())
 
     def _write_row(self, row: Tuple[int, float, str, int, str, str, str]) -> None:
-        ticket, at, op, nbytes, tier, key, _ = row
+        ticket, at, op, nbytes, tier, key, phase = row
         if ticket in self._cancelled:                  # (a cancelled write stored nothing: no Delete follows)
             self._cancelled.discard(ticket)
             return
-        self._csv.writerow((f"{self._epoch + at:.6f}", op, nbytes, TRACE_TIER_LABELS[tier], key, row[6]))
+        self._csv.writerow((f"{self._epoch + at:.6f}", op, nbytes, TRACE_TIER_LABELS[tier], key, phase))
         self.rows += 1
 
     def close(self) -> None:

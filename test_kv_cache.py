@@ -4752,20 +4752,23 @@ ARRIVAL_LATENESS_S = 1.0        # how late a starved scheduler thread may admit 
 
 def users_added_and_heard_from(run):
     """(users the autoscaler added whose first arrival was due, with room for a late scheduler, before
-    the end, and who were not retired meanwhile; those of them that sent a request after being added)."""
+    the end, who were not retired meanwhile, and whose arrival came before one the scheduler
+    admitted (it admits arrivals in due order, however starved its thread: an order, not a time);
+    those of them that sent a request after being added)."""
     changes = [(t, n) for t, kind, n in run["events"] if kind == "users"]
     requests = [(t, i) for t, kind, i in run["events"] if kind == "request"]
-    expected, heard = set(), set()
+    candidates, heard = {}, set()
     for index, (added_at, due) in run["first_due"].items():
         by = due + ARRIVAL_LATENESS_S
         if index < changes[0][1] or by > run["drive_ended"]:        # a first user, or due too late to tell
             continue
         if any(n <= index for t, n in changes if added_at < t <= by):  # retired before it was heard from
             continue
-        expected.add(index)
+        candidates[index] = due
         if any(t >= added_at and i == index for t, i in requests):
             heard.add(index)
-    return expected, heard
+    latest = max((candidates[i] for i in heard), default=float("-inf"))    # the latest arrival admitted
+    return {i for i, due in candidates.items() if due <= latest}, heard
 
 
 class TestAutoscaler:
